@@ -1,0 +1,241 @@
+"""A checkpoint step becomes visible all at once or not at all.
+
+Two ways, chosen by path scheme or by option:
+
+* *atomic rename* (POSIX filesystems): every process writes into
+  `<step>.partial`; the primary host writes the commit marker, fsyncs, and
+  renames the directory to `<step>`, then fsyncs the parent.
+* *commit file* (object stores such as `gs://` and `s3://`, which have no
+  atomic rename): every process writes into `<step>` itself; the primary host
+  writes the commit marker last.
+
+In both modes a step is finalized if and only if `<step>/_COMMITTED` exists, so
+a finalized step copied between a filesystem and a bucket stays finalized.
+Anything else that looks like ours (`<step>` without the marker,
+`<step>.partial`, `<step>.deleting`) is unfinished: never listed, never
+restored, and removed by the primary host when a manager opens the directory.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import json
+import os
+from typing import Literal
+
+from etils import epath
+
+COMMIT_MARKER = "_COMMITTED"
+TMP_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
+
+Atomicity = Literal["auto", "rename", "commit_file"]
+
+
+def is_local(path: epath.PathLike) -> bool:
+  """True for paths of the local filesystem (no `scheme://`)."""
+  return "://" not in os.fspath(path)
+
+
+def resolve_atomicity(directory: epath.PathLike, atomicity: Atomicity) -> str:
+  """'rename' for local paths, 'commit_file' for object stores, unless set."""
+  if atomicity == "auto":
+    return "rename" if is_local(directory) else "commit_file"
+  if atomicity not in ("rename", "commit_file"):
+    raise ValueError(
+        f"atomicity must be 'auto', 'rename' or 'commit_file', got"
+        f" {atomicity!r}")
+  if atomicity == "rename" and not is_local(directory):
+    raise ValueError(
+        f"atomicity='rename' needs a local filesystem; {directory} is an"
+        " object store without atomic rename: use 'commit_file'.")
+  return atomicity
+
+
+def fsync_path(path: epath.PathLike) -> None:
+  """fsyncs a local file or directory; a no-op on object stores."""
+  if not is_local(path):
+    return
+  fd = os.open(os.fspath(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_small_file(path: epath.Path, text: str) -> None:
+  """Writes `text` to `path` durably (fsync on local filesystems)."""
+  if is_local(path):
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+  else:
+    path.write_text(text)
+
+
+def step_from_name(name: str) -> int | None:
+  """The step a directory name stands for, or None if it is not a step."""
+  if name.isascii() and name.isdigit() and str(int(name)) == name:
+    return int(name)
+  return None
+
+
+def is_finalized(step_dir: epath.Path) -> bool:
+  return (step_dir / COMMIT_MARKER).exists()
+
+
+def finalized_steps(directory: epath.Path) -> list[int]:
+  """Sorted steps under `directory` that carry the commit marker."""
+  if not directory.exists():
+    return []
+  steps = []
+  for entry in directory.iterdir():
+    step = step_from_name(entry.name)
+    if step is not None and is_finalized(entry):
+      steps.append(step)
+  return sorted(steps)
+
+
+def unfinished_entries(directory: epath.Path) -> list[epath.Path]:
+  """Entries that look like ours but are not finalized steps."""
+  if not directory.exists():
+    return []
+  found = []
+  for entry in directory.iterdir():
+    name = entry.name
+    for suffix in (TMP_SUFFIX, DELETING_SUFFIX):
+      if name.endswith(suffix) and step_from_name(name[:-len(suffix)]) is not None:
+        found.append(entry)
+        break
+    else:
+      if step_from_name(name) is not None and not is_finalized(entry):
+        found.append(entry)
+  return sorted(found)
+
+
+def _remove_tree(path: epath.Path) -> None:
+  if path.is_dir():
+    path.rmtree(missing_ok=True)
+  elif path.exists():
+    path.unlink(missing_ok=True)
+
+
+def remove_unfinished(directory: epath.Path) -> list[epath.Path]:
+  """Removes unfinished steps; called by the primary host only."""
+  removed = unfinished_entries(directory)
+  for entry in removed:
+    _remove_tree(entry)
+  return removed
+
+
+def delete_step(directory: epath.Path, step: int) -> None:
+  """Deletes a finalized step so that a crash half way never looks final.
+
+  Local: rename to `<step>.deleting` (atomic), then remove. Object store:
+  remove the commit marker first, then the rest. Primary host only.
+  """
+  step_dir = directory / str(step)
+  if is_local(directory):
+    doomed = directory / f"{step}{DELETING_SUFFIX}"
+    _remove_tree(doomed)
+    step_dir.rename(doomed)
+    fsync_path(directory)
+    _remove_tree(doomed)
+  else:
+    (step_dir / COMMIT_MARKER).unlink(missing_ok=True)
+    _remove_tree(step_dir)
+
+
+def _marker_text(step: int) -> str:
+  now = datetime.datetime.now(datetime.timezone.utc)
+  return json.dumps({"step": step, "committed_at": now.isoformat()}) + "\n"
+
+
+class TemporaryPath(abc.ABC):
+  """Where one step is written before it becomes visible.
+
+  Every process writes its files under `path`; only the primary host calls
+  `prepare` (before anyone writes), `finalize` (after everyone wrote) and
+  `abandon` (after a failed save).
+  """
+
+  def __init__(self, final: epath.Path, step: int):
+    self.final = final
+    self.step = step
+
+  @property
+  @abc.abstractmethod
+  def path(self) -> epath.Path:
+    """The directory every process writes into."""
+
+  def prepare(self) -> None:
+    """Creates an empty `path`, removing leftovers of a crashed attempt."""
+    if is_finalized(self.final):
+      raise FileExistsError(
+          f"step {self.step} is already finalized at {self.final}; refusing"
+          " to overwrite it.")
+    _remove_tree(self.path)
+    self.path.mkdir(parents=True, exist_ok=False)
+
+  @abc.abstractmethod
+  def finalize(self) -> None:
+    """Makes the step visible; the commit marker is the last thing written."""
+
+  def abandon(self) -> None:
+    """Removes what a failed save left behind (best effort)."""
+    try:
+      _remove_tree(self.path)
+    except OSError:
+      pass
+
+
+class AtomicRenamePath(TemporaryPath):
+  """Write into `<step>.partial`, then rename to `<step>`."""
+
+  @property
+  def path(self) -> epath.Path:
+    return self.final.parent / (self.final.name + TMP_SUFFIX)
+
+  def finalize(self) -> None:
+    write_small_file(self.path / COMMIT_MARKER, _marker_text(self.step))
+    fsync_path(self.path)
+    if self.final.exists():
+      raise FileExistsError(
+          f"cannot finalize step {self.step}: {self.final} appeared while it"
+          " was being written (another writer on this directory?).")
+    os.rename(os.fspath(self.path), os.fspath(self.final))
+    fsync_path(self.final.parent)
+
+
+class CommitFilePath(TemporaryPath):
+  """Write into `<step>`, then write `<step>/_COMMITTED` last."""
+
+  @property
+  def path(self) -> epath.Path:
+    return self.final
+
+  def prepare(self) -> None:
+    # The final directory is the working directory here: a leftover without
+    # the marker is an unfinished attempt and is replaced.
+    if is_finalized(self.final):
+      raise FileExistsError(
+          f"step {self.step} is already finalized at {self.final}; refusing"
+          " to overwrite it.")
+    _remove_tree(self.final)
+    self.final.mkdir(parents=True, exist_ok=True)
+
+  def finalize(self) -> None:
+    write_small_file(self.final / COMMIT_MARKER, _marker_text(self.step))
+
+
+def temporary_path(directory: epath.Path, step: int,
+                   atomicity: str) -> TemporaryPath:
+  """The temporary path for `step` under the resolved `atomicity` mode."""
+  final = directory / str(step)
+  if atomicity == "rename":
+    return AtomicRenamePath(final, step)
+  if atomicity == "commit_file":
+    return CommitFilePath(final, step)
+  raise ValueError(f"unknown atomicity {atomicity!r}")

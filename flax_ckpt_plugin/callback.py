@@ -1,0 +1,184 @@
+"""CheckpointCallback: the one object a train loop adds.
+
+    cb = CheckpointCallback(workdir, every_steps=1000)
+    state = cb.restore_or_initialize(state)
+    for step in range(int(state.step) + 1, num_steps + 1):
+      state = train_step(state, batch)
+      cb(step, state)
+      if cb.should_stop:
+        break
+    cb.close()
+
+Multi-process contract: call it on every process at every step with the same
+step. All processes then make the same decision: step-based triggers are
+deterministic, the `every_secs` decision is taken by the primary host and read
+by the others through the coordination service, and the preemption sync point
+is agreed by JAX's preemption sync manager.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any, Callable, Iterable
+
+from etils import epath
+
+from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin.manager import CheckpointManager
+from flax_ckpt_plugin.multihost import log
+
+
+class CheckpointCallback:
+  """Decides when to save, saves asynchronously, and says when to stop.
+
+  Saves at a step when any of these holds: `step` is a positive multiple of
+  `every_steps`; `every_secs` have passed since the last save (or since the
+  callback was made); `step` is in `on_steps`; `step == last_step`; or all
+  processes reached JAX's preemption sync point (then, once that checkpoint
+  is durable, `should_stop` turns True). A step that is already finalized is
+  never saved again, so a restarted job may call it at that step.
+
+  Args:
+    directory: where checkpoints live (local path, `gs://`, `s3://`).
+    every_steps: save at every positive multiple of this step.
+    every_secs: save when this many seconds passed since the last save.
+    on_steps: save at these steps.
+    last_step: save at this step (the end of training).
+    save_on_preemption: save and stop at JAX's preemption sync point.
+    max_to_keep: keep the newest N finalized steps (None keeps all).
+    keep_every_n_steps: also keep every step divisible by this, forever.
+    clock: seconds as a float, for `every_secs` (injectable for tests).
+    **manager_kwargs: more `CheckpointManager` options (`atomicity`,
+      `primary_host`, `barrier_timeout_secs`, `name`, `barrier`).
+  """
+
+  def __init__(self, directory: epath.PathLike, *,
+               every_steps: int | None = None,
+               every_secs: float | None = None,
+               on_steps: Iterable[int] = (),
+               last_step: int | None = None,
+               save_on_preemption: bool = True,
+               max_to_keep: int | None = 3,
+               keep_every_n_steps: int | None = None,
+               clock: Callable[[], float] = time.monotonic,
+               **manager_kwargs: Any):
+    if every_steps is not None and every_steps < 1:
+      raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    if every_secs is not None and not every_secs > 0:
+      raise ValueError(f"every_secs must be > 0, got {every_secs}")
+    self.every_steps = every_steps
+    self.every_secs = every_secs
+    self.on_steps = frozenset(operator.index(s) for s in on_steps)
+    self.last_step = last_step
+    self.save_on_preemption = save_on_preemption
+    self.manager = CheckpointManager(
+        directory, max_to_keep=max_to_keep,
+        keep_every_n_steps=keep_every_n_steps, **manager_kwargs)
+    self._clock = clock
+    self._last_save_time = clock()
+    self._kv = multihost.KeyValueStore()
+    self._saves = 0  # Saves started: names the key directory of every_secs.
+    self._calls = 0  # Calls since the last save: names the key.
+    self.should_stop = False
+    self.restored_step: int | None = None
+    self.restored_extra: Any = None
+
+  @property
+  def directory(self) -> epath.Path:
+    return self.manager.directory
+
+  def _secs_due(self) -> bool:
+    """Whether `every_secs` elapsed, as decided by the primary host."""
+    local = self._clock() - self._last_save_time >= self.every_secs
+    if multihost.process_count() == 1:
+      return local
+    key = f"{self.manager.name}/every_secs/{self._saves}/{self._calls}"
+    self._calls += 1
+    if self.manager.is_primary:
+      self._kv.set(key, "1" if local else "0")
+      return local
+    return self._kv.get(key, timeout_ms=self.manager._timeout_ms) == "1"  # pylint: disable=protected-access
+
+  def _due(self, step: int) -> bool:
+    due = self.every_secs is not None and self._secs_due()
+    if self.every_steps is not None and step > 0:
+      due |= step % self.every_steps == 0
+    return due or step in self.on_steps or step == self.last_step
+
+  def __call__(self, step: int, state: Any, *, extra: Any = None,
+               metrics: dict[str, Any] | None = None) -> bool:
+    """Saves `state` as `step` if a trigger fires; call every step.
+
+    Args:
+      step: the step number of `state` (e.g. the number of updates applied).
+      state: the train state; its buffers may be donated right after.
+      extra: JSON-serializable user state saved with the step (data
+        iterator position, host RNG state, ...).
+      metrics: numbers recorded with the step.
+
+    Returns:
+      True when a save started at this step.
+
+    Raises:
+      Exception: the error of an earlier background save (once).
+    """
+    self.manager.check_for_errors()
+    if self.should_stop:
+      return False
+    step = operator.index(step)
+    preempted = (self.save_on_preemption
+                 and multihost.reached_preemption_sync_point(step))
+    due = self._due(step) or preempted
+    if not due:
+      return False
+    if step in self.manager.all_steps():
+      self.should_stop = preempted  # That step is already durable.
+      return False
+    self.manager.save(step, state, extra=extra, metrics=metrics)
+    self._last_save_time = self._clock()
+    self._saves += 1
+    self._calls = 0
+    if (self.every_secs is not None and self.manager.is_primary
+        and multihost.process_count() > 1 and self._saves >= 2):
+      # `save` waited for the previous commit, whose barriers every process
+      # passed after reading all keys from before that save: drop those.
+      self._kv.delete(
+          f"{self.manager.name}/every_secs/{self._saves - 2}")
+    if preempted:
+      self.manager.wait_until_finished()
+      self.should_stop = True
+      log.warning("preemption checkpoint of step %d is durable in %s; the"
+                  " loop should stop", step, self.directory)
+    return True
+
+  def restore_or_initialize(self, state: Any) -> Any:
+    """The newest finalized step restored like `state`, else `state` itself.
+
+    Sets `restored_step` and `restored_extra` (the `extra` saved with it), or
+    leaves them None when there is nothing to restore.
+    """
+    step = self.manager.latest_step()
+    if step is None:
+      log.info("no checkpoint in %s; starting from the given state",
+               self.directory)
+      return state
+    restored = self.manager.restore(state, step)
+    self.restored_step = step
+    self.restored_extra = self.manager.metadata(step).extra
+    log.info("restored step %d from %s", step, self.directory)
+    return restored
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the running save is durable; raises its error."""
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the running save and raises its error."""
+    self.manager.close()
+
+  def __enter__(self) -> "CheckpointCallback":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self.manager.__exit__(exc_type, exc, tb)

@@ -1,0 +1,32 @@
+"""Exceptions raised by flax_ckpt_plugin.
+
+Each subclasses a built-in so that `except ValueError` / `except
+FileNotFoundError` in user code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """No finalized checkpoint exists where one was asked for."""
+
+
+class CheckpointExistsError(FileExistsError):
+  """A save would overwrite a step that is already finalized."""
+
+
+class CheckpointCorruptedError(ValueError):
+  """A checkpoint on disk is damaged, truncated or not in our format."""
+
+
+class StructureMismatchError(ValueError):
+  """The checkpoint and the restore target disagree on a leaf.
+
+  The message names the leaf by its key path and shows both sides, e.g.
+  "leaf 'params/dense_1/kernel': checkpoint has float32[512,10], target has
+  float32[512,20]".
+  """
+
+
+class SaveFailedError(RuntimeError):
+  """A save failed on another process, so no process finalized it."""

@@ -1,0 +1,222 @@
+"""Restore a step into a target pytree, on the target's devices and shardings.
+
+The target is a concrete pytree (e.g. a Flax `TrainState` as created at start)
+or an abstract one from `jax.eval_shape`, whose `jax.ShapeDtypeStruct` leaves
+may carry `sharding=`. The result has the target's tree type, so non-array
+parts of a `TrainState` (`apply_fn`, `tx`) come from the target. Each process
+reads only the byte ranges that its addressable target shards need, so a
+checkpoint written by any number of devices can be read by any other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from etils import epath
+import jax
+import numpy as np
+
+from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import StructureMismatchError
+from flax_ckpt_plugin.snapshot import Index
+from flax_ckpt_plugin.snapshot import leaf_paths
+from flax_ckpt_plugin.snapshot import normalize_index
+
+
+def _describe(dtype: Any, shape: Sequence[int]) -> str:
+  return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+
+
+def _describe_saved(leaf: dict) -> str:
+  if leaf["kind"] in ("int", "float", "bool"):
+    return f"Python {leaf['kind']} {leaf['value']!r}"
+  desc = _describe(storage.parse_dtype(leaf["dtype"], leaf["path"]),
+                   leaf["shape"])
+  if "key_impl" in leaf:
+    desc += f" (key data of PRNG impl {leaf['key_impl']})"
+  return desc
+
+
+def _match_structure(saved: dict[str, dict], target_paths: list[str],
+                     step_dir: epath.Path) -> None:
+  missing = [p for p in target_paths if p not in saved]
+  unexpected = sorted(set(saved) - set(target_paths))
+  if not missing and not unexpected:
+    return
+  parts = []
+  if missing:
+    parts.append(f"target leaves not in the checkpoint: {missing[:10]}"
+                 + (f" and {len(missing) - 10} more" if len(missing) > 10
+                    else ""))
+  if unexpected:
+    parts.append(f"checkpoint leaves not in the target: {unexpected[:10]}"
+                 + (f" and {len(unexpected) - 10} more"
+                    if len(unexpected) > 10 else ""))
+  raise StructureMismatchError(
+      f"the tree in {step_dir} does not match the restore target; "
+      + "; ".join(parts))
+
+
+def _intersect(a: Index, b: Index) -> Index | None:
+  out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+  if any(lo >= hi for lo, hi in out):
+    return None
+  return out
+
+
+class _LeafReader:
+  """Assembles regions of one saved array leaf from its shards."""
+
+  def __init__(self, reader: storage.ByteReader, leaf: dict, where: str):
+    self._reader = reader
+    self._leaf = leaf
+    self._where = where
+    self.dtype = storage.parse_dtype(leaf["dtype"], where)
+    self.shape = tuple(leaf["shape"])
+    self._shards = [(tuple(tuple(r) for r in s["index"]), s)
+                    for s in leaf["shards"]]
+
+  def read(self, region: Index) -> np.ndarray:
+    """The values of `region` of the global array, as a new numpy array."""
+    out = np.empty([hi - lo for lo, hi in region], dtype=self.dtype)
+    filled = 0
+    for index, shard in self._shards:
+      inter = _intersect(index, region) if region else ()
+      if inter is None:
+        continue
+      filled += math.prod(hi - lo for lo, hi in inter)
+      self._read_part(index, shard, inter, region, out)
+    if filled != out.size:
+      raise CheckpointCorruptedError(
+          f"{self._where}: shards cover {filled} of the {out.size} elements"
+          f" of region {region}")
+    return out
+
+  def _read_part(self, index: Index, shard: dict, inter: Index,
+                 region: Index, out: np.ndarray) -> None:
+    itemsize = self.dtype.itemsize
+    if inter == index == region:  # The common case: read straight into out.
+      self._reader.read_into(shard["file"], shard["offset"],
+                             memoryview(out.reshape(-1).view(np.uint8)))
+      return
+    # Read only the rows (along the first axis) that overlap the region.
+    shard_shape = [hi - lo for lo, hi in index]
+    row_elems = math.prod(shard_shape[1:])
+    r0, r1 = inter[0][0] - index[0][0], inter[0][1] - index[0][0]
+    rows = np.empty([r1 - r0] + shard_shape[1:], dtype=self.dtype)
+    self._reader.read_into(
+        shard["file"], shard["offset"] + r0 * row_elems * itemsize,
+        memoryview(rows.reshape(-1).view(np.uint8)))
+    src = (slice(None),) + tuple(
+        slice(lo - i0, hi - i0) for (lo, hi), (i0, _) in zip(inter[1:],
+                                                             index[1:]))
+    dst = tuple(slice(lo - g0, hi - g0)
+                for (lo, hi), (g0, _) in zip(inter, region))
+    out[dst] = rows[src]
+
+
+def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return sharding
+
+
+def _restore_array(lr: _LeafReader, shape: tuple[int, ...],
+                   sharding: jax.sharding.Sharding) -> jax.Array:
+  indices = sharding.addressable_devices_indices_map(shape)
+  cache: dict[Index, np.ndarray] = {}
+  arrays = []
+  for device, index in indices.items():
+    region = normalize_index(index, shape) if index is not None else tuple(
+        (0, d) for d in shape)
+    host = cache.get(region)
+    if host is None:
+      host = cache[region] = lr.read(region)
+    arrays.append(jax.device_put(host, device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _check_compatible(path: str, saved: dict, target: Any) -> None:
+  """Raises StructureMismatchError when shape or dtype differ."""
+  if saved["kind"] in ("int", "float", "bool"):
+    shape, dtype = (), None
+  else:
+    shape = tuple(saved["shape"])
+    dtype = storage.parse_dtype(saved["dtype"], path)
+  if isinstance(target, (bool, int, float)):
+    if shape != ():
+      raise StructureMismatchError(
+          f"leaf {path!r}: checkpoint has {_describe_saved(saved)}, target"
+          f" has Python {type(target).__name__}")
+    return
+  t_dtype = target.dtype
+  is_key = jax.numpy.issubdtype(t_dtype, jax.dtypes.prng_key)
+  if is_key != ("key_impl" in saved):
+    raise StructureMismatchError(
+        f"leaf {path!r}: checkpoint has {_describe_saved(saved)}, target has"
+        f" {t_dtype}")
+  if is_key:
+    t_shape = tuple(jax.eval_shape(jax.random.key_data, target).shape)
+    t_desc = f"{t_dtype}{list(target.shape)}"
+  else:
+    t_shape = tuple(np.shape(target))
+    t_desc = _describe(t_dtype, t_shape)
+  if dtype is None:  # A Python scalar saved; an array of shape () wanted.
+    ok = t_shape == () and not is_key
+  else:
+    ok = t_shape == shape and (is_key or np.dtype(t_dtype) == dtype)
+  if not ok:
+    raise StructureMismatchError(
+        f"leaf {path!r}: checkpoint has {_describe_saved(saved)}, target has"
+        f" {t_desc}")
+
+
+def _restore_leaf(path: str, saved: dict, target: Any,
+                  reader: storage.ByteReader, where: str) -> Any:
+  _check_compatible(path, saved, target)
+  if saved["kind"] in ("int", "float", "bool"):
+    value = saved["value"]
+    if isinstance(target, (bool, int, float)):
+      return type(target)(value)
+    host = np.asarray(value, dtype=target.dtype)
+    if isinstance(target, np.ndarray | np.generic):
+      return host if isinstance(target, np.ndarray) else host[()]
+    return jax.device_put(host, _target_sharding(target))
+  lr = _LeafReader(reader, saved, f"{where}, leaf {path!r}")
+  whole = tuple((0, d) for d in lr.shape)
+  if isinstance(target, (bool, int, float)):
+    return type(target)(lr.read(whole)[()].item())
+  if isinstance(target, np.ndarray):
+    return lr.read(whole)
+  if isinstance(target, np.generic):
+    return lr.read(whole)[()]
+  sharding = _target_sharding(target)
+  if "key_impl" in saved:
+    data = lr.read(whole)
+    keys = jax.random.wrap_key_data(data, impl=saved["key_impl"])
+    return jax.device_put(keys, sharding)
+  return _restore_array(lr, lr.shape, sharding)
+
+
+def restore_tree(step_dir: epath.Path, manifest: dict, target: Any) -> Any:
+  """Builds a pytree like `target` from the step at `step_dir`.
+
+  Raises:
+    StructureMismatchError: leaf paths, shapes or dtypes differ; the message
+      names the leaf and both sides.
+    CheckpointCorruptedError: data files are missing, short or inconsistent.
+  """
+  saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+  targets, treedef = leaf_paths(target)
+  _match_structure(saved, [p for p, _, _ in targets], step_dir)
+  reader = storage.ByteReader(step_dir, manifest["files"])
+  try:
+    leaves = [_restore_leaf(path, saved[path], leaf, reader,
+                            str(step_dir / storage.MANIFEST))
+              for path, _, leaf in targets]
+  finally:
+    reader.close()
+  return jax.tree_util.tree_unflatten(treedef, leaves)

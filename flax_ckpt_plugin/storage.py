@@ -1,0 +1,313 @@
+"""Storage format v1: a JSON manifest and one data file per process.
+
+A step directory holds:
+
+* `manifest.json` - format name and version, step, timestamps, every leaf by
+  key path with its kind, dtype and global shape, and for every shard the
+  file, byte offset, byte count and the shard's index in the global array;
+  user `extra` state and `metrics`.
+* `data/process_NNNNN.bin` - the raw little-endian C-order bytes of the
+  shards that process NNNNN owns, one after another.
+* `_COMMITTED` - the commit marker (see `atomicity`).
+
+While a step is written, each process also leaves `data/process_NNNNN.json`
+(its shard table); the primary host merges those into the manifest and
+removes them before finalizing. `docs/format.md` describes the format for
+readers with numpy alone. Nothing here unpickles or executes anything.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from typing import Any, Iterable
+
+from etils import epath
+import jax.numpy as jnp
+import numpy as np
+
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.snapshot import LeafSnapshot
+
+FORMAT_NAME = "flax_ckpt_plugin"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA_DIR = "data"
+_CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
+
+
+def data_file(process_index: int) -> str:
+  return f"{DATA_DIR}/process_{process_index:05d}.bin"
+
+
+def index_file(process_index: int) -> str:
+  return f"{DATA_DIR}/process_{process_index:05d}.json"
+
+
+def _write_all(f, buf: memoryview) -> None:
+  while buf:
+    n = f.write(buf[:_CHUNK])
+    if n is None:  # Non-blocking streams only; not expected for files.
+      raise OSError("short write")
+    buf = buf[n:]
+
+
+def _as_bytes(arr: np.ndarray) -> memoryview:
+  # Views through uint8 also work for dtypes the buffer protocol lacks
+  # (bfloat16, float8, int4 from ml_dtypes).
+  return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
+                        process_index: int) -> int:
+  """Writes this process's shards and shard table; returns bytes written.
+
+  Called on every process, each into the same temporary step directory. The
+  data file is fsynced before the shard table is written.
+  """
+  (step_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+  entries = []
+  offset = 0
+  name = data_file(process_index)
+  shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
+  if shards:
+    path = step_dir / name
+    local = atomicity.is_local(path)
+    with (open(os.fspath(path), "wb", buffering=0) if local
+          else path.open("wb")) as f:
+      for leaf, shard in shards:
+        buf = _as_bytes(shard.data)
+        _write_all(f, buf)
+        entries.append({"path": leaf.path, "file": name, "offset": offset,
+                        "nbytes": buf.nbytes,
+                        "index": [list(r) for r in shard.index]})
+        offset += buf.nbytes
+      if local:
+        os.fsync(f.fileno())
+  table = {"process_index": process_index, "file": name if shards else None,
+           "nbytes": offset, "shards": entries}
+  atomicity.write_small_file(step_dir / index_file(process_index),
+                             json.dumps(table))
+  return offset
+
+
+def _volume(index: Iterable[Iterable[int]]) -> int:
+  return math.prod(stop - start for start, stop in index)
+
+
+def write_manifest(step_dir: epath.Path, *, step: int,
+                   leaves: list[LeafSnapshot], process_count: int,
+                   extra: Any, metrics: dict[str, Any] | None) -> dict:
+  """Merges every process's shard table into `manifest.json`.
+
+  Primary host only, after all processes wrote. Checks that the shards
+  written cover every array exactly once.
+
+  Raises:
+    RuntimeError: a process's table is missing or the shards do not cover an
+      array (the save is then abandoned, never finalized).
+  """
+  by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
+  files = {}
+  for p in range(process_count):
+    table_path = step_dir / index_file(p)
+    if not table_path.exists():
+      raise RuntimeError(f"process {p} left no shard table at {table_path}")
+    table = json.loads(table_path.read_text())
+    if table["file"]:
+      files[table["file"]] = table["nbytes"]
+    for entry in table["shards"]:
+      leaf = by_path.get(entry.pop("path"))
+      if leaf is None or "shards" not in leaf:
+        raise RuntimeError(
+            f"process {p} wrote a shard of a leaf the primary host does not"
+            " have: do all processes save the same tree?")
+      leaf["shards"].append(entry)
+  for leaf in by_path.values():
+    if leaf["kind"] in ("array", "numpy"):
+      leaf["shards"].sort(key=lambda e: e["index"])
+      covered = sum(_volume(e["index"]) for e in leaf["shards"])
+      if covered != math.prod(leaf["shape"]):
+        raise RuntimeError(
+            f"leaf {leaf['path']!r}: the shards written cover {covered} of"
+            f" {math.prod(leaf['shape'])} elements")
+    else:
+      del leaf["shards"]
+  now = time.time()
+  manifest = {
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
+      "step": step,
+      "created_unix": now,
+      "created": datetime.datetime.fromtimestamp(
+          now, datetime.timezone.utc).isoformat(),
+      "process_count": process_count,
+      "byte_order": "little",
+      "files": files,
+      "leaves": list(by_path.values()),
+      "extra": extra,
+      "metrics": metrics,
+  }
+  atomicity.write_small_file(step_dir / MANIFEST,
+                             json.dumps(manifest, indent=1))
+  for p in range(process_count):
+    (step_dir / index_file(p)).unlink(missing_ok=True)
+  atomicity.fsync_path(step_dir / DATA_DIR)
+  atomicity.fsync_path(step_dir)
+  return manifest
+
+
+def parse_dtype(name: Any, where: str) -> np.dtype:
+  """A numeric dtype from its manifest name; anything else is corruption."""
+  try:
+    dtype = jnp.dtype(name)
+  except (TypeError, ValueError) as e:
+    raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r}") from e
+  if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
+    raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
+  return dtype
+
+
+def _corrupt(where: str, what: str) -> CheckpointCorruptedError:
+  return CheckpointCorruptedError(f"{where}: {what}")
+
+
+def _check_leaf(leaf: Any, where: str, files: dict[str, int]) -> None:
+  if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
+    raise _corrupt(where, "a leaf entry has no path")
+  lw = f"{where}, leaf {leaf['path']!r}"
+  kind = leaf.get("kind")
+  if kind in ("int", "float", "bool"):
+    if not isinstance(leaf.get("value"), (int, float, bool)):
+      raise _corrupt(lw, f"{kind} leaf without a value")
+    return
+  if kind not in ("array", "numpy"):
+    raise _corrupt(lw, f"unknown kind {kind!r}")
+  dtype = parse_dtype(leaf.get("dtype"), lw)
+  shape = leaf.get("shape")
+  if not (isinstance(shape, list) and all(
+      isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62
+      for d in shape)):
+    raise _corrupt(lw, f"bad shape {shape!r}")
+  shards = leaf.get("shards")
+  if not isinstance(shards, list):
+    raise _corrupt(lw, "no shard list")
+  for s in shards:
+    if not isinstance(s, dict) or s.get("file") not in files:
+      raise _corrupt(lw, f"shard in unknown file {s!r:.200}")
+    index = s.get("index")
+    if not (isinstance(index, list) and len(index) == len(shape) and all(
+        isinstance(r, list) and len(r) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in r)
+        and 0 <= r[0] <= r[1] <= d for r, d in zip(index, shape))):
+      raise _corrupt(lw, f"shard index {index!r:.200} outside shape {shape}")
+    off, nbytes = s.get("offset"), s.get("nbytes")
+    if not (isinstance(off, int) and isinstance(nbytes, int) and off >= 0
+            and nbytes == _volume(index) * dtype.itemsize
+            and off + nbytes <= files[s["file"]]):
+      raise _corrupt(
+          lw, f"shard bytes [{off}, {off}+{nbytes}) do not fit"
+          f" {s['file']} ({files[s['file']]} bytes) or the shard's size")
+
+
+def read_manifest(step_dir: epath.Path) -> dict:
+  """Reads and validates `manifest.json` of a step directory.
+
+  Raises:
+    FileNotFoundError: no manifest.
+    CheckpointCorruptedError: not valid JSON, not our format, an unknown
+      version, or entries that do not fit together; the message names the file.
+  """
+  path = step_dir / MANIFEST
+  try:
+    text = path.read_text()
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
+  where = str(path)
+  try:
+    manifest = json.loads(text)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise _corrupt(where, f"not valid JSON ({e})") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+    raise _corrupt(where, f"not a {FORMAT_NAME} manifest")
+  version = manifest.get("format_version")
+  if version != FORMAT_VERSION:
+    raise _corrupt(where, f"format_version {version!r} is not supported by"
+                   f" this version of {FORMAT_NAME} (reads {FORMAT_VERSION})")
+  files = manifest.get("files")
+  if not isinstance(files, dict) or not all(
+      isinstance(k, str) and isinstance(v, int) and v >= 0
+      and _safe_relative(k) for k, v in files.items()):
+    raise _corrupt(where, "bad 'files' table")
+  leaves = manifest.get("leaves")
+  if not isinstance(leaves, list):
+    raise _corrupt(where, "no 'leaves' list")
+  for leaf in leaves:
+    _check_leaf(leaf, where, files)
+  return manifest
+
+
+def _safe_relative(name: str) -> bool:
+  """A data file name that cannot leave the step directory."""
+  parts = name.split("/")
+  return (not name.startswith("/") and "\\" not in name and
+          all(p not in ("", ".", "..") for p in parts))
+
+
+class ByteReader:
+  """Reads byte ranges of a step's data files; one open handle per file."""
+
+  def __init__(self, step_dir: epath.Path, files: dict[str, int]):
+    self._dir = step_dir
+    self._sizes = files
+    self._fds: dict[str, Any] = {}
+
+  def _open(self, name: str):
+    fd = self._fds.get(name)
+    if fd is None:
+      path = self._dir / name
+      if atomicity.is_local(path):
+        real_dir = os.path.realpath(os.fspath(self._dir))
+        real = os.path.realpath(os.fspath(path))
+        if os.path.commonpath([real_dir, real]) != real_dir:
+          raise CheckpointCorruptedError(
+              f"data file {path} leads outside the step directory")
+        fd = os.open(real, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+      else:
+        fd = path.open("rb")
+        size = path.stat().length
+      self._fds[name] = fd
+      if size < self._sizes[name]:
+        raise CheckpointCorruptedError(
+            f"data file {path} is truncated: {size} bytes, manifest says"
+            f" {self._sizes[name]}")
+    return fd
+
+  def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
+    fd = self._open(name)
+    done = 0
+    while done < len(out):
+      if isinstance(fd, int):
+        n = os.preadv(fd, [out[done:]], offset + done)
+      else:
+        fd.seek(offset + done)
+        n = fd.readinto(out[done:])
+      if not n:
+        raise CheckpointCorruptedError(
+            f"data file {self._dir / name} ended at byte {offset + done},"
+            f" expected {offset + len(out)}")
+      done += n
+
+  def close(self) -> None:
+    for fd in self._fds.values():
+      if isinstance(fd, int):
+        os.close(fd)
+      else:
+        fd.close()
+    self._fds.clear()
