@@ -7,6 +7,7 @@ from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manager import CheckpointManager
+from flax_ckpt_plugin.manager import RestoreStats
 from flax_ckpt_plugin.manager import SaveStats
 from flax_ckpt_plugin.manager import StepMetadata
 
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "RestoreStats",
     "SaveFailedError",
     "SaveStats",
     "StepMetadata",

@@ -164,6 +164,7 @@ class TemporaryPath(abc.ABC):
   def __init__(self, final: epath.Path, step: int):
     self.final = final
     self.step = step
+    self.prepared = False  # Set once `prepare` made `path` ours.
 
   @property
   @abc.abstractmethod
@@ -178,13 +179,20 @@ class TemporaryPath(abc.ABC):
           " to overwrite it.")
     _remove_tree(self.path)
     self.path.mkdir(parents=True, exist_ok=False)
+    self.prepared = True
 
   @abc.abstractmethod
   def finalize(self) -> None:
     """Makes the step visible; the commit marker is the last thing written."""
 
   def abandon(self) -> None:
-    """Removes what a failed save left behind (best effort)."""
+    """Removes what a failed save left behind (best effort).
+
+    Only a path this object prepared, and never a finalized step: a save that
+    failed because the step exists must not delete the step.
+    """
+    if not self.prepared or is_finalized(self.path):
+      return
     try:
       _remove_tree(self.path)
     except OSError:
@@ -225,6 +233,7 @@ class CommitFilePath(TemporaryPath):
           " to overwrite it.")
     _remove_tree(self.final)
     self.final.mkdir(parents=True, exist_ok=True)
+    self.prepared = True
 
   def finalize(self) -> None:
     write_small_file(self.final / COMMIT_MARKER, _marker_text(self.step))

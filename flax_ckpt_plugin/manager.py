@@ -61,6 +61,14 @@ class SaveStats:
   nbytes: int  # Bytes this process wrote.
 
 
+@dataclasses.dataclass(frozen=True)
+class RestoreStats:
+  """What one restore cost this process."""
+  step: int
+  secs: float
+  nbytes_read: int  # Bytes this process read from data files.
+
+
 def steps_to_delete(steps: list[int], max_to_keep: int | None,
                     keep_every_n_steps: int | None) -> list[int]:
   """The finalized steps that retention removes (never the newest)."""
@@ -112,6 +120,9 @@ class CheckpointManager:
       `directory` as given (which must then be the same string on every
       process).
     barrier: injectable barrier, `(*, key, timeout_ms) -> None`.
+    read_only: only list and restore: never save, and never remove the
+      unfinished steps that a writer may be working on (use it in an
+      evaluation job that reads a training job's directory).
   """
 
   def __init__(self, directory: epath.PathLike, *,
@@ -121,7 +132,8 @@ class CheckpointManager:
                primary_host: int = 0,
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
-               barrier: multihost.Barrier | None = None):
+               barrier: multihost.Barrier | None = None,
+               read_only: bool = False):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     if keep_every_n_steps is not None and keep_every_n_steps < 1:
@@ -140,6 +152,7 @@ class CheckpointManager:
     self.keep_every_n_steps = keep_every_n_steps
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity)
     self.primary_host = primary_host
+    self.read_only = read_only
     self.is_primary = multihost.process_index() == primary_host
     self._timeout_ms = int(barrier_timeout_secs * 1000)
     self._barrier = barrier or multihost.barrier
@@ -153,12 +166,14 @@ class CheckpointManager:
     self._closed = False
     self._lock = threading.Lock()
     self.last_save_stats: SaveStats | None = None
+    self.last_restore_stats: RestoreStats | None = None
 
-    if self.is_primary:
-      self.directory.mkdir(parents=True, exist_ok=True)
-      for entry in atomicity_lib.remove_unfinished(self.directory):
-        log.warning("removed unfinished checkpoint %s", entry)
-    self._barrier(key=f"{self.name}/open", timeout_ms=self._timeout_ms)
+    if not read_only:
+      if self.is_primary:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for entry in atomicity_lib.remove_unfinished(self.directory):
+          log.warning("removed unfinished checkpoint %s", entry)
+      self._barrier(key=f"{self.name}/open", timeout_ms=self._timeout_ms)
     self._steps = atomicity_lib.finalized_steps(self.directory)
 
   # -- queries ---------------------------------------------------------------
@@ -230,6 +245,9 @@ class CheckpointManager:
       Exception: the error of an earlier background commit.
     """
     self._check_open()
+    if self.read_only:
+      raise PermissionError(
+          f"CheckpointManager for {self.directory} is read-only")
     self._committer.check()
     step = operator.index(step)
     if step < 0:
@@ -351,8 +369,12 @@ class CheckpointManager:
     """
     self._check_open()
     self._committer.check()
-    _, step_dir, manifest = self._manifest(step)
-    return restore_tree(step_dir, manifest, target)
+    t0 = time.perf_counter()
+    step, step_dir, manifest = self._manifest(step)
+    tree, nbytes = restore_tree(step_dir, manifest, target)
+    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
+                                           nbytes)
+    return tree
 
   # -- lifetime --------------------------------------------------------------
 

@@ -44,8 +44,15 @@ def coordination_client() -> Any | None:
 
 
 def _is_deadline(exc: BaseException) -> bool:
+  """Whether a coordination-service error means "the others did not come".
+
+  A barrier that runs out of time says DEADLINE_EXCEEDED; one whose peer
+  stopped sending heartbeats (killed, preempted) fails with UNAVAILABLE
+  first. For the caller both mean the same: a process is gone.
+  """
   text = str(exc)
-  return "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
+  return any(s in text for s in ("DEADLINE_EXCEEDED", "heartbeat timeout",
+                                 "UNAVAILABLE")) or "timed out" in text.lower()
 
 
 def barrier(*, key: str, timeout_ms: int) -> None:

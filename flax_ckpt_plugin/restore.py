@@ -201,8 +201,12 @@ def _restore_leaf(path: str, saved: dict, target: Any,
   return _restore_array(lr, lr.shape, sharding)
 
 
-def restore_tree(step_dir: epath.Path, manifest: dict, target: Any) -> Any:
+def restore_tree(step_dir: epath.Path, manifest: dict,
+                 target: Any) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
+
+  Returns:
+    The pytree, and the number of bytes this process read from data files.
 
   Raises:
     StructureMismatchError: leaf paths, shapes or dtypes differ; the message
@@ -219,4 +223,4 @@ def restore_tree(step_dir: epath.Path, manifest: dict, target: Any) -> Any:
               for path, _, leaf in targets]
   finally:
     reader.close()
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  return jax.tree_util.tree_unflatten(treedef, leaves), reader.bytes_read

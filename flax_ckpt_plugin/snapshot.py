@@ -159,8 +159,7 @@ def take_snapshot(tree: Any, *, process_count: int,
   for path, keys, leaf, arr, impl, shards in plans:
     if arr is not None:
       data = [ShardData(normalize_index(s.index, arr.shape),
-                        np.ascontiguousarray(np.asarray(s.data)))
-              for s in shards]
+                        _c_order(np.asarray(s.data))) for s in shards]
       out.append(LeafSnapshot(path, keys, "array", str(arr.dtype),
                               tuple(arr.shape), data, key_impl=impl))
     else:
@@ -168,15 +167,20 @@ def take_snapshot(tree: Any, *, process_count: int,
   return out
 
 
+def _c_order(arr: np.ndarray) -> np.ndarray:
+  # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
+  return arr if arr.flags.c_contiguous else np.array(arr, order="C")
+
+
 def _host_leaf(path: str, keys: list[KeyEntry], leaf: Any,
                is_primary: bool) -> LeafSnapshot:
   if isinstance(leaf, (np.ndarray, np.generic)):
-    arr = np.ascontiguousarray(leaf)
+    arr = np.asarray(leaf)
     if arr.dtype.hasobject or arr.dtype.names is not None:
       raise TypeError(f"leaf {path!r}: numpy dtype {arr.dtype} cannot be"
                       " saved (object and structured dtypes are not).")
     index = tuple((0, d) for d in arr.shape)
-    shards = [ShardData(index, arr.copy())] if is_primary else []
+    shards = [ShardData(index, np.array(arr, order="C"))] if is_primary else []
     return LeafSnapshot(path, keys, "numpy", str(arr.dtype), arr.shape, shards)
   # bool before int: bool is an int subclass.
   for kind, typ in (("bool", bool), ("int", int), ("float", float)):

@@ -59,7 +59,7 @@ def _write_all(f, buf: memoryview) -> None:
 def _as_bytes(arr: np.ndarray) -> memoryview:
   # Views through uint8 also work for dtypes the buffer protocol lacks
   # (bfloat16, float8, int4 from ml_dtypes).
-  return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+  return memoryview(np.asarray(arr, order="C").reshape(-1).view(np.uint8))
 
 
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
@@ -122,7 +122,7 @@ def write_manifest(step_dir: epath.Path, *, step: int,
       files[table["file"]] = table["nbytes"]
     for entry in table["shards"]:
       leaf = by_path.get(entry.pop("path"))
-      if leaf is None or "shards" not in leaf:
+      if leaf is None or leaf["kind"] not in ("array", "numpy"):
         raise RuntimeError(
             f"process {p} wrote a shard of a leaf the primary host does not"
             " have: do all processes save the same tree?")
@@ -265,28 +265,35 @@ class ByteReader:
     self._dir = step_dir
     self._sizes = files
     self._fds: dict[str, Any] = {}
+    self.bytes_read = 0
 
   def _open(self, name: str):
     fd = self._fds.get(name)
     if fd is None:
       path = self._dir / name
-      if atomicity.is_local(path):
-        real_dir = os.path.realpath(os.fspath(self._dir))
-        real = os.path.realpath(os.fspath(path))
-        if os.path.commonpath([real_dir, real]) != real_dir:
-          raise CheckpointCorruptedError(
-              f"data file {path} leads outside the step directory")
-        fd = os.open(real, os.O_RDONLY)
-        size = os.fstat(fd).st_size
-      else:
-        fd = path.open("rb")
-        size = path.stat().length
+      try:
+        fd, size = self._open_new(path)
+      except FileNotFoundError as e:
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest is missing") from e
       self._fds[name] = fd
       if size < self._sizes[name]:
         raise CheckpointCorruptedError(
             f"data file {path} is truncated: {size} bytes, manifest says"
             f" {self._sizes[name]}")
     return fd
+
+  def _open_new(self, path: epath.Path) -> tuple[Any, int]:
+    """An open handle (an fd on local disks) and the file's size."""
+    if not atomicity.is_local(path):
+      return path.open("rb"), path.stat().length
+    real_dir = os.path.realpath(os.fspath(self._dir))
+    real = os.path.realpath(os.fspath(path))
+    if os.path.commonpath([real_dir, real]) != real_dir:
+      raise CheckpointCorruptedError(
+          f"data file {path} leads outside the step directory")
+    fd = os.open(real, os.O_RDONLY)
+    return fd, os.fstat(fd).st_size
 
   def read_into(self, name: str, offset: int, out: memoryview) -> None:
     """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
@@ -303,6 +310,7 @@ class ByteReader:
             f"data file {self._dir / name} ended at byte {offset + done},"
             f" expected {offset + len(out)}")
       done += n
+    self.bytes_read += done
 
   def close(self) -> None:
     for fd in self._fds.values():

@@ -1,0 +1,241 @@
+"""Tests of CheckpointCallback: triggers, restarts, restore, errors."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import storage
+
+TIMEOUT = 60
+
+
+class FakeClock:
+  """Seconds that move only when the test says so."""
+
+  def __init__(self):
+    self.now = 1000.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def _tiny(step: int) -> dict:
+  return {"w": jnp.full((3,), step, jnp.int32)}
+
+
+def _disk_on_fire(step_dir, leaves, process_index):
+  del leaves, process_index
+  raise OSError(f"disk on fire while writing {step_dir}")
+
+
+def _join_commit(callback: CheckpointCallback) -> None:
+  """Waits for the background thread without asking for its error."""
+  # pylint: disable-next=protected-access
+  thread = callback.manager._committer._thread
+  if thread is not None:
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+
+
+def _run(callback: CheckpointCallback, steps) -> list[int]:
+  """Calls the callback at each step; returns the steps where it saved."""
+  saved = [step for step in steps if callback(step, _tiny(step))]
+  callback.close()
+  return saved
+
+
+@pytest.mark.parametrize("kwargs, saved", [
+    ({"every_steps": 3}, [3, 6, 9]),
+    ({"on_steps": [0, 4, 7]}, [0, 4, 7]),
+    ({"last_step": 5}, [5]),
+    ({"every_steps": 4, "on_steps": [6], "last_step": 9}, [4, 6, 8, 9]),
+    ({}, []),
+], ids=["every_steps", "on_steps", "last_step", "combined", "none"])
+def test_step_triggers(ckpt_dir, kwargs, saved):
+  callback = CheckpointCallback(ckpt_dir, max_to_keep=None, **kwargs)
+  assert _run(callback, range(10)) == saved
+  assert callback.manager.all_steps() == saved
+  assert sorted(os.listdir(ckpt_dir), key=int) == [str(s) for s in saved]
+
+
+def test_every_secs_with_fake_clock(ckpt_dir):
+  clock = FakeClock()
+  callback = CheckpointCallback(ckpt_dir, every_secs=10.0, clock=clock,
+                                max_to_keep=None)
+  start = clock.now
+  saved = []
+  for step, elapsed in [(1, 5.0), (2, 10.0), (3, 15.0), (4, 19.9),
+                        (5, 20.0), (6, 100.0), (7, 100.0)]:
+    clock.now = start + elapsed
+    if callback(step, _tiny(step)):
+      saved.append(step)
+  callback.close()
+  # Counted from construction, then from the time of the last save.
+  assert saved == [2, 5, 6]
+  assert callback.manager.all_steps() == [2, 5, 6]
+
+
+def test_never_resaves_a_finalized_step(ckpt_dir, assert_trees_equal):
+  with CheckpointCallback(ckpt_dir, every_steps=5) as first:
+    assert first(5, _tiny(5))
+  step_dir = ckpt_dir / "5"
+  before = (os.stat(step_dir), os.stat(step_dir / "manifest.json"))
+
+  # A restarted job calls its new callback at the step it resumed from.
+  restarted = CheckpointCallback(ckpt_dir, every_steps=5)
+  assert not restarted(5, _tiny(55))
+  assert not restarted.manager.save_in_progress
+  restarted.close()
+  after = (os.stat(step_dir), os.stat(step_dir / "manifest.json"))
+  for b, a in zip(before, after):
+    assert (a.st_ino, a.st_mtime_ns) == (b.st_ino, b.st_mtime_ns)
+  assert_trees_equal(CheckpointManager(ckpt_dir).restore(_tiny(0)),
+                     {"w": np.full((3,), 5, np.int32)})
+
+
+def test_restore_or_initialize_on_empty_directory(ckpt_dir, make_state):
+  callback = CheckpointCallback(ckpt_dir, every_steps=1)
+  state = make_state()
+  assert callback.restore_or_initialize(state) is state
+  assert callback.restored_step is None
+  assert callback.restored_extra is None
+  callback.close()
+
+
+def test_restore_or_initialize_restores_newest(ckpt_dir, make_state,
+                                               train_step, assert_trees_equal,
+                                               host_copy):
+  state = train_step(make_state())
+  expected = {}
+  with CheckpointCallback(ckpt_dir, on_steps=[2, 4]) as callback:
+    for step in range(1, 5):
+      expected[step] = host_copy(state)
+      callback(step, state, extra={"data_position": step * 32})
+      state = train_step(state)
+
+  restarted = CheckpointCallback(ckpt_dir, on_steps=[2, 4])
+  target = train_step(make_state(seed=9))
+  restored = restarted.restore_or_initialize(target)
+  assert type(restored) is type(target)
+  assert restored.apply_fn is target.apply_fn
+  assert restarted.restored_step == 4
+  assert restarted.restored_extra == {"data_position": 128}
+  assert_trees_equal(restored, expected[4])
+  restarted.close()
+
+
+def test_should_stop_stays_false_without_preemption(ckpt_dir):
+  callback = CheckpointCallback(ckpt_dir, every_steps=2)
+  for step in range(1, 7):
+    callback(step, _tiny(step))
+    assert not callback.should_stop
+  callback.close()
+  assert not callback.should_stop
+
+
+def test_preemption_sync_point_saves_and_stops(ckpt_dir, monkeypatch):
+  """Fault injected: multihost.reached_preemption_sync_point reports the sync
+  point at step 7 (a single process has no preemption sync manager)."""
+  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
+                      lambda step: step == 7)
+  callback = CheckpointCallback(ckpt_dir, every_steps=5)
+  assert [s for s in range(1, 7) if callback(s, _tiny(s))] == [5]
+  assert not callback.should_stop
+  assert callback(7, _tiny(7))
+  # Stop only once the preemption checkpoint is durable.
+  assert callback.should_stop
+  assert not callback.manager.save_in_progress
+  assert callback.manager.all_steps() == [5, 7]
+  assert not callback(8, _tiny(8))  # Nothing more after the stop.
+  callback.close()
+  assert sorted(os.listdir(ckpt_dir)) == ["5", "7"]
+
+
+def test_preemption_at_an_already_saved_step_stops_without_saving(
+    ckpt_dir, monkeypatch):
+  """Fault injected: the preemption sync point is reported at step 5, which a
+  previous run already saved."""
+  with CheckpointCallback(ckpt_dir, every_steps=5) as first:
+    first(5, _tiny(5))
+  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
+                      lambda step: step == 5)
+  restarted = CheckpointCallback(ckpt_dir, every_steps=5)
+  assert not restarted(5, _tiny(55))
+  assert restarted.should_stop
+  restarted.close()
+
+
+def test_preemption_ignored_when_disabled(ckpt_dir, monkeypatch):
+  """Fault injected: the preemption sync point is reported at every step."""
+  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
+                      lambda step: True)
+  callback = CheckpointCallback(ckpt_dir, save_on_preemption=False)
+  assert not callback(3, _tiny(3))
+  assert not callback.should_stop
+  callback.close()
+  assert os.listdir(ckpt_dir) == []
+
+
+def test_background_error_surfaces_from_next_call(ckpt_dir, monkeypatch):
+  """Fault injected: storage.write_process_files raises OSError for step 1."""
+  callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3])
+  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  assert callback(1, _tiny(1))  # The save started; it fails in background.
+  _join_commit(callback)
+  monkeypatch.undo()
+
+  with pytest.raises(OSError, match="disk on fire") as excinfo:
+    callback(2, _tiny(2))  # Not a save step: the error still surfaces.
+  assert "step 1" in "\n".join(excinfo.value.__notes__)
+  assert not callback(2, _tiny(2))  # Raised once.
+  assert callback(3, _tiny(3))
+  callback.close()
+  assert callback.manager.all_steps() == [3]
+  assert os.listdir(ckpt_dir) == ["3"]
+
+
+def test_background_error_surfaces_from_next_saving_call(ckpt_dir,
+                                                         monkeypatch):
+  """Fault injected: storage.write_process_files raises OSError for step 1."""
+  callback = CheckpointCallback(ckpt_dir, every_steps=1)
+  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  assert callback(1, _tiny(1))
+  with pytest.raises(OSError, match="disk on fire"):
+    callback(2, _tiny(2))  # Raised whether or not the commit has ended yet.
+  monkeypatch.undo()
+  assert callback(3, _tiny(3))
+  callback.close()
+  assert callback.manager.all_steps() == [3]
+
+
+def test_context_manager_closes_and_waits(ckpt_dir):
+  with CheckpointCallback(ckpt_dir, every_steps=1) as callback:
+    assert callback(1, _tiny(1))
+  assert not callback.manager.save_in_progress
+  assert callback.manager.all_steps() == [1]
+  assert os.listdir(ckpt_dir) == ["1"]
+  with pytest.raises(RuntimeError, match="closed"):
+    callback(2, _tiny(2))
+
+
+def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir,
+                                                               monkeypatch):
+  """Fault injected: storage.write_process_files raises OSError."""
+  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  with pytest.raises(KeyError, match="loop failed") as excinfo:
+    with CheckpointCallback(ckpt_dir, every_steps=1) as callback:
+      callback(1, _tiny(1))
+      raise KeyError("loop failed")
+  assert "disk on fire" in "\n".join(excinfo.value.__notes__)
+  assert os.listdir(ckpt_dir) == []
+
+
+@pytest.mark.parametrize("kwargs", [{"every_steps": 0}, {"every_secs": 0}])
+def test_invalid_triggers_raise(ckpt_dir, kwargs):
+  with pytest.raises(ValueError):
+    CheckpointCallback(ckpt_dir, **kwargs)
