@@ -214,6 +214,7 @@ class CheckpointManager:
 
   def metadata(self, step: int | None = None) -> StepMetadata:
     """`extra`, metrics and timestamps of `step` (default: the newest)."""
+    self._check_open()
     step, _, m = self._manifest(step)
     nbytes = sum(m["files"].values())
     return StepMetadata(step=step, created=m.get("created", ""),
@@ -275,19 +276,27 @@ class CheckpointManager:
     A process whose `fn` failed records that in the key-value store before
     the barrier, so after it every process knows and all raise together
     instead of waiting for a timeout; the primary host removes the
-    unfinished step.
+    unfinished step. Failures are kept per phase: a process still finishing
+    an earlier phase must not see a later phase's failure, or it would skip
+    the barrier that the failing process waits at.
     """
     multi = multihost.process_count() > 1
+    failed_dir = f"{key}/{name}/failed"
     result, error = None, None
     try:
       result = fn()
     except Exception as e:  # pylint: disable=broad-except
       error = e
       if multi:
-        self._kv.set(f"{key}/failed/{multihost.process_index()}",
+        self._kv.set(f"{failed_dir}/{multihost.process_index()}",
                      f"{name}: {type(e).__name__}: {e}")
-    self._barrier(key=f"{key}/{name}", timeout_ms=self._timeout_ms)
-    failures = self._kv.list_dir(f"{key}/failed") if multi else {}
+    try:
+      self._barrier(key=f"{key}/{name}", timeout_ms=self._timeout_ms)
+    except Exception:
+      if self.is_primary:
+        tmp.abandon()
+      raise
+    failures = self._kv.list_dir(failed_dir) if multi else {}
     if error is not None or failures:
       if self.is_primary:
         tmp.abandon()

@@ -52,9 +52,19 @@ def leaf_paths(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
   """(path string, JSON keys, leaf) for every leaf, and the treedef."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   out = []
+  seen: dict[str, Any] = {}
   for keypath, leaf in flat:
     keys = [key_entry(k) for k in keypath]
-    out.append((path_string(keys), keys, leaf))
+    path = path_string(keys)
+    if path in seen:
+      # E.g. {'a/b': x, 'a': {'b': y}}: one name for two leaves would lose one.
+      raise ValueError(
+          f"two leaves have the same path {path!r}:"
+          f" {jax.tree_util.keystr(seen[path])} and"
+          f" {jax.tree_util.keystr(keypath)}; rename a key (keys may not"
+          " contain '/' where that makes them clash).")
+    seen[path] = keypath
+    out.append((path, keys, leaf))
   return out, treedef
 
 

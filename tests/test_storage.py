@@ -376,3 +376,13 @@ def test_unsupported_leaf_is_refused_synchronously(ckpt_dir):
       manager.save(1, {"name": "adam", "w": jnp.zeros(2)})
     assert not manager.save_in_progress
   assert flax_ckpt_plugin.CheckpointManager(ckpt_dir).all_steps() == []
+
+
+def test_leaves_whose_paths_clash_are_refused_at_save(ckpt_dir):
+  """'a/b' as one dict key and a/b as nested keys would share one manifest
+  name, and one of the two values would be lost: save refuses instead."""
+  manager = CheckpointManager(ckpt_dir)
+  with pytest.raises(ValueError, match=r"same path 'a/b'"):
+    manager.save(1, {"a/b": np.zeros(2), "a": {"b": np.ones(2)}})
+  manager.close()
+  assert not any(ckpt_dir.iterdir())

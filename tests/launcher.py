@@ -1,0 +1,242 @@
+"""Starts real JAX processes on 127.0.0.1 for multi-process tests.
+
+    results = run_workers("save_restore", 2, args=["save", str(tmp_path)])
+    out = [r.json for r in results]
+
+Each worker is a Python script in `tests/mp_workers/` (or a path, or a code
+string). It learns who it is from the environment: `PORT` (a free TCP port of
+the coordinator on 127.0.0.1), `NUM_PROCESSES` and `PROCESS_ID`, and prints
+its result as one JSON line last. `tests/mp_workers/_setup.py` does the
+`jax.distributed` start-up.
+
+A hang never blocks the test run: every run has a deadline, after which all
+workers are killed and the test fails with every worker's output. A worker
+that exits non-zero fails the test too, again with everyone's output, since
+the cause often shows in a peer's log. `WorkerGroup` is the lower-level
+handle for tests that signal or kill one worker while the others run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Mapping, Sequence
+
+import pytest
+
+MP_WORKERS = pathlib.Path(__file__).resolve().parent / "mp_workers"
+REPO_ROOT = MP_WORKERS.parent.parent
+_TAIL_CHARS = 6000
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nobody listens on right now.
+
+  Another program may take it before the coordinator binds it; on this test
+  machine that race has not been seen, and a bind failure shows in the logs.
+  """
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class WorkerResult:
+  """How one worker process ended and what it printed."""
+  process_id: int
+  returncode: int | None  # None: still running; -N: killed by signal N.
+  stdout: str
+  stderr: str
+
+  @property
+  def json(self) -> Any:
+    """The JSON value of the last non-empty stdout line."""
+    lines = [l for l in self.stdout.splitlines() if l.strip()]
+    if not lines:
+      raise AssertionError(
+          f"process {self.process_id} printed no result line\n{self.log()}")
+    try:
+      return json.loads(lines[-1])
+    except json.JSONDecodeError as e:
+      raise AssertionError(
+          f"process {self.process_id}: last stdout line is not JSON ({e})\n"
+          f"{self.log()}") from e
+
+  def log(self, tail: int = _TAIL_CHARS) -> str:
+    """The tail of this worker's stdout and stderr, labelled."""
+    def cut(text):
+      return text if len(text) <= tail else "[...]" + text[-tail:]
+    return (f"===== process {self.process_id}: returncode {self.returncode}"
+            f" =====\n--- stdout ---\n{cut(self.stdout)}\n"
+            f"--- stderr ---\n{cut(self.stderr)}")
+
+
+def format_logs(results: Sequence[WorkerResult]) -> str:
+  return "\n".join(r.log() for r in results)
+
+
+def _command(worker: str | os.PathLike, args: Sequence[str]) -> list[str]:
+  """argv for a worker given as a path, a name in mp_workers/, or code."""
+  path = pathlib.Path(worker)
+  if isinstance(worker, os.PathLike) or path.suffix == ".py":
+    return [sys.executable, "-u", str(path), *args]
+  named = MP_WORKERS / f"{worker}.py"
+  if "\n" not in str(worker) and named.exists():
+    return [sys.executable, "-u", str(named), *args]
+  return [sys.executable, "-u", "-c", str(worker), *args]
+
+
+class WorkerGroup:
+  """N worker processes of one multi-controller JAX run.
+
+  Args:
+    worker: a script path, a script name in `tests/mp_workers/` (without
+      `.py`), or Python code.
+    num_processes: how many processes; `PROCESS_ID` runs from 0.
+    args: command-line arguments, the same for every process.
+    env: extra environment for every process.
+    process_env: extra environment per process id, applied after `env`.
+  """
+
+  def __init__(self, worker: str | os.PathLike, num_processes: int, *,
+               args: Sequence[str] = (),
+               env: Mapping[str, str] | None = None,
+               process_env: Mapping[int, Mapping[str, str]] | None = None):
+    self.num_processes = num_processes
+    self.port = free_port()
+    self._argv = _command(worker, [str(a) for a in args])
+    self._env = dict(env or {})
+    self._process_env = {i: dict(e) for i, e in (process_env or {}).items()}
+    # Output goes to files, not pipes: a chatty worker can never block on a
+    # full pipe while the test waits for it.
+    self._log_dir = tempfile.mkdtemp(prefix="mp_workers_")
+    self._procs: list[subprocess.Popen] = []
+
+  def _worker_env(self, i: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The pytest process may carry its own XLA_FLAGS; each worker gets exactly
+    # 2 CPU devices so N processes form a 2N-device mesh.
+    env.update({
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PORT": str(self.port),
+        "NUM_PROCESSES": str(self.num_processes),
+        "PROCESS_ID": str(i),
+        "PYTHONPATH": os.pathsep.join(
+            [str(MP_WORKERS), str(REPO_ROOT)]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+    })
+    env.update(self._env)
+    env.update(self._process_env.get(i, {}))
+    return env
+
+  def _log_path(self, i: int, stream: str) -> str:
+    return os.path.join(self._log_dir, f"{i}.{stream}")
+
+  def start(self) -> "WorkerGroup":
+    for i in range(self.num_processes):
+      with open(self._log_path(i, "out"), "wb") as out, \
+           open(self._log_path(i, "err"), "wb") as err:
+        # A session of its own: a signal sent to one worker reaches only that
+        # worker, never pytest or the other workers.
+        self._procs.append(subprocess.Popen(
+            self._argv, env=self._worker_env(i), cwd=REPO_ROOT, stdout=out,
+            stderr=err, stdin=subprocess.DEVNULL, start_new_session=True))
+    return self
+
+  def pid(self, i: int) -> int:
+    return self._procs[i].pid
+
+  def send_signal(self, i: int, sig: int = signal.SIGTERM) -> None:
+    """Sends `sig` to worker `i` alone (e.g. SIGTERM for a preemption)."""
+    if self._procs[i].poll() is None:
+      self._procs[i].send_signal(sig)
+
+  def kill(self, i: int) -> None:
+    """Kills worker `i` at once, as a machine failure would."""
+    self.send_signal(i, signal.SIGKILL)
+
+  def kill_all(self) -> None:
+    for p in self._procs:
+      if p.poll() is None:
+        p.kill()
+    for p in self._procs:
+      p.wait()
+
+  def results(self) -> list[WorkerResult]:
+    """Exit codes and output so far (also while workers still run)."""
+    out = []
+    for i, p in enumerate(self._procs):
+      texts = []
+      for stream in ("out", "err"):
+        # A fresh handle: the worker's own file offset stays untouched.
+        with open(self._log_path(i, stream), "rb") as f:
+          texts.append(f.read().decode("utf-8", errors="replace"))
+      out.append(WorkerResult(i, p.poll(), *texts))
+    return out
+
+  def wait(self, timeout: float, *, check: bool = True) -> list[WorkerResult]:
+    """Waits for all workers until `timeout` seconds from now.
+
+    Args:
+      timeout: the deadline; then every worker still running is killed and
+        the test fails with all logs.
+      check: fail the test if any worker exited non-zero.
+
+    Returns:
+      One `WorkerResult` per process, by process id.
+    """
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in self._procs):
+      if time.monotonic() > deadline:
+        hung = [i for i, p in enumerate(self._procs) if p.poll() is None]
+        self.kill_all()
+        results = self.results()
+        self.close()
+        pytest.fail(f"workers {hung} still running after {timeout:.0f}s;"
+                    f" killed all {self.num_processes}\n"
+                    + format_logs(results), pytrace=False)
+      time.sleep(0.05)
+    results = self.results()
+    self.close()
+    if check and any(r.returncode != 0 for r in results):
+      bad = [r.process_id for r in results if r.returncode != 0]
+      pytest.fail(f"workers {bad} exited non-zero\n" + format_logs(results),
+                  pytrace=False)
+    return results
+
+  def close(self) -> None:
+    """Removes the log files; call `results` first."""
+    shutil.rmtree(self._log_dir, ignore_errors=True)
+
+  def __enter__(self) -> "WorkerGroup":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    # Never leave a worker behind, whatever the test did.
+    self.kill_all()
+    self.close()
+
+
+def run_workers(worker: str | os.PathLike, num_processes: int, *,
+                args: Sequence[str] = (), timeout: float = 60.0,
+                env: Mapping[str, str] | None = None,
+                process_env: Mapping[int, Mapping[str, str]] | None = None,
+                check: bool = True) -> list[WorkerResult]:
+  """Runs `num_processes` workers to the end; see `WorkerGroup`.
+
+  Fails the test (with every worker's output) when they are not done within
+  `timeout` seconds, or when `check` and any exits non-zero.
+  """
+  with WorkerGroup(worker, num_processes, args=args, env=env,
+                   process_env=process_env) as group:
+    return group.wait(timeout, check=check)

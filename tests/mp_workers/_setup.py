@@ -1,0 +1,77 @@
+"""Shared start-up of a multi-process test worker.
+
+A worker is one real JAX process of a multi-controller run. The launcher
+(`tests/launcher.py`) passes who it is through the environment:
+`PORT` (the coordinator's port on 127.0.0.1), `NUM_PROCESSES` and
+`PROCESS_ID`. Each process gets 2 CPU devices, so 2 processes form a 4-device
+mesh. A worker reports its results by printing one JSON line last (`emit`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+# XLA reads its flags when jax first initializes a backend: set them before
+# anything imports jax.
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+PROCESS_ID = int(os.environ["PROCESS_ID"])
+NUM_PROCESSES = int(os.environ["NUM_PROCESSES"])
+
+
+def init() -> None:
+  """Joins the multi-controller run; call before touching any jax device."""
+  logging.basicConfig(
+      level=logging.INFO, stream=sys.stderr,
+      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  # Cross-process device collectives on CPU (the jitted train step and
+  # process_allgather) need gloo; the default CPU backend has none.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Short timeouts: a worker whose peer died should fail, not sit for the
+  # 5-minute defaults (the launcher's deadline is the last line of defence).
+  jax.distributed.initialize(
+      f"127.0.0.1:{os.environ['PORT']}", num_processes=NUM_PROCESSES,
+      process_id=PROCESS_ID, initialization_timeout=60,
+      shutdown_timeout_seconds=30)
+  assert jax.process_index() == PROCESS_ID
+  assert jax.process_count() == NUM_PROCESSES
+
+
+def client():
+  """The coordination-service client (for test-only rendezvous)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+def leaf_digests(tree: Any) -> dict[str, str]:
+  """sha256 of dtype, shape and bytes of every leaf's full global value.
+
+  Called on every process: gathering a global array is a collective.
+  """
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  out = {}
+  for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    else:
+      value = np.asarray(leaf)
+    h = hashlib.sha256()
+    h.update(f"{value.dtype.str}{value.shape}".encode())
+    h.update(np.ascontiguousarray(value).tobytes())
+    out[jax.tree_util.keystr(keypath)] = h.hexdigest()
+  return out
+
+
+def emit(result: Any) -> None:
+  """Prints the worker's result as the last line of stdout."""
+  sys.stdout.flush()
+  print(json.dumps(result), flush=True)

@@ -1,0 +1,71 @@
+"""examples/train.py runs, resumes, and resumes exactly.
+
+A run to step 20, then a second run to step 40 on the same workdir, must end
+with the same bits as one uninterrupted run to step 40: parameters, optimizer
+state and step all come back from the checkpoint, and the data position from
+its `extra`.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLE = (pathlib.Path(__file__).resolve().parent.parent / "examples" /
+           "train.py")
+
+
+def run_example(workdir: pathlib.Path, num_steps: int,
+                final_params: pathlib.Path) -> list[str]:
+  """Runs the example as a user would; returns its stdout lines."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  result = subprocess.run(
+      [sys.executable, os.fspath(EXAMPLE), "--workdir", os.fspath(workdir),
+       "--num-steps", str(num_steps), "--every-steps", "5",
+       "--final-params", os.fspath(final_params)],
+      capture_output=True, text=True, env=env, timeout=240, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return result.stdout.splitlines()
+
+
+def load(path: pathlib.Path) -> dict[str, np.ndarray]:
+  with np.load(path) as npz:
+    return {k: npz[k] for k in npz.files}
+
+
+@pytest.mark.timeout(600)
+def test_resumed_run_matches_uninterrupted_run(tmp_path):
+  workdir = tmp_path / "resumed"
+  first = run_example(workdir, 20, tmp_path / "first.npz")
+  assert first[0] == "no checkpoint, starting fresh"
+  assert first[-1] == "done at step 20"
+  assert sorted(int(p.name) for p in workdir.iterdir()) == [10, 15, 20]
+
+  second = run_example(workdir, 40, tmp_path / "resumed.npz")
+  assert second[0] == "restored step 20"
+  assert "step 10: loss" not in "\n".join(second)  # Did not start over.
+  assert second[-1] == "done at step 40"
+  assert sorted(int(p.name) for p in workdir.iterdir()) == [30, 35, 40]
+
+  fresh = run_example(tmp_path / "fresh", 40, tmp_path / "fresh.npz")
+  assert fresh[0] == "no checkpoint, starting fresh"
+  assert fresh[-1] == "done at step 40"
+
+  # The logged losses of steps 30 and 40 and every final leaf are identical.
+  assert [l for l in second if l.startswith("step ")] == [
+      l for l in fresh if l.startswith("step ") and int(l.split()[1][:-1]) > 20]
+  resumed, uninterrupted = load(tmp_path / "resumed.npz"), load(
+      tmp_path / "fresh.npz")
+  assert sorted(resumed) == sorted(uninterrupted)
+  assert any("kernel" in k for k in resumed)
+  for k, v in uninterrupted.items():
+    assert resumed[k].dtype == v.dtype and resumed[k].shape == v.shape, k
+    assert resumed[k].tobytes() == v.tobytes(), f"{k} differs after resume"
+  assert int(resumed[".step"]) == 40
+  first_params = load(tmp_path / "first.npz")
+  assert not all(np.array_equal(first_params[k], v)
+                 for k, v in uninterrupted.items())
