@@ -1,6 +1,7 @@
 """Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops."""
 
 from flax_ckpt_plugin.callback import CheckpointCallback
+from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "PREEMPTED_EXIT_CODE",
     "RestoreStats",
     "SaveFailedError",
     "SaveStats",

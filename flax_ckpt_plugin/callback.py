@@ -19,6 +19,8 @@ is agreed by JAX's preemption sync manager.
 from __future__ import annotations
 
 import operator
+import os
+import signal
 import time
 from typing import Any, Callable, Iterable
 
@@ -27,6 +29,12 @@ from etils import epath
 from flax_ckpt_plugin import multihost
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.multihost import log
+from flax_ckpt_plugin.preemption import SignalFlag
+
+# The exit code for a job that stopped after its preemption checkpoint:
+# EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
+# being killed by SIGTERM before saving (143).
+PREEMPTED_EXIT_CODE = os.EX_TEMPFAIL
 
 
 class CheckpointCallback:
@@ -34,10 +42,18 @@ class CheckpointCallback:
 
   Saves at a step when any of these holds: `step` is a positive multiple of
   `every_steps`; `every_secs` have passed since the last save (or since the
-  callback was made); `step` is in `on_steps`; `step == last_step`; or all
-  processes reached JAX's preemption sync point (then, once that checkpoint
-  is durable, `should_stop` turns True). A step that is already finalized is
-  never saved again, so a restarted job may call it at that step.
+  callback was made); `step` is in `on_steps`; `step == last_step`; or a
+  preemption notice arrived (then, once that checkpoint is durable,
+  `should_stop` turns True and the loop should exit, e.g. with
+  `PREEMPTED_EXIT_CODE`). A step that is already finalized is never saved
+  again, so a restarted job may call it at that step.
+
+  Preemption notices: with `jax.distributed`, JAX's notifier catches SIGTERM
+  and all processes reach its sync point at one step. A single process
+  without it gets handlers for `preemption_signals` that only set a flag;
+  the next call saves and stops. Other signals than SIGTERM (SLURM's
+  `--signal=USR1@90`) are also caught with several processes, and passed on
+  to JAX's notifier. `close()` puts the previous handlers back.
 
   Args:
     directory: where checkpoints live (local path, `gs://`, `s3://`).
@@ -45,7 +61,8 @@ class CheckpointCallback:
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).
-    save_on_preemption: save and stop at JAX's preemption sync point.
+    save_on_preemption: save and stop when a preemption notice arrives.
+    preemption_signals: the signals that are preemption notices.
     max_to_keep: keep the newest N finalized steps (None keeps all).
     keep_every_n_steps: also keep every step divisible by this, forever.
     clock: seconds as a float, for `every_secs` (injectable for tests).
@@ -59,6 +76,7 @@ class CheckpointCallback:
                on_steps: Iterable[int] = (),
                last_step: int | None = None,
                save_on_preemption: bool = True,
+               preemption_signals: Iterable[int] = (signal.SIGTERM,),
                max_to_keep: int | None = 3,
                keep_every_n_steps: int | None = None,
                clock: Callable[[], float] = time.monotonic,
@@ -83,6 +101,9 @@ class CheckpointCallback:
     self.should_stop = False
     self.restored_step: int | None = None
     self.restored_extra: Any = None
+    self._signals = SignalFlag(preemption_signals if save_on_preemption
+                               else ())
+    self._signals.install()
 
   @property
   def directory(self) -> epath.Path:
@@ -127,8 +148,9 @@ class CheckpointCallback:
     if self.should_stop:
       return False
     step = operator.index(step)
-    preempted = (self.save_on_preemption
-                 and multihost.reached_preemption_sync_point(step))
+    preempted = self.save_on_preemption and (
+        multihost.reached_preemption_sync_point(step)
+        or self._signals.triggered)
     due = self._due(step) or preempted
     if not due:
       return False
@@ -174,11 +196,13 @@ class CheckpointCallback:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for the running save and raises its error."""
+    """Restores signal handlers, waits for the running save, raises its error."""
+    self._signals.uninstall()
     self.manager.close()
 
   def __enter__(self) -> "CheckpointCallback":
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
+    self._signals.uninstall()
     self.manager.__exit__(exc_type, exc, tb)
