@@ -105,13 +105,18 @@ class WorkerGroup:
     args: command-line arguments, the same for every process.
     env: extra environment for every process.
     process_env: extra environment per process id, applied after `env`.
+    devices_per_process: CPU devices each process gets (the default 2 makes
+      N processes a 2N-device mesh); passed as XLA_FLAGS and as
+      `DEVICES_PER_PROCESS`, for workers whose start-up fixes its own flags.
   """
 
   def __init__(self, worker: str | os.PathLike, num_processes: int, *,
                args: Sequence[str] = (),
                env: Mapping[str, str] | None = None,
-               process_env: Mapping[int, Mapping[str, str]] | None = None):
+               process_env: Mapping[int, Mapping[str, str]] | None = None,
+               devices_per_process: int = 2):
     self.num_processes = num_processes
+    self.devices_per_process = devices_per_process
     self.port = free_port()
     self._argv = _command(worker, [str(a) for a in args])
     self._env = dict(env or {})
@@ -124,9 +129,12 @@ class WorkerGroup:
   def _worker_env(self, i: int) -> dict[str, str]:
     env = dict(os.environ)
     # The pytest process may carry its own XLA_FLAGS; each worker gets exactly
-    # 2 CPU devices so N processes form a 2N-device mesh.
+    # `devices_per_process` CPU devices (2 unless asked otherwise), so N
+    # processes form a mesh of known size.
+    k = self.devices_per_process
     env.update({
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={k}",
+        "DEVICES_PER_PROCESS": str(k),
         "JAX_PLATFORMS": "cpu",
         "PORT": str(self.port),
         "NUM_PROCESSES": str(self.num_processes),
@@ -231,12 +239,14 @@ def run_workers(worker: str | os.PathLike, num_processes: int, *,
                 args: Sequence[str] = (), timeout: float = 60.0,
                 env: Mapping[str, str] | None = None,
                 process_env: Mapping[int, Mapping[str, str]] | None = None,
-                check: bool = True) -> list[WorkerResult]:
+                check: bool = True,
+                devices_per_process: int = 2) -> list[WorkerResult]:
   """Runs `num_processes` workers to the end; see `WorkerGroup`.
 
   Fails the test (with every worker's output) when they are not done within
   `timeout` seconds, or when `check` and any exits non-zero.
   """
   with WorkerGroup(worker, num_processes, args=args, env=env,
-                   process_env=process_env) as group:
+                   process_env=process_env,
+                   devices_per_process=devices_per_process) as group:
     return group.wait(timeout, check=check)
