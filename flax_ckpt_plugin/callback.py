@@ -119,7 +119,8 @@ class CheckpointCallback:
     if self.manager.is_primary:
       self._kv.set(key, "1" if local else "0")
       return local
-    return self._kv.get(key, timeout_ms=self.manager._timeout_ms) == "1"  # pylint: disable=protected-access
+    timeout_ms = self.manager.barrier_timeout_ms
+    return self._kv.get(key, timeout_ms=timeout_ms) == "1"
 
   def _due(self, step: int) -> bool:
     due = self.every_secs is not None and self._secs_due()

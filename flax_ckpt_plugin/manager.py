@@ -154,7 +154,7 @@ class CheckpointManager:
     self.primary_host = primary_host
     self.read_only = read_only
     self.is_primary = multihost.process_index() == primary_host
-    self._timeout_ms = int(barrier_timeout_secs * 1000)
+    self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
     self._barrier = barrier or multihost.barrier
     self._kv = multihost.KeyValueStore()
     base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
@@ -173,7 +173,8 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         for entry in atomicity_lib.remove_unfinished(self.directory):
           log.warning("removed unfinished checkpoint %s", entry)
-      self._barrier(key=f"{self.name}/open", timeout_ms=self._timeout_ms)
+      self._barrier(key=f"{self.name}/open",
+                    timeout_ms=self.barrier_timeout_ms)
     self._steps = atomicity_lib.finalized_steps(self.directory)
 
   # -- queries ---------------------------------------------------------------
@@ -291,7 +292,7 @@ class CheckpointManager:
         self._kv.set(f"{failed_dir}/{multihost.process_index()}",
                      f"{name}: {type(e).__name__}: {e}")
     try:
-      self._barrier(key=f"{key}/{name}", timeout_ms=self._timeout_ms)
+      self._barrier(key=f"{key}/{name}", timeout_ms=self.barrier_timeout_ms)
     except Exception:
       if self.is_primary:
         tmp.abandon()
