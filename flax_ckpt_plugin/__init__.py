@@ -5,6 +5,7 @@ from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manager import CheckpointManager
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "ConcurrentWriterError",
     "PREEMPTED_EXIT_CODE",
     "RestoreStats",
     "SaveFailedError",

@@ -22,11 +22,14 @@ import abc
 import datetime
 import json
 import os
-from typing import Literal
+import socket
+import uuid
+from typing import Any, Literal
 
 from etils import epath
 
 COMMIT_MARKER = "_COMMITTED"
+WRITER_FILE = "_WRITER"
 TMP_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 
@@ -146,6 +149,39 @@ def delete_step(directory: epath.Path, step: int) -> None:
   else:
     (step_dir / COMMIT_MARKER).unlink(missing_ok=True)
     _remove_tree(step_dir)
+
+
+def claim_directory(directory: epath.Path, process_count: int) -> str:
+  """Records this job as the directory's writer; returns its token.
+
+  The newest claim wins: a job restarted after a preemption takes over at
+  once, and a job whose directory was claimed by another (a second job
+  started by mistake, or a restart while the old one still runs) sees that
+  before it finalizes or deletes anything (`current_writer`).
+  """
+  token = uuid.uuid4().hex
+  info = {"token": token, "host": socket.gethostname(), "pid": os.getpid(),
+          "process_count": process_count,
+          "opened": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+  path = directory / WRITER_FILE
+  text = json.dumps(info) + "\n"
+  if is_local(directory):
+    tmp = directory / f"{WRITER_FILE}.{token}"
+    write_small_file(tmp, text)
+    os.replace(os.fspath(tmp), os.fspath(path))
+    fsync_path(directory)
+  else:
+    path.write_text(text)
+  return token
+
+
+def current_writer(directory: epath.Path) -> dict[str, Any] | None:
+  """The last claim on `directory` (see `claim_directory`), if readable."""
+  try:
+    info = json.loads((directory / WRITER_FILE).read_text())
+  except (FileNotFoundError, ValueError):
+    return None
+  return info if isinstance(info, dict) else None
 
 
 def _marker_text(step: int) -> str:

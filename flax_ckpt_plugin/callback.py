@@ -176,17 +176,22 @@ class CheckpointCallback:
     return True
 
   def restore_or_initialize(self, state: Any) -> Any:
-    """The newest finalized step restored like `state`, else `state` itself.
+    """The newest good finalized step restored like `state`, else `state`.
 
-    Sets `restored_step` and `restored_extra` (the `extra` saved with it), or
+    A step that fails verification (damaged or missing files) is skipped
+    with a warning, and the next older one is restored. Sets
+    `restored_step` and `restored_extra` (the `extra` saved with it), or
     leaves them None when there is nothing to restore.
+
+    Raises:
+      CheckpointCorruptedError: steps exist but none of them restores.
     """
-    step = self.manager.latest_step()
-    if step is None:
+    found = self.manager.restore_newest_valid(state)
+    if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)
       return state
-    restored = self.manager.restore(state, step)
+    step, restored = found
     self.restored_step = step
     self.restored_extra = self.manager.metadata(step).extra
     log.info("restored step %d from %s", step, self.directory)

@@ -28,5 +28,13 @@ class StructureMismatchError(ValueError):
   """
 
 
+class ConcurrentWriterError(RuntimeError):
+  """Another job opened this directory for writing after this one did.
+
+  The newest writer owns the directory; the older one stops finalizing and
+  deleting there, so neither corrupts the other's steps.
+  """
+
+
 class SaveFailedError(RuntimeError):
   """A save failed on another process, so no process finalized it."""

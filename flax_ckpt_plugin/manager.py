@@ -28,6 +28,7 @@ from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.multihost import log
 from flax_ckpt_plugin.restore import restore_tree
@@ -167,10 +168,18 @@ class CheckpointManager:
     self._lock = threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
+    self._fallbacks = 0  # restore_newest_valid calls: names their keys.
 
+    self._writer_token = None
     if not read_only:
       if self.is_primary:
         self.directory.mkdir(parents=True, exist_ok=True)
+        previous = atomicity_lib.current_writer(self.directory)
+        self._writer_token = atomicity_lib.claim_directory(
+            self.directory, multihost.process_count())
+        if previous:
+          log.info("took over %s from its previous writer %s",
+                   self.directory, previous)
         for entry in atomicity_lib.remove_unfinished(self.directory):
           log.warning("removed unfinished checkpoint %s", entry)
       self._barrier(key=f"{self.name}/open",
@@ -323,6 +332,7 @@ class CheckpointManager:
 
     def finalize():
       if self.is_primary:
+        self._check_still_writer(f"step {step} was not finalized")
         storage.write_manifest(tmp.path, step=step, leaves=leaves,
                                process_count=count, extra=extra,
                                metrics=metrics)
@@ -339,10 +349,20 @@ class CheckpointManager:
       doomed = steps_to_delete(self._steps, self.max_to_keep,
                                self.keep_every_n_steps)
       self._steps = [s for s in self._steps if s not in doomed]
-    if self.is_primary:
+    if self.is_primary and doomed:
+      self._check_still_writer(f"steps {doomed} were not deleted")
       for s in doomed:
         atomicity_lib.delete_step(self.directory, s)
         log.info("retention deleted step %d from %s", s, self.directory)
+
+  def _check_still_writer(self, consequence: str) -> None:
+    """Raises ConcurrentWriterError if another job claimed the directory."""
+    writer = atomicity_lib.current_writer(self.directory)
+    if writer is None or writer.get("token") != self._writer_token:
+      raise ConcurrentWriterError(
+          f"another job opened {self.directory} for writing after this one"
+          f" (its claim: {writer}); {consequence}. Two jobs must not write"
+          " one directory: stop this one, or give it another directory.")
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -358,7 +378,8 @@ class CheckpointManager:
 
   # -- restore ---------------------------------------------------------------
 
-  def restore(self, target: Any, step: int | None = None) -> Any:
+  def restore(self, target: Any, step: int | None = None, *,
+              verify: bool = True) -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Args:
@@ -368,6 +389,8 @@ class CheckpointManager:
         first local device when a `ShapeDtypeStruct` has none); Python scalars
         and numpy leaves keep their type; non-array fields come from target.
       step: which step; None for the newest.
+      verify: check the CRC-32C of every block read (a partial read of a
+        shard then reads the whole 4 MiB blocks around what it needs).
 
     Returns:
       A pytree of the target's type.
@@ -381,10 +404,63 @@ class CheckpointManager:
     self._committer.check()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
-    tree, nbytes = restore_tree(step_dir, manifest, target)
+    tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     return tree
+
+  def _all_agree(self, key: str, ok: bool) -> bool:
+    """True if `ok` holds on every process (a barrier when several run)."""
+    if multihost.process_count() == 1:
+      return ok
+    self._kv.set(f"{key}/{multihost.process_index()}", "1" if ok else "0")
+    self._barrier(key=key, timeout_ms=self.barrier_timeout_ms)
+    votes = self._kv.list_dir(key)
+    return len(votes) == multihost.process_count() and all(
+        v == "1" for v in votes.values())
+
+  def restore_newest_valid(self, target: Any, *,
+                           verify: bool = True) -> tuple[int, Any] | None:
+    """Restores the newest finalized step that restores on every process.
+
+    A step whose files fail verification or are missing on any process is
+    skipped with a warning naming it and why, and the next older one is
+    tried; all processes agree on each outcome, so they never restore
+    different steps.
+
+    Returns:
+      (step, restored tree), or None when the directory has no finalized
+      step.
+
+    Raises:
+      CheckpointCorruptedError: every finalized step failed; names them.
+      StructureMismatchError: the target does not match (not skipped: an
+        older step would not match either).
+    """
+    self._check_open()
+    self._committer.check()
+    self._fallbacks += 1
+    skipped = []
+    for step in reversed(self.all_steps()):
+      error, tree = None, None
+      try:
+        tree = self.restore(target, step, verify=verify)
+      except (CheckpointCorruptedError, FileNotFoundError) as e:
+        error = e
+      key = f"{self.name}/fallback{self._fallbacks}/step{step}"
+      if self._all_agree(key, error is None):
+        if skipped:
+          log.warning("restored step %d of %s after skipping damaged steps"
+                      " %s", step, self.directory, [s for s, _ in skipped])
+        return step, tree
+      why = str(error) if error else "damaged on another process"
+      log.warning("skipping step %d of %s: %s", step, self.directory, why)
+      skipped.append((step, why))
+    if skipped:
+      raise CheckpointCorruptedError(
+          f"no finalized step in {self.directory} restores: "
+          + "; ".join(f"step {s}: {why}" for s, why in skipped))
+    return None
 
   # -- lifetime --------------------------------------------------------------
 

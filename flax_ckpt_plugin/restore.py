@@ -73,67 +73,133 @@ def _intersect(a: Index, b: Index) -> Index | None:
 
 
 class _LeafReader:
-  """Assembles regions of one saved array leaf from its shards."""
+  """Assembles regions of one saved array leaf from its shards.
 
-  def __init__(self, reader: storage.ByteReader, leaf: dict, where: str):
+  With `verify`, every byte that reaches the result comes from a checksum
+  block that was read whole and matched its CRC-32C: a shard read whole is
+  checked in place; a part of a shard is read as the span of whole blocks
+  around it. Without `verify`, exactly the needed bytes are read.
+  """
+
+  def __init__(self, *, reader: storage.ByteReader, saved: dict,
+               leaf_path: str, where: str, verify: bool, block: int):
     self._reader = reader
-    self._leaf = leaf
-    self._where = where
-    self.dtype = storage.parse_dtype(leaf["dtype"], where)
-    self.shape = tuple(leaf["shape"])
+    self._where = f"{where}, leaf {leaf_path!r}"
+    self._verify = verify
+    self._block = block
+    self.dtype = storage.parse_dtype(saved["dtype"], self._where)
+    self.shape = tuple(saved["shape"])
     self._shards = [(tuple(tuple(r) for r in s["index"]), s)
-                    for s in leaf["shards"]]
+                    for s in saved["shards"]]
+    # Per shard: a buffer of its bytes (pages touched only where read) and the
+    # blocks in it already read and checked, so no block is read twice.
+    self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
 
   def read(self, region: Index) -> np.ndarray:
     """The values of `region` of the global array, as a new numpy array."""
     out = np.empty([hi - lo for lo, hi in region], dtype=self.dtype)
     filled = 0
-    for index, shard in self._shards:
+    for n, (index, shard) in enumerate(self._shards):
       inter = _intersect(index, region) if region else ()
       if inter is None:
         continue
       filled += math.prod(hi - lo for lo, hi in inter)
-      self._read_part(index, shard, inter, region, out)
+      self._read_part(n, index, shard, inter, region, out)
     if filled != out.size:
       raise CheckpointCorruptedError(
           f"{self._where}: shards cover {filled} of the {out.size} elements"
           f" of region {region}")
     return out
 
-  def _read_part(self, index: Index, shard: dict, inter: Index,
-                 region: Index, out: np.ndarray) -> None:
-    """Copies the part `inter` of a saved shard at `index` into `out`.
+  def _check(self, shard: dict, first_block: int, data: memoryview) -> None:
+    """Compares the blocks in `data` (from block `first_block`) to the sums."""
+    expected = shard["crc32c"][first_block:]
+    actual = storage.block_checksums(data, self._block)
+    for n, (want, got) in enumerate(zip(expected, actual)):
+      if want != got:
+        lo = (first_block + n) * self._block
+        hi = min(lo + self._block, shard["nbytes"])
+        raise CheckpointCorruptedError(
+            f"{self._where}: checksum mismatch in {shard['file']} at bytes"
+            f" [{shard['offset'] + lo}, {shard['offset'] + hi}) (shard"
+            f" {shard['index']}): crc32c {got:#010x}, manifest says"
+            f" {want:#010x}. The file was damaged after it was written.")
 
-    Reads exactly the bytes of `inter`: in C order they form runs that are
-    contiguous in the file, one per combination of the axes before the last
-    axis that `inter` does not span whole. Layouts that would need very many
-    tiny reads read the covering rows of the first axis instead.
+  def _runs(self, index: Index, inter: Index) -> tuple[list[int], int, Index]:
+    """Byte offsets (in the shard) of the runs that hold `inter`.
+
+    In C order the part `inter` of a shard is a set of runs contiguous in the
+    file, one per combination of the axes before the last axis that `inter`
+    does not span whole. Layouts that would need very many tiny runs take
+    whole rows of the first axis instead.
+
+    Returns:
+      The runs' byte offsets, the bytes per run, and the part of the shard
+      (shard-local [start, stop) per axis) that the runs hold.
     """
     shape = [hi - lo for lo, hi in index]
     local = [(lo - i0, hi - i0) for (lo, hi), (i0, _) in zip(inter, index)]
-    # Axes after `k` are spanned whole, so each run covers axis k's part.
+    if not shape:
+      return [0], self.dtype.itemsize, ()
     k = len(shape) - 1
     while k > 0 and local[k] == (0, shape[k]):
       k -= 1
     strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
-    runs = math.prod(hi - lo for lo, hi in local[:k]) if shape else 1
-    run_elems = ((local[k][1] - local[k][0]) * strides[k]) if shape else 1
+    run_elems = (local[k][1] - local[k][0]) * strides[k]
+    runs = math.prod(hi - lo for lo, hi in local[:k])
     if runs > _MAX_RUNS and run_elems * self.dtype.itemsize < _SMALL_RUN:
       local = [local[0]] + [(0, d) for d in shape[1:]]
-      k, runs = 0, 1
-      run_elems = (local[0][1] - local[0][0]) * strides[0]
+      k, run_elems = 0, (local[0][1] - local[0][0]) * strides[0]
+    first = sum(lo * st for (lo, _), st in zip(local, strides))
+    item = self.dtype.itemsize
+    offsets = [(first + sum(i * st for i, st in zip(idx, strides))) * item
+               for idx in itertools.product(
+                   *(range(hi - lo) for lo, hi in local[:k]))]
+    return offsets, run_elems * item, tuple(local)
+
+  def _verified_bytes(self, n: int, shard: dict, lo: int,
+                      hi: int) -> memoryview:
+    """Shard `n` as bytes, with at least [lo, hi) read in whole checked blocks."""
+    if n not in self._verified:
+      self._verified[n] = (np.empty(shard["nbytes"], np.uint8), set())
+    buf, done = self._verified[n]
+    view = memoryview(buf)
+    block, k, end = self._block, lo // self._block, -(-hi // self._block)
+    while k < end:
+      if k in done:
+        k += 1
+        continue
+      j = k
+      while j < end and j not in done:
+        j += 1
+      a, b = k * block, min(j * block, shard["nbytes"])
+      self._reader.read_into(shard["file"], shard["offset"] + a, view[a:b])
+      self._check(shard, k, view[a:b])
+      done.update(range(k, j))
+      k = j
+    return view
+
+  def _read_part(self, n: int, index: Index, shard: dict, inter: Index,
+                 region: Index, out: np.ndarray) -> None:
+    """Copies the part `inter` of a saved shard at `index` into `out`."""
+    offsets, run_bytes, local = self._runs(index, inter)
     part_shape = [hi - lo for lo, hi in local]
     direct = inter == region and part_shape == list(out.shape)
     part = out if direct else np.empty(part_shape, dtype=self.dtype)
     flat = memoryview(part.reshape(-1).view(np.uint8))
-    run_bytes = run_elems * self.dtype.itemsize
-    first = sum(lo * st for (lo, _), st in zip(local, strides))
-    for n, idx in enumerate(itertools.product(
-        *(range(hi - lo) for lo, hi in local[:k]))):
-      elem = first + sum(i * st for i, st in zip(idx, strides))
-      self._reader.read_into(
-          shard["file"], shard["offset"] + elem * self.dtype.itemsize,
-          flat[n * run_bytes:(n + 1) * run_bytes])
+    name, base = shard["file"], shard["offset"]
+    whole = run_bytes * len(offsets) == shard["nbytes"]
+    if not self._verify or whole:
+      for r, off in enumerate(offsets):
+        self._reader.read_into(name, base + off,
+                               flat[r * run_bytes:(r + 1) * run_bytes])
+      if self._verify:  # Read whole: check it where it lies.
+        self._check(shard, 0, flat)
+    else:
+      # Only whole checked blocks: copy the runs out of them.
+      src = self._verified_bytes(n, shard, offsets[0], offsets[-1] + run_bytes)
+      for r, off in enumerate(offsets):
+        flat[r * run_bytes:(r + 1) * run_bytes] = src[off:off + run_bytes]
     if direct:
       return
     src = tuple(slice(lo - l0, hi - l0) for (lo, hi), (l0, _) in
@@ -201,8 +267,7 @@ def _check_compatible(path: str, saved: dict, target: Any) -> None:
         f" {t_desc}")
 
 
-def _restore_leaf(path: str, saved: dict, target: Any,
-                  reader: storage.ByteReader, where: str) -> Any:
+def _restore_leaf(path: str, saved: dict, target: Any, lr_args: dict) -> Any:
   _check_compatible(path, saved, target)
   if saved["kind"] in ("int", "float", "bool"):
     value = saved["value"]
@@ -212,7 +277,7 @@ def _restore_leaf(path: str, saved: dict, target: Any,
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
     return jax.device_put(host, _target_sharding(target))
-  lr = _LeafReader(reader, saved, f"{where}, leaf {path!r}")
+  lr = _LeafReader(saved=saved, leaf_path=path, **lr_args)
   whole = tuple((0, d) for d in lr.shape)
   if isinstance(target, (bool, int, float)):
     return type(target)(lr.read(whole)[()].item())
@@ -228,9 +293,15 @@ def _restore_leaf(path: str, saved: dict, target: Any,
   return _restore_array(lr, lr.shape, sharding)
 
 
-def restore_tree(step_dir: epath.Path, manifest: dict,
-                 target: Any) -> tuple[Any, int]:
+def restore_tree(step_dir: epath.Path, manifest: dict, target: Any, *,
+                 verify: bool = True) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
+
+  Args:
+    step_dir: the finalized step directory.
+    manifest: its manifest, from `storage.read_manifest`.
+    target: the concrete or abstract pytree to restore like.
+    verify: check the CRC-32C of every block of data read.
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
@@ -238,15 +309,18 @@ def restore_tree(step_dir: epath.Path, manifest: dict,
   Raises:
     StructureMismatchError: leaf paths, shapes or dtypes differ; the message
       names the leaf and both sides.
-    CheckpointCorruptedError: data files are missing, short or inconsistent.
+    CheckpointCorruptedError: data files are missing, short, inconsistent
+      or fail their checksums; the message names the file, step and leaf.
   """
   saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
   targets, treedef = leaf_paths(target)
   _match_structure(saved, [p for p, _, _ in targets], step_dir)
   reader = storage.ByteReader(step_dir, manifest["files"])
+  lr_args = {"reader": reader, "verify": verify,
+             "block": manifest["checksum"]["block_bytes"],
+             "where": f"step {manifest['step']} in {step_dir}"}
   try:
-    leaves = [_restore_leaf(path, saved[path], leaf, reader,
-                            str(step_dir / storage.MANIFEST))
+    leaves = [_restore_leaf(path, saved[path], leaf, lr_args)
               for path, _, leaf in targets]
   finally:
     reader.close()

@@ -25,6 +25,7 @@ import os
 import time
 from typing import Any, Iterable
 
+import crc32c
 from etils import epath
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +39,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
 _CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
+# Every shard carries a CRC-32C per block of this many bytes (the last block
+# may be shorter), so a reader of part of a shard verifies whole blocks only.
+CHECKSUM_BLOCK = 4 << 20
 
 
 def data_file(process_index: int) -> str:
@@ -54,6 +58,13 @@ def _write_all(f, buf: memoryview) -> None:
     if n is None:  # Non-blocking streams only; not expected for files.
       raise OSError("short write")
     buf = buf[n:]
+
+
+def block_checksums(buf: memoryview, block: int = CHECKSUM_BLOCK) -> list[int]:
+  """CRC-32C of each `block`-byte block of `buf` (one for an empty buffer)."""
+  if not buf:
+    return [crc32c.crc32c(b"")]
+  return [crc32c.crc32c(buf[i:i + block]) for i in range(0, len(buf), block)]
 
 
 def _as_bytes(arr: np.ndarray) -> memoryview:
@@ -84,7 +95,8 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
         _write_all(f, buf)
         entries.append({"path": leaf.path, "file": name, "offset": offset,
                         "nbytes": buf.nbytes,
-                        "index": [list(r) for r in shard.index]})
+                        "index": [list(r) for r in shard.index],
+                        "crc32c": block_checksums(buf)})
         offset += buf.nbytes
       if local:
         os.fsync(f.fileno())
@@ -148,6 +160,7 @@ def write_manifest(step_dir: epath.Path, *, step: int,
       "process_count": process_count,
       "byte_order": "little",
       "files": files,
+      "checksum": {"algorithm": "crc32c", "block_bytes": CHECKSUM_BLOCK},
       "leaves": list(by_path.values()),
       "extra": extra,
       "metrics": metrics,
@@ -176,7 +189,31 @@ def _corrupt(where: str, what: str) -> CheckpointCorruptedError:
   return CheckpointCorruptedError(f"{where}: {what}")
 
 
-def _check_leaf(leaf: Any, where: str, files: dict[str, int]) -> None:
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
+                       lw: str) -> None:
+  """Shards must tile the array: no element missing, none twice."""
+  total = sum(_volume(i) for i in indices)
+  if total != math.prod(shape):
+    raise _corrupt(lw, f"shards cover {total} elements of"
+                   f" {math.prod(shape)}")
+  if not shape:
+    return  # One element: the count above settles it.
+  boxes = sorted(indices)  # By start along the first axis, then the rest.
+  for a in range(len(boxes)):
+    for b in range(a + 1, len(boxes)):
+      if boxes[b][0][0] >= boxes[a][0][1]:
+        break  # Starts after `a` ends along the first axis, as do the rest.
+      if all(max(r[0], s[0]) < min(r[1], s[1])
+             for r, s in zip(boxes[a], boxes[b])):
+        raise _corrupt(lw, f"shards {boxes[a]} and {boxes[b]} overlap")
+
+
+def _check_leaf(leaf: Any, where: str, files: dict[str, int],
+                block: int) -> None:
   if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
     raise _corrupt(where, "a leaf entry has no path")
   lw = f"{where}, leaf {leaf['path']!r}"
@@ -189,10 +226,9 @@ def _check_leaf(leaf: Any, where: str, files: dict[str, int]) -> None:
     raise _corrupt(lw, f"unknown kind {kind!r}")
   dtype = parse_dtype(leaf.get("dtype"), lw)
   shape = leaf.get("shape")
-  if not (isinstance(shape, list) and all(
-      isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62
-      for d in shape)):
-    raise _corrupt(lw, f"bad shape {shape!r}")
+  if not (isinstance(shape, list) and len(shape) <= 64 and all(
+      _is_int(d) and 0 <= d < 2**62 for d in shape)):
+    raise _corrupt(lw, f"bad shape {shape!r:.200}")
   shards = leaf.get("shards")
   if not isinstance(shards, list):
     raise _corrupt(lw, "no shard list")
@@ -201,17 +237,21 @@ def _check_leaf(leaf: Any, where: str, files: dict[str, int]) -> None:
       raise _corrupt(lw, f"shard in unknown file {s!r:.200}")
     index = s.get("index")
     if not (isinstance(index, list) and len(index) == len(shape) and all(
-        isinstance(r, list) and len(r) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in r)
+        isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r)
         and 0 <= r[0] <= r[1] <= d for r, d in zip(index, shape))):
       raise _corrupt(lw, f"shard index {index!r:.200} outside shape {shape}")
     off, nbytes = s.get("offset"), s.get("nbytes")
-    if not (isinstance(off, int) and isinstance(nbytes, int) and off >= 0
+    if not (_is_int(off) and _is_int(nbytes) and off >= 0
             and nbytes == _volume(index) * dtype.itemsize
             and off + nbytes <= files[s["file"]]):
       raise _corrupt(
-          lw, f"shard bytes [{off}, {off}+{nbytes}) do not fit"
+          lw, f"shard bytes [{off!r:.40}, +{nbytes!r:.40}) do not fit"
           f" {s['file']} ({files[s['file']]} bytes) or the shard's size")
+    sums = s.get("crc32c")
+    if not (isinstance(sums, list) and len(sums) == max(1, -(-nbytes // block))
+            and all(_is_int(c) and 0 <= c < 2**32 for c in sums)):
+      raise _corrupt(lw, f"shard at {index} has no valid crc32c list")
+  _check_exact_cover([s["index"] for s in shards], shape, lw)
 
 
 def read_manifest(step_dir: epath.Path) -> dict:
@@ -243,11 +283,20 @@ def read_manifest(step_dir: epath.Path) -> dict:
       isinstance(k, str) and isinstance(v, int) and v >= 0
       and _safe_relative(k) for k, v in files.items()):
     raise _corrupt(where, "bad 'files' table")
+  checksum = manifest.get("checksum")
+  if not (isinstance(checksum, dict) and checksum.get("algorithm") == "crc32c"
+          and _is_int(checksum.get("block_bytes"))
+          and checksum["block_bytes"] > 0):
+    raise _corrupt(where, f"bad 'checksum' entry {checksum!r:.200}")
   leaves = manifest.get("leaves")
   if not isinstance(leaves, list):
     raise _corrupt(where, "no 'leaves' list")
+  paths = set()
   for leaf in leaves:
-    _check_leaf(leaf, where, files)
+    _check_leaf(leaf, where, files, checksum["block_bytes"])
+    if leaf["path"] in paths:
+      raise _corrupt(where, f"leaf {leaf['path']!r} appears twice")
+    paths.add(leaf["path"])
   return manifest
 
 

@@ -182,7 +182,7 @@ def test_layout_and_manifest_fields_are_documented(tmp_path, state):
   files = sorted(p.relative_to(step_dir).as_posix()
                  for p in step_dir.rglob("*") if p.is_file())
   assert files == ["_COMMITTED", "data/process_00000.bin", "manifest.json"]
-  assert sorted(os.listdir(tmp_path / "ckpt")) == ["12"]
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["12", "_WRITER"]
 
   doc = DOC.read_text()
   manifest = json.loads((step_dir / "manifest.json").read_text())

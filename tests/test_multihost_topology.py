@@ -30,7 +30,8 @@ STEP = 2  # The step that `topology_write.py` saves.
 
 
 def _entries(directory: pathlib.Path) -> list[str]:
-  return sorted(os.listdir(directory))
+  # The writer's claim on the directory (`_WRITER`) is not a step.
+  return sorted(set(os.listdir(directory)) - {"_WRITER"})
 
 
 def _data_file(p: int) -> str:
@@ -186,8 +187,12 @@ def test_restore_into_another_topology_reads_only_what_it_needs(
       assert r["is_train_state"], where
       assert r["on_target_shardings"], where
       assert r["digests"] == digests, where
+      assert r["unverified_digests"] == digests, where
       assert r["array_bytes"] == array_bytes, where
+      # Unverified: exactly the needed bytes. Verified: whole checksum
+      # blocks around them, each read once, never more than the checkpoint.
       assert r["nbytes_read"] == sum(r["needed_bytes"].values()), where
+      assert (r["nbytes_read"] <= r["verified_nbytes_read"] <= total), where
       for path, need in r["needed_bytes"].items():
         split = num_processes == 2 and _is_split(path, layout)
         assert need == array_bytes[path] // (2 if split else 1), (where, path)
