@@ -10,8 +10,10 @@ checkpoint written by any number of devices can be read by any other.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
+import os
 from typing import Any, Sequence
 
 from etils import epath
@@ -29,6 +31,20 @@ from flax_ckpt_plugin.snapshot import normalize_index
 # is read as whole rows of its first axis: a few larger reads beat many tiny.
 _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
+# Leaves restored at once: reads and checksums release the GIL.
+_THREADS = min(8, os.cpu_count() or 1)
+
+
+def host_buffer(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+  """An uninitialized C-order array whose data starts on a 64-byte boundary.
+
+  The CPU backend adopts such memory in `jax.device_put` without copying it;
+  numpy's own allocations are only 16-byte aligned and would be copied.
+  """
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _describe(dtype: Any, shape: Sequence[int]) -> str:
@@ -97,7 +113,7 @@ class _LeafReader:
 
   def read(self, region: Index) -> np.ndarray:
     """The values of `region` of the global array, as a new numpy array."""
-    out = np.empty([hi - lo for lo, hi in region], dtype=self.dtype)
+    out = host_buffer([hi - lo for lo, hi in region], self.dtype)
     filled = 0
     for n, (index, shard) in enumerate(self._shards):
       inter = _intersect(index, region) if region else ()
@@ -228,6 +244,13 @@ def _restore_array(lr: _LeafReader, shape: tuple[int, ...],
     host = cache.get(region)
     if host is None:
       host = cache[region] = lr.read(region)
+    else:
+      # Read once, but never hand one host buffer to two devices: the CPU
+      # backend adopts the memory, and a jitted step that donates one replica
+      # could then write over the other.
+      copy = host_buffer(host.shape, host.dtype)
+      np.copyto(copy, host)
+      host = copy
     arrays.append(jax.device_put(host, device))
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -320,8 +343,16 @@ def restore_tree(step_dir: epath.Path, manifest: dict, target: Any, *,
              "block": manifest["checksum"]["block_bytes"],
              "where": f"step {manifest['step']} in {step_dir}"}
   try:
-    leaves = [_restore_leaf(path, saved[path], leaf, lr_args)
-              for path, _, leaf in targets]
+    with concurrent.futures.ThreadPoolExecutor(
+        _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
+      futures = [pool.submit(_restore_leaf, path, saved[path], leaf, lr_args)
+                 for path, _, leaf in targets]
+      try:
+        leaves = [f.result() for f in futures]
+      except BaseException:
+        for f in futures:
+          f.cancel()
+        raise
   finally:
     reader.close()
   return jax.tree_util.tree_unflatten(treedef, leaves), reader.bytes_read

@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import threading
 import time
 from typing import Any, Iterable
 
@@ -308,15 +309,24 @@ def _safe_relative(name: str) -> bool:
 
 
 class ByteReader:
-  """Reads byte ranges of a step's data files; one open handle per file."""
+  """Reads byte ranges of a step's data files; one open handle per file.
+
+  Safe to use from several threads: local files are read with positional
+  reads of one shared descriptor; other file objects are read under a lock.
+  """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int]):
     self._dir = step_dir
     self._sizes = files
     self._fds: dict[str, Any] = {}
+    self._lock = threading.Lock()
     self.bytes_read = 0
 
   def _open(self, name: str):
+    with self._lock:
+      return self._open_locked(name)
+
+  def _open_locked(self, name: str):
     fd = self._fds.get(name)
     if fd is None:
       path = self._dir / name
@@ -352,14 +362,16 @@ class ByteReader:
       if isinstance(fd, int):
         n = os.preadv(fd, [out[done:]], offset + done)
       else:
-        fd.seek(offset + done)
-        n = fd.readinto(out[done:])
+        with self._lock:
+          fd.seek(offset + done)
+          n = fd.readinto(out[done:])
       if not n:
         raise CheckpointCorruptedError(
             f"data file {self._dir / name} ended at byte {offset + done},"
             f" expected {offset + len(out)}")
       done += n
-    self.bytes_read += done
+    with self._lock:
+      self.bytes_read += done
 
   def close(self) -> None:
     for fd in self._fds.values():
