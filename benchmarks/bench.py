@@ -1,0 +1,305 @@
+"""flax_ckpt_plugin against Orbax on one Flax/Optax train loop, side by side.
+
+    python benchmarks/bench.py                       # ~1 GB TrainState, 3 runs
+    python benchmarks/bench.py --layers 2 --width 256 --steps 6 --every 3 \\
+        --repeats 1 --json /tmp/bench.json           # seconds, for CI
+
+The state is a Flax `TrainState` of `--layers` Dense layers of
+`--width` x `--width` float32 with Adam (8 x 3200 x 3200: ~0.98 GB), trained by
+a jitted step that donates its state. Each system runs in its own process
+(so peak RSS is its own), alternating which goes first, `--repeats` times.
+Each run measures:
+
+1. train-loop overhead: `--steps` steps with a save every `--every` steps
+   (including the wait for the last save), against the same steps without;
+2. blocking time of each save call;
+3. one isolated save until durable, and a raw write + fsync of the same bytes
+   with plain Python file I/O (the disk's ceiling, measured in the same run);
+4. warm restore (files in the page cache) into a target sharded over 2 CPU
+   devices;
+5. peak RSS of the process, and how far it rose above the train loop's own
+   peak once checkpointing started.
+
+It prints medians with ratios (ours / Orbax, ours / ceiling) and writes all
+figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SYSTEMS = ("ours", "orbax")
+
+
+def _rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(args: argparse.Namespace) -> dict:
+  """One system's measurements, in a fresh process."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(args.layers):
+        x = nn.tanh(nn.Dense(args.width)(x))
+      return x
+
+  model = Model()
+  x = jnp.ones((args.batch, args.width), jnp.float32)
+
+  def create():
+    params = model.init(jax.random.key(0), x)
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-4))
+
+  @jax.jit
+  def step_fn(state):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(state.apply_fn(p, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  train_step = jax.jit(step_fn, donate_argnums=0)
+  state = jax.jit(create)()
+  nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
+  for _ in range(2):  # Compile and warm up.
+    state, loss = train_step(state)
+    float(loss)
+
+  root = tempfile.mkdtemp(dir=args.dir)
+  out = {"system": args.worker, "state_bytes": nbytes}
+
+  def run_loop(save):
+    nonlocal state
+    t0 = time.perf_counter()
+    blocking = []
+    for step in range(1, args.steps + 1):
+      state, loss = train_step(state)
+      float(loss)  # A loop that logs its loss waits for each step.
+      b = save(step, state)
+      if b is not None:
+        blocking.append(b)
+    return time.perf_counter() - t0, blocking
+
+  base, _ = run_loop(lambda step, s: None)
+  out["loop_secs_no_saves"] = base
+  out["rss_mb_train_only"] = _rss_mb()
+
+  if args.worker == "ours":
+    import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
+
+    def open_manager(directory):
+      return flax_ckpt_plugin.CheckpointManager(directory, max_to_keep=2)
+
+    def save_now(mngr, step, s):
+      mngr.save(step, s)
+
+    def restore(mngr, step, target):
+      return mngr.restore(target, step)
+  else:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    def open_manager(directory):
+      return ocp.CheckpointManager(
+          directory, options=ocp.CheckpointManagerOptions(
+              max_to_keep=2, enable_async_checkpointing=True))
+
+    def save_now(mngr, step, s):
+      mngr.save(step, args=ocp.args.StandardSave(s), force=True)
+
+    def restore(mngr, step, target):
+      return mngr.restore(step, args=ocp.args.StandardRestore(target))
+
+  # 1 + 2: the train loop with a save every `every` steps.
+  mngr = open_manager(os.path.join(root, "loop"))
+
+  def periodic(step, s):
+    if step % args.every:
+      return None
+    t = time.perf_counter()
+    save_now(mngr, step, s)
+    return time.perf_counter() - t
+
+  loop, blocking = run_loop(periodic)
+  t = time.perf_counter()
+  mngr.wait_until_finished()
+  out["loop_secs_with_saves"] = loop + time.perf_counter() - t
+  out["blocking_secs"] = blocking
+  mngr.close()
+
+  # 3: one isolated save until durable, then the raw ceiling.
+  mngr = open_manager(os.path.join(root, "isolated"))
+  t = time.perf_counter()
+  save_now(mngr, 1, state)
+  mngr.wait_until_finished()
+  out["isolated_save_secs"] = time.perf_counter() - t
+  raw_path = os.path.join(root, "raw.bin")
+  host = [np.asarray(a) for a in jax.tree.leaves(state)]
+  t = time.perf_counter()
+  with open(raw_path, "wb", buffering=0) as f:
+    for a in host:
+      f.write(memoryview(a.reshape(-1).view(np.uint8)))
+    os.fsync(f.fileno())
+  out["raw_write_fsync_secs"] = time.perf_counter() - t
+  del host
+  os.unlink(raw_path)
+
+  # 4: warm restore into a target sharded over 2 devices.
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  target = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+          mesh, P("x") if a.ndim == 2 else P())),
+      jax.eval_shape(lambda: state))
+  restore(mngr, 1, target)  # Warms the page cache.
+  t = time.perf_counter()
+  restored = restore(mngr, 1, target)
+  jax.block_until_ready(restored)
+  out["warm_restore_secs"] = time.perf_counter() - t
+  ok = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(state)))
+  out["restore_bit_identical"] = bool(ok)
+  mngr.close()
+  out["rss_mb_peak"] = _rss_mb()
+  shutil.rmtree(root, ignore_errors=True)
+  return out
+
+
+def _median(runs: list[dict], key: str) -> float:
+  return statistics.median(r[key] for r in runs)
+
+
+def summarize(results: dict[str, list[dict]]) -> dict:
+  """Medians per system and the ratios the targets are stated in."""
+  s = {}
+  for name, runs in results.items():
+    gb = runs[0]["state_bytes"] / 1e9
+    s[name] = {
+        "loop_overhead": statistics.median(
+            r["loop_secs_with_saves"] / r["loop_secs_no_saves"] - 1
+            for r in runs),
+        "blocking_secs": statistics.median(
+            statistics.median(r["blocking_secs"]) for r in runs),
+        "isolated_save_secs": _median(runs, "isolated_save_secs"),
+        "isolated_save_gbps": gb / _median(runs, "isolated_save_secs"),
+        "raw_write_fsync_gbps": statistics.median(
+            gb / r["raw_write_fsync_secs"] for r in runs),
+        "save_vs_ceiling": statistics.median(
+            r["raw_write_fsync_secs"] / r["isolated_save_secs"]
+            for r in runs),
+        "warm_restore_secs": _median(runs, "warm_restore_secs"),
+        "warm_restore_gbps": gb / _median(runs, "warm_restore_secs"),
+        "rss_mb_peak": _median(runs, "rss_mb_peak"),
+        "rss_mb_above_train_loop": statistics.median(
+            r["rss_mb_peak"] - r["rss_mb_train_only"] for r in runs),
+        "restore_bit_identical": all(r["restore_bit_identical"]
+                                     for r in runs),
+    }
+  ours, orbax = s["ours"], s["orbax"]
+  s["ratios"] = {
+      "loop_overhead": ours["loop_overhead"] / orbax["loop_overhead"]
+                       if orbax["loop_overhead"] > 0 else float("nan"),
+      "blocking": ours["blocking_secs"] / orbax["blocking_secs"],
+      "isolated_save": ours["isolated_save_secs"]
+                       / orbax["isolated_save_secs"],
+      "warm_restore": ours["warm_restore_secs"] / orbax["warm_restore_secs"],
+      "rss_peak": ours["rss_mb_peak"] / orbax["rss_mb_peak"],
+  }
+  return s
+
+
+def print_table(s: dict, runs: int, gb: float) -> None:
+  ours, orbax, r = s["ours"], s["orbax"], s["ratios"]
+  rows = [
+      ("train-loop overhead (save every K)", f"{ours['loop_overhead']:+.1%}",
+       f"{orbax['loop_overhead']:+.1%}", f"{r['loop_overhead']:.3f}", "<= 0.25"),
+      ("blocking per save call (s)", f"{ours['blocking_secs']:.3f}",
+       f"{orbax['blocking_secs']:.3f}", f"{r['blocking']:.3f}", "<= 1"),
+      ("isolated save to durable (s)", f"{ours['isolated_save_secs']:.3f}",
+       f"{orbax['isolated_save_secs']:.3f}", f"{r['isolated_save']:.3f}",
+       "<= 0.6"),
+      ("  GB/s (raw write+fsync GB/s)",
+       f"{ours['isolated_save_gbps']:.2f} ({ours['raw_write_fsync_gbps']:.2f})",
+       f"{orbax['isolated_save_gbps']:.2f} ({orbax['raw_write_fsync_gbps']:.2f})",
+       f"{ours['save_vs_ceiling']:.0%} of ceiling", ">= 70%"),
+      ("warm restore, sharded (s)", f"{ours['warm_restore_secs']:.3f}",
+       f"{orbax['warm_restore_secs']:.3f}", f"{r['warm_restore']:.3f}",
+       "<= 0.25"),
+      ("peak RSS (MB)", f"{ours['rss_mb_peak']:.0f}",
+       f"{orbax['rss_mb_peak']:.0f}", f"{r['rss_peak']:.3f}", "<= 1"),
+      ("  RSS above the train loop (MB)",
+       f"{ours['rss_mb_above_train_loop']:.0f}",
+       f"{orbax['rss_mb_above_train_loop']:.0f}", "", ""),
+  ]
+  print(f"\nstate {gb:.3f} GB, median of {runs} run(s) per system")
+  head = ("", "flax_ckpt_plugin", "Orbax", "ours/Orbax", "target")
+  widths = [max(len(str(row[i])) for row in rows + [head]) for i in range(5)]
+  for row in [head] + rows:
+    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+  print(f"restores bit-identical: ours {ours['restore_bit_identical']},"
+        f" Orbax {orbax['restore_bit_identical']}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--width", type=int, default=3200)
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=40)
+  parser.add_argument("--every", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--dir", default=None,
+                      help="where checkpoints are written (default: a temp"
+                      " dir)")
+  parser.add_argument("--json", default=None, help="write all figures here")
+  parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    print(json.dumps(worker(args)))
+    return
+  results = {name: [] for name in SYSTEMS}
+  passthrough = [a for a in sys.argv[1:]]
+  if "--json" in passthrough:
+    i = passthrough.index("--json")
+    del passthrough[i:i + 2]
+  for rep in range(args.repeats):
+    order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+    for name in order:
+      proc = subprocess.run(
+          [sys.executable, __file__, *passthrough, "--worker", name],
+          capture_output=True, text=True, check=False)
+      if proc.returncode:
+        sys.exit(f"{name} run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+      run = json.loads(proc.stdout.strip().splitlines()[-1])
+      results[name].append(run)
+      print(f"run {rep + 1}/{args.repeats} {name}: " + ", ".join(
+          f"{k}={v:.3f}" for k, v in run.items()
+          if isinstance(v, float)), flush=True)
+  summary = summarize(results)
+  print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "runs": results, "summary": summary}, f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()
