@@ -13,19 +13,32 @@ To try it on one machine, `--launch N` starts N local processes, each with
 Run it again with a larger `--num-steps` and every process resumes from the
 newest finalized step, even with another `--launch` count: the checkpoint is
 restored into whatever mesh the new job has.
+
+A SIGTERM to any one process is a preemption notice for all: JAX's notifier
+tells every process, all save the same step, and each exits with code 75
+(`PREEMPTED_EXIT_CODE`) once that checkpoint is durable. Batches are a pure
+function of the step, so a rerun resumes exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 
 def launch(args: argparse.Namespace) -> int:
-  """Starts `args.launch` copies of this script as one jax.distributed job."""
+  """Starts `args.launch` copies of this script as one jax.distributed job.
+
+  Prints each process's pid, so that one of them can be sent a signal, and
+  each one's exit code. A SIGTERM to this launcher is passed on to every
+  process, as a scheduler would send it. Returns the common exit code of the
+  processes, or 1 if they differ.
+  """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -38,7 +51,23 @@ def launch(args: argparse.Namespace) -> int:
       [sys.executable, __file__, *argv, "--coordinator", f"127.0.0.1:{port}",
        "--num-processes", str(args.launch), "--process-id", str(p)], env=env)
            for p in range(args.launch)]
-  return max(p.wait() for p in procs)
+  for p, proc in enumerate(procs):
+    print(f"process {p}: pid {proc.pid}", flush=True)
+
+  def forward(signum, frame):
+    del frame
+    for proc in procs:
+      if proc.poll() is None:
+        proc.send_signal(signum)
+
+  signal.signal(signal.SIGTERM, forward)
+  codes = []
+  for p, proc in enumerate(procs):
+    code = proc.wait()
+    code = code if code >= 0 else 128 - code  # Killed by signal N: 128 + N.
+    print(f"process {p} exited with code {code}", flush=True)
+    codes.append(code)
+  return codes[0] if len(set(codes)) == 1 else 1
 
 
 def train(args: argparse.Namespace) -> None:
@@ -57,6 +86,7 @@ def train(args: argparse.Namespace) -> None:
   import optax  # pylint: disable=g-import-not-at-top
 
   from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import PREEMPTED_EXIT_CODE  # pylint: disable=g-import-not-at-top
 
   # A 2-D mesh: 'data' across processes, 'model' within each.
   n_proc = jax.process_count()
@@ -108,14 +138,48 @@ def train(args: argparse.Namespace) -> None:
       print(f"{n_proc} processes x {jax.local_device_count()} devices;"
             + (f" restored step {start}" if cb.restored_step is not None
                else " no checkpoint, starting fresh"), flush=True)
+    loss = float("nan")
     for step in range(start + 1, args.num_steps + 1):
+      t0 = time.monotonic()
       state, loss = train_step(state, *batch(step))
+      # Wait for the step on every process: with steps dispatched far ahead,
+      # the CPU (gloo) collectives of this example hung after ~100 steps.
+      loss = float(loss)
       cb(step, state, metrics={"loss": loss})
-      if cb.should_stop:
+      if (args.log_every and step % args.log_every == 0
+          and jax.process_index() == 0):
+        print(f"step {step}: loss {loss:.5f}", flush=True)
+      if cb.should_stop:  # Every process stops at the same step.
         break
-  if jax.process_index() == 0:
-    print(f"done at step {int(state.step)}, loss {float(loss):.5f}",
+      if args.step_secs:
+        time.sleep(max(0.0, t0 + args.step_secs - time.monotonic()))
+  # The callback is closed: the preemption checkpoint (if any) is durable.
+  if cb.should_stop:
+    print(f"process {jax.process_index()}: preempted: checkpoint of step"
+          f" {step} is durable, exiting with code {PREEMPTED_EXIT_CODE}",
           flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)
+  if args.final_params:
+    save_final_params(args.final_params, state)
+  if jax.process_index() == 0:
+    print(f"done at step {int(state.step)}, loss {loss:.5f}", flush=True)
+
+
+def save_final_params(path: str, state) -> None:
+  """Process 0 writes every leaf's global value to an .npz, by key path.
+
+  Called on every process: gathering the shards of the others is a
+  collective.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  values = multihost_utils.process_allgather([v for _, v in leaves],
+                                             tiled=True)
+  if jax.process_index() == 0:
+    np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v)
+                      for (k, _), v in zip(leaves, values)})
 
 
 def main() -> None:
@@ -123,6 +187,14 @@ def main() -> None:
   parser.add_argument("--workdir", default="/tmp/flax_ckpt_plugin_multihost")
   parser.add_argument("--num-steps", type=int, default=40)
   parser.add_argument("--every-steps", type=int, default=10)
+  parser.add_argument("--log-every", type=int, default=0,
+                      help="process 0 prints the loss every this many steps")
+  parser.add_argument("--step-secs", type=float, default=0.0,
+                      help="make every step last at least this long, as a"
+                      " bigger model's would (to try preemption by hand)")
+  parser.add_argument("--final-params", default=None,
+                      help="process 0 writes the final state's leaves to"
+                      " this .npz")
   parser.add_argument("--launch", type=int, default=0,
                       help="start this many local processes")
   parser.add_argument("--devices-per-process", type=int, default=2)

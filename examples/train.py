@@ -9,12 +9,17 @@ uninterrupted run would have seen.
     python examples/train.py --num-steps 100
     python examples/train.py --num-steps 200   # resumes from step 100
 
-Delete the workdir (default /tmp/flax_ckpt_plugin_example) to start over.
+On SIGTERM (a preemption notice) it saves the current step, waits until that
+checkpoint is durable, and exits with code 75 (`PREEMPTED_EXIT_CODE`); run it
+again and it resumes from there. Delete the workdir (default
+/tmp/flax_ckpt_plugin_example) to start over.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
 
 from flax import linen as nn
@@ -25,6 +30,7 @@ import numpy as np
 import optax
 
 from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 
 NUM_FEATURES = 16
 NUM_CLASSES = 4
@@ -127,7 +133,11 @@ def main() -> None:
   parser.add_argument("--workdir", default="/tmp/flax_ckpt_plugin_example")
   parser.add_argument("--num-steps", type=int, default=100)
   parser.add_argument("--every-steps", type=int, default=20)
-  parser.add_argument("--log-every", type=int, default=10)
+  parser.add_argument("--log-every", type=int, default=10,
+                      help="print the loss every this many steps")
+  parser.add_argument("--step-secs", type=float, default=0.0,
+                      help="make every step last at least this long, as a"
+                      " bigger model's would (to try preemption by hand)")
   parser.add_argument("--final-params", default=None,
                       help="write the final state's leaves to this .npz")
   args = parser.parse_args()
@@ -147,14 +157,19 @@ def main() -> None:
   start = int(state.step)
 
   for step in range(start + 1, args.num_steps + 1):
+    t0 = time.monotonic()
     bx, by = loader.next()
     state, loss = train_step(state, bx, by)
     cb(step, state, extra=loader.position(), metrics={"loss": loss})
     if step % args.log_every == 0:
       print(f"step {step}: loss {float(loss):.4f}", flush=True)
-    if cb.should_stop:  # A preemption checkpoint is durable: exit now.
-      print(f"stopping at step {step} for preemption", flush=True)
-      break
+    if cb.should_stop:  # A preemption checkpoint of `step` is durable.
+      cb.close()
+      print(f"preempted: checkpoint of step {step} is durable, exiting with"
+            f" code {PREEMPTED_EXIT_CODE}", flush=True)
+      sys.exit(PREEMPTED_EXIT_CODE)
+    if args.step_secs:
+      time.sleep(max(0.0, t0 + args.step_secs - time.monotonic()))
   cb.close()  # Waits for the last save and raises any error it had.
 
   if args.final_params:
