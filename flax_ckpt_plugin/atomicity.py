@@ -201,6 +201,37 @@ class TemporaryPath(abc.ABC):
     self.final = final
     self.step = step
     self.prepared = False  # Set once `prepare` made `path` ours.
+    # (st_dev, st_ino) of the directory `prepare` made, on local disks. An
+    # open descriptor keeps the inode from being reused, so a directory of
+    # the same name made by another writer is never taken for ours.
+    self.identity: tuple[int, int] | None = None
+    self._dir_fd: int | None = None
+
+  def _hold(self) -> None:
+    """Records the identity of the freshly made `path` (local disks)."""
+    self.prepared = True
+    if is_local(self.path):
+      self._dir_fd = os.open(os.fspath(self.path),
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+      st = os.fstat(self._dir_fd)
+      self.identity = (st.st_dev, st.st_ino)
+
+  def _release(self) -> None:
+    if self._dir_fd is not None:
+      os.close(self._dir_fd)
+      self._dir_fd = None
+
+  def is_ours(self) -> bool:
+    """Whether `path` is still the directory that `prepare` made."""
+    if not self.prepared:
+      return False
+    if self.identity is None:
+      return True  # Object stores have no identity to compare.
+    try:
+      st = os.stat(os.fspath(self.path))
+    except FileNotFoundError:
+      return False
+    return (st.st_dev, st.st_ino) == self.identity
 
   @property
   @abc.abstractmethod
@@ -215,7 +246,7 @@ class TemporaryPath(abc.ABC):
           " to overwrite it.")
     _remove_tree(self.path)
     self.path.mkdir(parents=True, exist_ok=False)
-    self.prepared = True
+    self._hold()
 
   @abc.abstractmethod
   def finalize(self) -> None:
@@ -224,15 +255,17 @@ class TemporaryPath(abc.ABC):
   def abandon(self) -> None:
     """Removes what a failed save left behind (best effort).
 
-    Only a path this object prepared, and never a finalized step: a save that
-    failed because the step exists must not delete the step.
+    Only the directory this object prepared, and never a finalized step: a
+    save that failed because the step exists must not delete the step, and
+    an old job whose directory was taken over must not delete the new job's.
     """
-    if not self.prepared or is_finalized(self.path):
-      return
     try:
-      _remove_tree(self.path)
+      if self.is_ours() and not is_finalized(self.path):
+        _remove_tree(self.path)
     except OSError:
       pass
+    finally:
+      self._release()
 
 
 class AtomicRenamePath(TemporaryPath):
@@ -249,8 +282,13 @@ class AtomicRenamePath(TemporaryPath):
       raise FileExistsError(
           f"cannot finalize step {self.step}: {self.final} appeared while it"
           " was being written (another writer on this directory?).")
+    if not self.is_ours():
+      raise FileExistsError(
+          f"cannot finalize step {self.step}: {self.path} was replaced while"
+          " it was being written (another writer on this directory?).")
     os.rename(os.fspath(self.path), os.fspath(self.final))
     fsync_path(self.final.parent)
+    self._release()
 
 
 class CommitFilePath(TemporaryPath):
@@ -269,10 +307,17 @@ class CommitFilePath(TemporaryPath):
           " to overwrite it.")
     _remove_tree(self.final)
     self.final.mkdir(parents=True, exist_ok=True)
-    self.prepared = True
+    fsync_path(self.final.parent)
+    self._hold()
 
   def finalize(self) -> None:
+    if not self.is_ours():
+      raise FileExistsError(
+          f"cannot finalize step {self.step}: {self.final} was replaced while"
+          " it was being written (another writer on this directory?).")
     write_small_file(self.final / COMMIT_MARKER, _marker_text(self.step))
+    fsync_path(self.final)  # The marker's directory entry, too.
+    self._release()
 
 
 def temporary_path(directory: epath.Path, step: int,

@@ -324,11 +324,22 @@ class CheckpointManager:
     key = f"{self.name}/save{save_id}/step{step}"
     tmp = atomicity_lib.temporary_path(self.directory, step, self.atomicity)
     pid, count = multihost.process_index(), multihost.process_count()
-    self._phase(key, "prepared",
-                lambda: tmp.prepare() if self.is_primary else None, tmp)
+
+    def prepare():
+      if self.is_primary:
+        tmp.prepare()
+        if count > 1:  # Others check that they write where it made.
+          self._kv.set(f"{key}/identity", json.dumps(tmp.identity))
+
+    self._phase(key, "prepared", prepare, tmp)
+    identity = tmp.identity
+    if count > 1 and not self.is_primary:
+      identity = json.loads(self._kv.get(f"{key}/identity",
+                                         timeout_ms=self.barrier_timeout_ms))
     nbytes = self._phase(
         key, "written",
-        lambda: storage.write_process_files(tmp.path, leaves, pid), tmp)
+        lambda: storage.write_process_files(tmp.path, leaves, pid,
+                                            identity=identity), tmp)
 
     def finalize():
       if self.is_primary:

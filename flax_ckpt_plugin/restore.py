@@ -113,6 +113,14 @@ class _LeafReader:
 
   def read(self, region: Index) -> np.ndarray:
     """The values of `region` of the global array, as a new numpy array."""
+    try:
+      return self._read(region)
+    except CheckpointCorruptedError as e:
+      if str(e).startswith(self._where):
+        raise
+      raise CheckpointCorruptedError(f"{self._where}: {e}") from e
+
+  def _read(self, region: Index) -> np.ndarray:
     out = host_buffer([hi - lo for lo, hi in region], self.dtype)
     filled = 0
     for n, (index, shard) in enumerate(self._shards):
@@ -296,7 +304,12 @@ def _restore_leaf(path: str, saved: dict, target: Any, lr_args: dict) -> Any:
     value = saved["value"]
     if isinstance(target, (bool, int, float)):
       return type(target)(value)
-    host = np.asarray(value, dtype=target.dtype)
+    try:
+      host = np.asarray(value, dtype=target.dtype)
+    except (OverflowError, ValueError) as e:
+      raise CheckpointCorruptedError(
+          f"{lr_args['where']}, leaf {path!r}: value {value!r:.60} does not"
+          f" fit {target.dtype}") from e
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
     return jax.device_put(host, _target_sharding(target))

@@ -19,9 +19,11 @@ readers with numpy alone. Nothing here unpickles or executes anything.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import math
 import os
+import stat
 import threading
 import time
 from typing import Any, Iterable
@@ -33,6 +35,7 @@ import numpy as np
 
 from flax_ckpt_plugin import atomicity
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.snapshot import LeafSnapshot
 
 FORMAT_NAME = "flax_ckpt_plugin"
@@ -43,6 +46,11 @@ _CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
 # Every shard carries a CRC-32C per block of this many bytes (the last block
 # may be shorter), so a reader of part of a shard verifies whole blocks only.
 CHECKSUM_BLOCK = 4 << 20
+
+
+# Errors that mean a manifest's file name cannot name a data file.
+_NOT_A_DATA_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                    errno.ELOOP, errno.ENXIO)
 
 
 def data_file(process_index: int) -> str:
@@ -74,37 +82,96 @@ def _as_bytes(arr: np.ndarray) -> memoryview:
   return memoryview(np.asarray(arr, order="C").reshape(-1).view(np.uint8))
 
 
+class _StepDirWriter:
+  """Creates this process's files in one step directory.
+
+  On local disks the directory is opened once and checked against the
+  identity the primary host recorded when it made it; files are then
+  created relative to that descriptor, so if another writer replaces the
+  directory by name, this process never writes into the replacement.
+  """
+
+  def __init__(self, step_dir: epath.Path,
+               identity: tuple[int, int] | None):
+    self._dir = step_dir
+    self._fd = self._data_fd = None
+    if not atomicity.is_local(step_dir):
+      (step_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+      return
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    self._fd = os.open(os.fspath(step_dir), flags)
+    st = os.fstat(self._fd)
+    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+      self.close()
+      raise ConcurrentWriterError(
+          f"{step_dir} is no longer the directory this save was started in:"
+          " another writer replaced it. This save is abandoned.")
+    try:
+      os.mkdir(DATA_DIR, dir_fd=self._fd)
+    except FileExistsError:
+      pass
+    self._data_fd = os.open(DATA_DIR, flags, dir_fd=self._fd)
+
+  def open(self, name: str):
+    """A binary file for writing at `name` (relative to the step dir)."""
+    if self._data_fd is None:
+      return (self._dir / name).open("wb")
+    base = name.split("/", 1)[1]  # Every file here lives in DATA_DIR.
+    fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                 0o644, dir_fd=self._data_fd)
+    return open(fd, "wb", buffering=0)
+
+  def sync(self, f) -> None:
+    if self._data_fd is not None:
+      os.fsync(f.fileno())
+
+  def close(self) -> None:
+    for fd in (self._data_fd, self._fd):
+      if fd is not None:
+        os.close(fd)
+    self._fd = self._data_fd = None
+
+
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
-                        process_index: int) -> int:
+                        process_index: int, *,
+                        identity: tuple[int, int] | None = None) -> int:
   """Writes this process's shards and shard table; returns bytes written.
 
   Called on every process, each into the same temporary step directory. The
   data file is fsynced before the shard table is written.
+
+  Args:
+    step_dir: the step's temporary directory.
+    leaves: this process's snapshot.
+    process_index: names the files.
+    identity: (st_dev, st_ino) of `step_dir` when the primary host made it
+      (local disks); a different directory there raises
+      `ConcurrentWriterError`.
   """
-  (step_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
-  entries = []
-  offset = 0
-  name = data_file(process_index)
-  shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
-  if shards:
-    path = step_dir / name
-    local = atomicity.is_local(path)
-    with (open(os.fspath(path), "wb", buffering=0) if local
-          else path.open("wb")) as f:
-      for leaf, shard in shards:
-        buf = _as_bytes(shard.data)
-        _write_all(f, buf)
-        entries.append({"path": leaf.path, "file": name, "offset": offset,
-                        "nbytes": buf.nbytes,
-                        "index": [list(r) for r in shard.index],
-                        "crc32c": block_checksums(buf)})
-        offset += buf.nbytes
-      if local:
-        os.fsync(f.fileno())
-  table = {"process_index": process_index, "file": name if shards else None,
-           "nbytes": offset, "shards": entries}
-  atomicity.write_small_file(step_dir / index_file(process_index),
-                             json.dumps(table))
+  out = _StepDirWriter(step_dir, identity)
+  try:
+    entries = []
+    offset = 0
+    name = data_file(process_index)
+    shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
+    if shards:
+      with out.open(name) as f:
+        for leaf, shard in shards:
+          buf = _as_bytes(shard.data)
+          _write_all(f, buf)
+          entries.append({"path": leaf.path, "file": name, "offset": offset,
+                          "nbytes": buf.nbytes,
+                          "index": [list(r) for r in shard.index],
+                          "crc32c": block_checksums(buf)})
+          offset += buf.nbytes
+        out.sync(f)
+    table = {"process_index": process_index, "file": name if shards else None,
+             "nbytes": offset, "shards": entries}
+    with out.open(index_file(process_index)) as f:
+      f.write(json.dumps(table).encode())
+      out.sync(f)
+  finally:
+    out.close()
   return offset
 
 
@@ -220,8 +287,16 @@ def _check_leaf(leaf: Any, where: str, files: dict[str, int],
   lw = f"{where}, leaf {leaf['path']!r}"
   kind = leaf.get("kind")
   if kind in ("int", "float", "bool"):
-    if not isinstance(leaf.get("value"), (int, float, bool)):
-      raise _corrupt(lw, f"{kind} leaf without a value")
+    value = leaf.get("value")
+    ok = {"int": _is_int(value), "bool": isinstance(value, bool),
+          "float": _is_int(value) or isinstance(value, float)}[kind]
+    if ok and kind == "float":
+      try:
+        float(value)
+      except OverflowError:
+        ok = False
+    if not ok:
+      raise _corrupt(lw, f"{kind} leaf with value {value!r:.60}")
     return
   if kind not in ("array", "numpy"):
     raise _corrupt(lw, f"unknown kind {kind!r}")
@@ -234,7 +309,8 @@ def _check_leaf(leaf: Any, where: str, files: dict[str, int],
   if not isinstance(shards, list):
     raise _corrupt(lw, "no shard list")
   for s in shards:
-    if not isinstance(s, dict) or s.get("file") not in files:
+    if not (isinstance(s, dict) and isinstance(s.get("file"), str)
+            and s["file"] in files):
       raise _corrupt(lw, f"shard in unknown file {s!r:.200}")
     index = s.get("index")
     if not (isinstance(index, list) and len(index) == len(shape) and all(
@@ -265,14 +341,14 @@ def read_manifest(step_dir: epath.Path) -> dict:
   """
   path = step_dir / MANIFEST
   try:
-    text = path.read_text()
+    raw = path.read_bytes()
   except FileNotFoundError as e:
     raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
   where = str(path)
   try:
-    manifest = json.loads(text)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise _corrupt(where, f"not valid JSON ({e})") from e
+    manifest = json.loads(raw.decode("utf-8"))
+  except (ValueError, RecursionError) as e:  # Also bad UTF-8, deep nesting.
+    raise _corrupt(where, f"not valid JSON ({e!s:.200})") from e
   if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
     raise _corrupt(where, f"not a {FORMAT_NAME} manifest")
   version = manifest.get("format_version")
@@ -335,6 +411,17 @@ class ByteReader:
       except FileNotFoundError as e:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e
+      except OSError as e:
+        if e.errno not in _NOT_A_DATA_FILE:
+          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest cannot be a data file:"
+            f" {e.strerror}") from e
+      except CheckpointCorruptedError:
+        raise  # A ValueError too, but already says what is wrong.
+      except ValueError as e:  # A NUL byte in the name.
+        raise CheckpointCorruptedError(
+            f"data file name {name!r:.100} is not a valid file name") from e
       self._fds[name] = fd
       if size < self._sizes[name]:
         raise CheckpointCorruptedError(
@@ -351,8 +438,14 @@ class ByteReader:
     if os.path.commonpath([real_dir, real]) != real_dir:
       raise CheckpointCorruptedError(
           f"data file {path} leads outside the step directory")
-    fd = os.open(real, os.O_RDONLY)
-    return fd, os.fstat(fd).st_size
+    # O_NONBLOCK: opening a named pipe must not wait for a writer.
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise CheckpointCorruptedError(
+          f"data file {path} is not a regular file")
+    return fd, st.st_size
 
   def read_into(self, name: str, offset: int, out: memoryview) -> None:
     """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""

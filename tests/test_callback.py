@@ -33,7 +33,7 @@ def _tiny(step: int) -> dict:
   return {"w": jnp.full((3,), step, jnp.int32)}
 
 
-def _disk_on_fire(step_dir, leaves, process_index):
+def _disk_on_fire(step_dir, leaves, process_index, **kwargs):
   del leaves, process_index
   raise OSError(f"disk on fire while writing {step_dir}")
 

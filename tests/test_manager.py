@@ -24,7 +24,7 @@ def _listing(directory) -> set[str]:
   return set(os.listdir(directory)) - {"_WRITER"}
 
 
-def _disk_on_fire(step_dir, leaves, process_index):
+def _disk_on_fire(step_dir, leaves, process_index, **kwargs):
   del leaves, process_index
   raise OSError(f"disk on fire while writing {step_dir}")
 
@@ -43,12 +43,12 @@ class GatedWrite:
     self._real = storage.write_process_files
     monkeypatch.setattr(storage, "write_process_files", self)
 
-  def __call__(self, step_dir, leaves, process_index):
+  def __call__(self, step_dir, leaves, process_index, **kwargs):
     self.step_dirs.append(step_dir)
     self.entered.set()
     if not self.release.wait(TIMEOUT):
       raise TimeoutError("the test never released the write")
-    return self._real(step_dir, leaves, process_index)
+    return self._real(step_dir, leaves, process_index, **kwargs)
 
 
 @pytest.fixture

@@ -391,13 +391,13 @@ def test_sigterm_during_inflight_commit_saves_next_step_after_it(
   writing, release = threading.Event(), threading.Event()
   real_write = storage.write_process_files
 
-  def held_write(step_dir, leaves, process_index):
+  def held_write(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode) or "<step>".
     if step_dir.name.split(".")[0] == "4":
       writing.set()
       if not release.wait(timeout=RUN_SECS):
         raise TimeoutError("the test never released the write of step 4")
-    return real_write(step_dir, leaves, process_index)
+    return real_write(step_dir, leaves, process_index, **kwargs)
 
   monkeypatch.setattr(storage, "write_process_files", held_write)
   cb = CheckpointCallback(ckpt_dir, every_steps=4, max_to_keep=None)

@@ -38,13 +38,13 @@ MESH = (2, 2)
 def _inject_kill() -> None:
   real = storage.write_process_files
 
-  def dying(step_dir, leaves, process_index):
+  def dying(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode).
     if step_dir.name.split(".")[0] == str(KILL_AT_STEP):
       print(f"process {process_index}: SIGKILL while writing {step_dir}",
             flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
-    return real(step_dir, leaves, process_index)
+    return real(step_dir, leaves, process_index, **kwargs)
 
   storage.write_process_files = dying
 

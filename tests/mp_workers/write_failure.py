@@ -39,12 +39,12 @@ BARRIER_TIMEOUT_SECS = 20
 def _inject_fault() -> None:
   real = storage.write_process_files
 
-  def failing(step_dir, leaves, process_index):
+  def failing(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode) or "<step>".
     if step_dir.name.split(".")[0] == str(FAIL_AT_STEP):
       raise OSError(errno.ENOSPC, "No space left on device (injected by the"
                     " test)", str(step_dir / storage.data_file(process_index)))
-    return real(step_dir, leaves, process_index)
+    return real(step_dir, leaves, process_index, **kwargs)
 
   storage.write_process_files = failing
 
