@@ -166,6 +166,9 @@ def claim_directory(directory: epath.Path, process_count: int) -> str:
   path = directory / WRITER_FILE
   text = json.dumps(info) + "\n"
   if is_local(directory):
+    for entry in directory.iterdir():  # Left by a crash inside a claim.
+      if entry.name.startswith(WRITER_FILE + "."):
+        entry.unlink(missing_ok=True)
     tmp = directory / f"{WRITER_FILE}.{token}"
     write_small_file(tmp, text)
     os.replace(os.fspath(tmp), os.fspath(path))
