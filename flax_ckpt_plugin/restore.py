@@ -110,6 +110,7 @@ class _LeafReader:
     # Per shard: a buffer of its bytes (pages touched only where read) and the
     # blocks in it already read and checked, so no block is read twice.
     self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
+    self._edges: dict[tuple[int, int], memoryview] = {}  # (shard, block).
 
   def read(self, region: Index) -> np.ndarray:
     """The values of `region` of the global array, as a new numpy array."""
@@ -181,6 +182,37 @@ class _LeafReader:
                    *(range(hi - lo) for lo, hi in local[:k]))]
     return offsets, run_elems * item, tuple(local)
 
+  def _read_range_verified(self, n: int, shard: dict, lo: int,
+                           dest: memoryview) -> None:
+    """Fills `dest` with shard `n`'s bytes from `lo`, checking every block.
+
+    Blocks inside the range are read straight into `dest` and checked
+    there; only the (at most two) blocks at its edges go through scratch,
+    kept for the neighbouring region that needs the rest of them.
+    """
+    hi, block = lo + len(dest), self._block
+    name, base = shard["file"], shard["offset"]
+    # Whole blocks inside [lo, hi); the shard's last block may be short.
+    inner_lo = -(-lo // block) * block
+    inner_hi = hi if hi == shard["nbytes"] else hi // block * block
+    inner_hi = max(inner_lo, inner_hi)
+    if inner_lo < inner_hi:
+      view = dest[inner_lo - lo:inner_hi - lo]
+      self._reader.read_into(name, base + inner_lo, view)
+      self._check(shard, inner_lo // block, view)
+    for k in {lo // block, (hi - 1) // block}:
+      a, b = k * block, min((k + 1) * block, shard["nbytes"])
+      if inner_lo <= a and b <= inner_hi:
+        continue  # Read whole above.
+      scratch = self._edges.get((n, k))
+      if scratch is None:
+        scratch = memoryview(np.empty(b - a, np.uint8))
+        self._reader.read_into(name, base + a, scratch)
+        self._check(shard, k, scratch)
+        self._edges[(n, k)] = scratch
+      s, e = max(a, lo), min(b, hi)
+      dest[s - lo:e - lo] = scratch[s - a:e - a]
+
   def _verified_bytes(self, n: int, shard: dict, lo: int,
                       hi: int) -> memoryview:
     """Shard `n` as bytes, with at least [lo, hi) read in whole checked blocks."""
@@ -219,6 +251,8 @@ class _LeafReader:
                                flat[r * run_bytes:(r + 1) * run_bytes])
       if self._verify:  # Read whole: check it where it lies.
         self._check(shard, 0, flat)
+    elif len(offsets) == 1:
+      self._read_range_verified(n, shard, offsets[0], flat[:run_bytes])
     else:
       # Only whole checked blocks: copy the runs out of them.
       src = self._verified_bytes(n, shard, offsets[0], offsets[-1] + run_bytes)
