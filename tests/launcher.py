@@ -22,14 +22,16 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
 import pytest
 
@@ -250,3 +252,63 @@ def run_workers(worker: str | os.PathLike, num_processes: int, *,
                    process_env=process_env,
                    devices_per_process=devices_per_process) as group:
     return group.wait(timeout, check=check)
+
+
+class StdoutLines:
+  """A child's stdout, collected line by line on a thread as it comes.
+
+  For tests that act on what a child prints while it runs (send a signal at
+  a step, wait for a report), with a deadline rather than a sleep.
+  """
+
+  def __init__(self, stream: IO[str]):
+    self._lines: list[str] = []
+    self._closed = False
+    self._cond = threading.Condition()
+    self._thread = threading.Thread(target=self._read, args=(stream,),
+                                    daemon=True)
+    self._thread.start()
+
+  def _read(self, stream: IO[str]) -> None:
+    for line in stream:
+      with self._cond:
+        self._lines.append(line.rstrip("\n"))
+        self._cond.notify_all()
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+  @property
+  def lines(self) -> list[str]:
+    """The lines so far."""
+    with self._cond:
+      return list(self._lines)
+
+  @property
+  def closed(self) -> bool:
+    """Whether the child closed its stdout (it exited, usually)."""
+    with self._cond:
+      return self._closed
+
+  def wait_match(self, pattern: str, deadline: float) -> re.Match | None:
+    """The first line that fully matches `pattern`, waiting for it.
+
+    Returns None when stdout closed, or `deadline` (time.monotonic) passed,
+    without such a line; `closed` tells which.
+    """
+    with self._cond:
+      seen = 0
+      while True:
+        for line in self._lines[seen:]:
+          if m := re.fullmatch(pattern, line):
+            return m
+        seen = len(self._lines)
+        left = deadline - time.monotonic()
+        if self._closed or left <= 0:
+          return None
+        self._cond.wait(left)
+
+  def wait_closed(self, timeout: float) -> bool:
+    """Whether stdout closed within `timeout` seconds."""
+    self._thread.join(timeout)
+    return not self._thread.is_alive()

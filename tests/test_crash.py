@@ -38,12 +38,10 @@ import json
 import os
 import pathlib
 import random
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -57,6 +55,7 @@ from flax_ckpt_plugin import CheckpointNotFoundError
 
 from crash_worker import MOMENTS
 from crash_worker import stale_entries
+from launcher import StdoutLines
 
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "crash_worker.py"
@@ -139,25 +138,12 @@ class Worker:
         [sys.executable, str(WORKER), str(directory)],
         stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL,
         env=_env(plan), cwd=TESTS.parent, text=True, start_new_session=True)
-    self.lines: list[str] = []
-    self._eof = False
-    self._cond = threading.Condition()
-    threading.Thread(target=self._read, daemon=True).start()
-
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      with self._cond:
-        self.lines.append(line.rstrip("\n"))
-        self._cond.notify_all()
-    with self._cond:
-      self._eof = True
-      self._cond.notify_all()
+    self._stdout = StdoutLines(self.proc.stdout)
 
   def output(self) -> str:
     self._stderr.seek(0)
     err = self._stderr.read().decode("utf-8", errors="replace")
-    with self._cond:
-      out = "\n".join(self.lines)
+    out = "\n".join(self._stdout.lines)
     return (f"--- worker stdout ---\n{out}\n--- worker stderr (tail) ---\n"
             f"{err[-6000:]}")
 
@@ -170,25 +156,16 @@ class Worker:
 
   def wait_for(self, pattern: str, timeout: float = PHASE_SECS) -> str | None:
     """The first stdout line fully matching `pattern`; None if it exited."""
-    deadline = time.monotonic() + timeout
-    with self._cond:
-      seen = 0
-      while True:
-        for line in self.lines[seen:]:
-          if re.fullmatch(pattern, line):
-            return line
-        seen = len(self.lines)
-        if self._eof:
-          return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-          raise TimeoutError(f"no line matching {pattern!r} in {timeout}s")
-        self._cond.wait(left)
+    m = self._stdout.wait_match(pattern, time.monotonic() + timeout)
+    if m:
+      return m.group(0)
+    if self._stdout.closed:
+      return None
+    raise TimeoutError(f"no line matching {pattern!r} in {timeout}s")
 
   def wait_exit(self, timeout: float = PHASE_SECS) -> int:
     self.proc.wait(timeout)
-    with self._cond:
-      self._cond.wait_for(lambda: self._eof, timeout)
+    self._stdout.wait_closed(timeout)
     return self.proc.returncode
 
 

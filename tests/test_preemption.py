@@ -30,6 +30,8 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin import storage
 
+from launcher import StdoutLines
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = REPO_ROOT / "examples" / "train.py"
 MULTIHOST = REPO_ROOT / "examples" / "multihost.py"
@@ -74,20 +76,11 @@ class Child:
         stdin=subprocess.DEVNULL, env=_env(), cwd=REPO_ROOT, text=True,
         start_new_session=True)
     self._stderr_text: str | None = None  # Kept once the file is closed.
-    self.lines: list[str] = []
-    self._eof = False
-    self._cond = threading.Condition()
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
+    self._stdout = StdoutLines(self.proc.stdout)
 
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      with self._cond:
-        self.lines.append(line.rstrip("\n"))
-        self._cond.notify_all()
-    with self._cond:
-      self._eof = True
-      self._cond.notify_all()
+  @property
+  def lines(self) -> list[str]:
+    return self._stdout.lines
 
   def output(self) -> str:
     """The command line, its stdout and the tail of its stderr."""
@@ -96,8 +89,7 @@ class Child:
       err = self._stderr.read().decode("utf-8", errors="replace")
     else:
       err = self._stderr_text
-    with self._cond:
-      out = "\n".join(self.lines)
+    out = "\n".join(self.lines)
     return (f"$ {' '.join(self.argv)}\n--- stdout ---\n{out}\n"
             f"--- stderr (tail) ---\n{err[-8000:]}")
 
@@ -114,26 +106,15 @@ class Child:
 
   def wait_for_line(self, pattern: str) -> re.Match:
     """The first stdout line that fully matches `pattern`, waiting for it."""
-    with self._cond:
-      seen = 0
-      while True:
-        for line in self.lines[seen:]:
-          if m := re.fullmatch(pattern, line):
-            return m
-        seen = len(self.lines)
-        if self._eof:
-          break
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-          break
-        self._cond.wait(timeout=left)
+    m = self._stdout.wait_match(pattern, self._deadline)
+    if m:
+      return m
     self.fail(f"no stdout line matching {pattern!r} (exit code"
               f" {self.proc.poll()})")
 
   def find_lines(self, pattern: str) -> list[re.Match]:
     """Every stdout line so far that fully matches `pattern`."""
-    with self._cond:
-      return [m for l in self.lines if (m := re.fullmatch(pattern, l))]
+    return [m for l in self.lines if (m := re.fullmatch(pattern, l))]
 
   def wait(self) -> int:
     """The exit code, once the command exited and its stdout is closed."""
@@ -142,8 +123,8 @@ class Child:
                                         self._deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
       self.fail(f"still running after {self.timeout:.0f}s; killed")
-    self._reader.join(timeout=max(1.0, self._deadline - time.monotonic()))
-    if self._reader.is_alive():
+    if not self._stdout.wait_closed(
+        max(1.0, self._deadline - time.monotonic())):
       self.fail("stdout still open after the command exited")
     return code
 
