@@ -11,7 +11,10 @@ a jitted step that donates its state. Each system runs in its own process
 Each run measures:
 
 1. train-loop overhead: `--steps` steps with a save every `--every` steps
-   (including the wait for the last save), against the same steps without;
+   (including the wait for the last save), against the mean of the same
+   steps without saves run just before and just after; and the steady state:
+   the same number of saves in the middle of each interval, so that every
+   save's cost falls inside the measured steps, as in a long run;
 2. blocking time of each save call;
 3. one isolated save until durable, and a raw write + fsync of the same bytes
    with plain Python file I/O (the disk's ceiling, measured in the same run);
@@ -44,15 +47,13 @@ def _rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(args: argparse.Namespace) -> dict:
-  """One system's measurements, in a fresh process."""
+def build(args: argparse.Namespace):
+  """The benchmark's TrainState (warmed up) and its donating train step."""
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from flax.training import train_state  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
   class Model(nn.Module):
@@ -78,10 +79,61 @@ def worker(args: argparse.Namespace) -> dict:
 
   train_step = jax.jit(step_fn, donate_argnums=0)
   state = jax.jit(create)()
-  nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
   for _ in range(2):  # Compile and warm up.
     state, loss = train_step(state)
     float(loss)
+  return state, train_step
+
+
+def snapshot_ab(args: argparse.Namespace) -> dict:
+  """Why the CPU snapshot copies: a copy against a view, in one process.
+
+  Alternates segments of 8 steps: no snapshot; a snapshot that pins the
+  runtime's buffers with numpy views (what costs nothing to take); and our
+  snapshot, which copies into reused host buffers. Nothing is written, so
+  the difference between segments is the snapshot's whole cost to the
+  loop: its blocking time plus what it does to the steps after it (a pinned
+  buffer cannot be donated, so the next step copies its input into new
+  memory).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import snapshot  # pylint: disable=g-import-not-at-top
+
+  state, train_step = build(args)
+  staging = snapshot.HostStaging()
+  segs = {"none": [], "view": [], "copy": []}
+  blocking = {"view": [], "copy": []}
+  for _ in range(args.snapshot_ab):
+    for mode in segs:
+      held = None
+      t0 = time.perf_counter()
+      for i in range(8):
+        state, loss = train_step(state)
+        float(loss)
+        if i == 2 and mode != "none":
+          t = time.perf_counter()
+          if mode == "view":
+            held = [np.asarray(a) for a in jax.tree.leaves(state)]
+          else:
+            held = snapshot.take_snapshot(state, process_count=1,
+                                          is_primary=True, staging=staging)
+          blocking[mode].append(time.perf_counter() - t)
+      del held
+      segs[mode].append(time.perf_counter() - t0)
+  base = statistics.median(segs["none"])
+  return {mode: {"cost_per_save_secs": statistics.median(segs[mode]) - base,
+                 "blocking_secs": statistics.median(blocking[mode])}
+          for mode in ("view", "copy")}
+
+
+def worker(args: argparse.Namespace) -> dict:
+  """One system's measurements, in a fresh process."""
+  state, train_step = build(args)
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
 
   root = tempfile.mkdtemp(dir=args.dir)
   out = {"system": args.worker, "state_bytes": nbytes}
@@ -99,7 +151,7 @@ def worker(args: argparse.Namespace) -> dict:
     return time.perf_counter() - t0, blocking
 
   base, _ = run_loop(lambda step, s: None)
-  out["loop_secs_no_saves"] = base
+  out["loop_secs_no_saves_before"] = base
   out["rss_mb_train_only"] = _rss_mb()
 
   if args.worker == "ours":
@@ -143,6 +195,31 @@ def worker(args: argparse.Namespace) -> dict:
   out["loop_secs_with_saves"] = loop + time.perf_counter() - t
   out["blocking_secs"] = blocking
   mngr.close()
+
+  # 1b: steady state. The same saves, in the middle of each interval (steps
+  # 5, 15, 25, 35 of 40): each save's whole cost, its blocking and its
+  # commit running beside the steps that follow, falls inside the measured
+  # steps, as in a long run; above, the last save (at the last step) is
+  # waited for alone, a one-time cost at the end of training.
+  mngr = open_manager(os.path.join(root, "mid"))
+
+  def mid_interval(step, s):
+    if (step - args.every // 2) % args.every:
+      return None
+    save_now(mngr, step, s)
+    return 0.0
+
+  loop, _ = run_loop(mid_interval)
+  t = time.perf_counter()
+  mngr.wait_until_finished()
+  out["loop_secs_saves_mid_interval"] = loop + time.perf_counter() - t
+  mngr.close()
+  # The loop without saves again, after: the baseline is the mean of the
+  # runs before and after, which cancels a machine that slowly speeds up or
+  # slows down (shared VMs do, by tens of percent over minutes).
+  after, _ = run_loop(lambda step, s: None)
+  out["loop_secs_no_saves_after"] = after
+  out["loop_secs_no_saves"] = (base + after) / 2
 
   # 3: one isolated save until durable, then the raw ceiling.
   mngr = open_manager(os.path.join(root, "isolated"))
@@ -194,6 +271,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "loop_overhead": statistics.median(
             r["loop_secs_with_saves"] / r["loop_secs_no_saves"] - 1
             for r in runs),
+        "loop_overhead_steady": statistics.median(
+            r["loop_secs_saves_mid_interval"] / r["loop_secs_no_saves"] - 1
+            for r in runs),
         "blocking_secs": statistics.median(
             statistics.median(r["blocking_secs"]) for r in runs),
         "isolated_save_secs": _median(runs, "isolated_save_secs"),
@@ -215,6 +295,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
   s["ratios"] = {
       "loop_overhead": ours["loop_overhead"] / orbax["loop_overhead"]
                        if orbax["loop_overhead"] > 0 else float("nan"),
+      "loop_overhead_steady": (
+          ours["loop_overhead_steady"] / orbax["loop_overhead_steady"]
+          if orbax["loop_overhead_steady"] > 0 else float("nan")),
       "blocking": ours["blocking_secs"] / orbax["blocking_secs"],
       "isolated_save": ours["isolated_save_secs"]
                        / orbax["isolated_save_secs"],
@@ -229,6 +312,10 @@ def print_table(s: dict, runs: int, gb: float) -> None:
   rows = [
       ("train-loop overhead (save every K)", f"{ours['loop_overhead']:+.1%}",
        f"{orbax['loop_overhead']:+.1%}", f"{r['loop_overhead']:.3f}", "<= 0.25"),
+      ("  steady state (saves mid-interval)",
+       f"{ours['loop_overhead_steady']:+.1%}",
+       f"{orbax['loop_overhead_steady']:+.1%}",
+       f"{r['loop_overhead_steady']:.3f}", "<= 0.25"),
       ("blocking per save call (s)", f"{ours['blocking_secs']:.3f}",
        f"{orbax['blocking_secs']:.3f}", f"{r['blocking']:.3f}", "<= 1"),
       ("isolated save to durable (s)", f"{ours['isolated_save_secs']:.3f}",
@@ -270,8 +357,16 @@ def main() -> None:
                       help="where checkpoints are written (default: a temp"
                       " dir)")
   parser.add_argument("--json", default=None, help="write all figures here")
-  parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+  parser.add_argument("--snapshot-ab", type=int, default=5, metavar="N",
+                      help="also measure N rounds of a pinning (view)"
+                      " snapshot against ours (copy), without writing;"
+                      " 0 skips it")
+  parser.add_argument("--worker", choices=SYSTEMS + ("snapshot_ab",),
+                      help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.worker == "snapshot_ab":
+    print(json.dumps(snapshot_ab(args)))
+    return
   if args.worker:
     print(json.dumps(worker(args)))
     return
@@ -295,6 +390,20 @@ def main() -> None:
           if isinstance(v, float)), flush=True)
   summary = summarize(results)
   print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
+  if args.snapshot_ab:
+    proc = subprocess.run(
+        [sys.executable, __file__, *passthrough, "--worker", "snapshot_ab"],
+        capture_output=True, text=True, check=False)
+    if proc.returncode:
+      sys.exit(f"snapshot A/B run failed:\n{proc.stdout}\n"
+               f"{proc.stderr[-4000:]}")
+    ab = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary["snapshot_ab"] = ab
+    print(f"\nsnapshot on CPU, {args.snapshot_ab} rounds, no writes: a view"
+          f" that pins the buffers blocks {ab['view']['blocking_secs']:.3f} s"
+          f" and costs the loop {ab['view']['cost_per_save_secs']:+.3f} s per"
+          f" save; our copy blocks {ab['copy']['blocking_secs']:.3f} s and"
+          f" costs {ab['copy']['cost_per_save_secs']:+.3f} s")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "runs": results, "summary": summary}, f,

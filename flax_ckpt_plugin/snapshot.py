@@ -7,15 +7,26 @@ run) are the same on every process by contract, so only the primary host
 writes their bytes.
 
 The snapshot stays correct when the next train step donates the state's
-buffers: on the CPU backend a numpy view keeps the runtime's buffer alive (the
-runtime then declines the donation and allocates new output instead, so the
-view costs no copy); on accelerators every shard is copied to host memory,
-with all transfers started before the first one is awaited.
+buffers, because it never refers to them once `take_snapshot` returns: on
+accelerators every shard is copied to host memory, with all transfers started
+before the first one is awaited; on the CPU backend every shard is copied, by
+several threads, into a `HostStaging` buffer that is kept and reused from one
+save to the next.
+
+Why copy on CPU, where a numpy view of the runtime's buffer would cost
+nothing? A view pins the buffer, so the next step's donation is declined and
+that step copies its whole input into newly allocated (so newly page-faulted)
+memory: measured with a 0.98 GB state on 2 cores, the step after a save took
+0.6-1.2 s longer. Copying into memory that is already mapped costs about 0.1 s
+per GB, and the train step then runs at its normal speed.
 """
 
 from __future__ import annotations
 
+from concurrent import futures
 import dataclasses
+import os
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -130,14 +141,84 @@ def _owned_shards(arr: jax.Array, *, single_writer: bool,
   return [s for s in arr.addressable_shards if s.replica_id == 0]
 
 
-def take_snapshot(tree: Any, *, process_count: int,
-                  is_primary: bool) -> list[LeafSnapshot]:
-  """Copies (or, on CPU, pins) the shards this process writes.
+_COPY_CHUNK_BYTES = 16 << 20
+
+
+class HostStaging:
+  """Host buffers for CPU shards, reused by every save of one manager.
+
+  A buffer is handed out again only by the next `take_snapshot`, which the
+  manager calls after the previous commit (the only reader) has finished.
+  The buffers hold one copy of the shards this process writes; `clear` frees
+  them.
+  """
+
+  def __init__(self, threads: int | None = None):
+    self._threads = threads or min(4, os.cpu_count() or 1)
+    self._buffers: dict[tuple[Any, ...], np.ndarray] = {}
+    self._pool: futures.ThreadPoolExecutor | None = None
+    self._lock = threading.Lock()
+
+  @property
+  def nbytes(self) -> int:
+    return sum(b.nbytes for b in self._buffers.values())
+
+  def clear(self) -> None:
+    with self._lock:
+      self._buffers = {}
+      if self._pool is not None:
+        self._pool.shutdown(wait=True)
+        self._pool = None
+
+  def copy(self, items: list[tuple[tuple[Any, ...], np.ndarray]]
+           ) -> list[np.ndarray]:
+    """Copies each source into its buffer (by key); returns the buffers.
+
+    Buffers not named by `items` are freed: the tree changed shape.
+    """
+    with self._lock:
+      old, self._buffers = self._buffers, {}
+      out = []
+      for key, src in items:
+        full = (key, src.shape, src.dtype.str)
+        buf = old.pop(full, None)
+        if buf is None:
+          buf = np.empty(src.shape, src.dtype)
+        self._buffers[full] = buf
+        out.append(buf)
+      del old
+      chunks = []
+      for buf, (_, src) in zip(out, items):
+        if src.ndim == 0 or src.nbytes <= _COPY_CHUNK_BYTES:
+          chunks.append((buf, src))
+          continue
+        # Split along the first axis: contiguous pieces, copied in parallel.
+        rows = max(1, _COPY_CHUNK_BYTES // max(1, src[0].nbytes))
+        for i in range(0, src.shape[0], rows):
+          chunks.append((buf[i:i + rows], src[i:i + rows]))
+      if self._threads == 1 or len(chunks) == 1:
+        for dst, src in chunks:
+          np.copyto(dst, src)
+      else:
+        if self._pool is None:
+          self._pool = futures.ThreadPoolExecutor(
+              self._threads, thread_name_prefix="flax_ckpt_plugin-snapshot")
+        # np.copyto releases the GIL, so the copies run side by side.
+        for f in [self._pool.submit(np.copyto, d, s_) for d, s_ in chunks]:
+          f.result()
+      return out
+
+
+def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
+                  staging: HostStaging | None = None) -> list[LeafSnapshot]:
+  """Copies the shards this process writes to host memory.
 
   Args:
     tree: the state to save (e.g. a Flax `TrainState`).
     process_count: number of JAX processes.
     is_primary: whether this process writes host-local values.
+    staging: reusable buffers for CPU shards; without it, CPU shards are
+      copied into new memory.
 
   Returns:
     One `LeafSnapshot` per leaf, in flattening order, on every process (so
@@ -165,11 +246,26 @@ def take_snapshot(tree: Any, *, process_count: int,
         if s.device.platform != "cpu":
           s.data.copy_to_host_async()
 
+  # CPU shards: views of the runtime's buffers, copied all at once below.
+  cpu_items = []
+  for path, _, _, arr, _, shards in plans:
+    for s in shards or ():
+      if s.device.platform == "cpu":
+        index = normalize_index(s.index, arr.shape)
+        cpu_items.append(((path, index), np.asarray(s.data)))
+  staging = staging or HostStaging()
+  copies = iter(staging.copy(cpu_items))
+  del cpu_items  # No view of a runtime buffer outlives this call.
+
   out = []
   for path, keys, leaf, arr, impl, shards in plans:
     if arr is not None:
-      data = [ShardData(normalize_index(s.index, arr.shape),
-                        _c_order(np.asarray(s.data))) for s in shards]
+      data = []
+      for s in shards:
+        index = normalize_index(s.index, arr.shape)
+        host = (next(copies) if s.device.platform == "cpu"
+                else _c_order(np.asarray(s.data)))
+        data.append(ShardData(index, host))
       out.append(LeafSnapshot(path, keys, "array", str(arr.dtype),
                               tuple(arr.shape), data, key_impl=impl))
     else:

@@ -13,7 +13,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(BENCH), "--layers", "2", "--width", "128",
        "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1",
-       "--dir", str(tmp_path), "--json", str(out)],
+       "--snapshot-ab", "1", "--dir", str(tmp_path), "--json", str(out)],
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   assert "ours/Orbax" in proc.stdout  # The table was printed.
@@ -22,12 +22,19 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   for system in ("ours", "orbax"):
     figures = summary[system]
     assert figures["restore_bit_identical"], system
-    for key in ("loop_overhead", "blocking_secs", "isolated_save_secs",
+    for key in ("loop_overhead", "loop_overhead_steady", "blocking_secs",
+                "isolated_save_secs",
                 "raw_write_fsync_gbps", "warm_restore_secs", "rss_mb_peak"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
     assert len(result["runs"][system][0]["blocking_secs"]) == 2  # Steps 2, 4.
-  assert set(summary["ratios"]) == {"loop_overhead", "blocking",
+  assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
+                                    "blocking",
                                     "isolated_save", "warm_restore",
                                     "rss_peak"}
+  for mode in ("view", "copy"):  # The snapshot A/B ran and reported.
+    ab = summary["snapshot_ab"][mode]
+    assert ab["blocking_secs"] >= 0 and ab["cost_per_save_secs"] == ab[
+        "cost_per_save_secs"], mode
+  assert "snapshot on CPU" in proc.stdout
   # Checkpoints went under --dir and were cleaned up.
   assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
