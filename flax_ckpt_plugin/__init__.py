@@ -3,6 +3,7 @@
 from flax_ckpt_plugin.callback import CheckpointCallback
 from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
@@ -10,7 +11,7 @@ from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.manager import RestoreStats
-from flax_ckpt_plugin.manager import SaveStats
+from flax_ckpt_plugin.commit import SaveStats
 from flax_ckpt_plugin.manager import StepMetadata
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CommitHookError",
     "ConcurrentWriterError",
     "PREEMPTED_EXIT_CODE",
     "RestoreStats",

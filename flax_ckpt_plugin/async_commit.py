@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Callable
 
+from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.multihost import log
 
 
@@ -48,10 +49,13 @@ class AsyncCommitter:
       try:
         fn()
       except BaseException as e:  # pylint: disable=broad-except
+        # A commit hook fails after its step was finalized.
+        outcome = ("That step is finalized." if isinstance(e, CommitHookError)
+                   else "That step was not finalized.")
         e.add_note(
             f"This error occurred ASYNCHRONOUSLY in the background commit of"
             f" {description}; it is raised on the next call into"
-            " flax_ckpt_plugin. That step was not finalized.")
+            f" flax_ckpt_plugin. {outcome}")
         log.error("background commit of %s failed: %r", description, e)
         with self._lock:
           self._error = e

@@ -14,6 +14,9 @@ a finalized step copied between a filesystem and a bucket stays finalized.
 Anything else that looks like ours (`<step>` without the marker,
 `<step>.partial`, `<step>.deleting`) is unfinished: never listed, never
 restored, and removed by the primary host when a manager opens the directory.
+
+Object-store paths go through fsspec (`s3fs`, `gcsfs`) whatever else is
+installed: see `object_store.as_path`.
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ from etils import epath
 
 COMMIT_MARKER = "_COMMITTED"
 WRITER_FILE = "_WRITER"
+# Object stores: a random token that `CommitFilePath.prepare` writes into the
+# step, standing in for the inode that identifies a local directory.
+ATTEMPT_FILE = "_ATTEMPT"
 TMP_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
+# A finalized step that failed verification at restore, kept for a person.
+DAMAGED_SUFFIX = ".damaged"
 
 Atomicity = Literal["auto", "rename", "commit_file"]
 
@@ -143,7 +151,12 @@ def delete_step(directory: epath.Path, step: int) -> None:
   if is_local(directory):
     doomed = directory / f"{step}{DELETING_SUFFIX}"
     _remove_tree(doomed)
-    step_dir.rename(doomed)
+    try:
+      step_dir.rename(doomed)
+    except FileNotFoundError:
+      # Already gone: `flax-ckpt prune` (or a person) deleted it first.
+      # Retention wanted it gone, so there is nothing left to do.
+      return
     fsync_path(directory)
     _remove_tree(doomed)
   else:
@@ -295,7 +308,16 @@ class AtomicRenamePath(TemporaryPath):
 
 
 class CommitFilePath(TemporaryPath):
-  """Write into `<step>`, then write `<step>/_COMMITTED` last."""
+  """Write into `<step>`, then write `<step>/_COMMITTED` last.
+
+  On object stores a prefix has no identity, so `prepare` writes a random
+  token to `<step>/_ATTEMPT`: if another writer prepares the same step
+  meanwhile (replacing the prefix and the token), this attempt neither
+  finalizes nor, when abandoned, deletes the other's files. The token is
+  removed once the marker is written.
+  """
+
+  _attempt: str | None = None  # The token in `_ATTEMPT` (object stores).
 
   @property
   def path(self) -> epath.Path:
@@ -311,7 +333,19 @@ class CommitFilePath(TemporaryPath):
     _remove_tree(self.final)
     self.final.mkdir(parents=True, exist_ok=True)
     fsync_path(self.final.parent)
+    if not is_local(self.final):
+      attempt = uuid.uuid4().hex
+      write_small_file(self.final / ATTEMPT_FILE, attempt)
+      self._attempt = attempt
     self._hold()
+
+  def is_ours(self) -> bool:
+    if self._attempt is None:
+      return super().is_ours()
+    try:
+      return (self.final / ATTEMPT_FILE).read_text() == self._attempt
+    except FileNotFoundError:
+      return False
 
   def finalize(self) -> None:
     if not self.is_ours():
@@ -320,6 +354,10 @@ class CommitFilePath(TemporaryPath):
           " it was being written (another writer on this directory?).")
     write_small_file(self.final / COMMIT_MARKER, _marker_text(self.step))
     fsync_path(self.final)  # The marker's directory entry, too.
+    if self._attempt is not None:
+      # Finalized steps look the same on every store; a crash before this
+      # leaves a harmless extra object.
+      (self.final / ATTEMPT_FILE).unlink(missing_ok=True)
     self._release()
 
 

@@ -18,16 +18,18 @@ is agreed by JAX's preemption sync manager.
 
 from __future__ import annotations
 
+import collections
 import operator
 import os
 import signal
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from etils import epath
 
 from flax_ckpt_plugin import multihost
 from flax_ckpt_plugin.manager import CheckpointManager
+from flax_ckpt_plugin.commit import SaveStats
 from flax_ckpt_plugin.multihost import log
 from flax_ckpt_plugin.preemption import SignalFlag
 
@@ -35,6 +37,25 @@ from flax_ckpt_plugin.preemption import SignalFlag
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
 # being killed by SIGTERM before saving (143).
 PREEMPTED_EXIT_CODE = os.EX_TEMPFAIL
+
+
+class MetricWriter(Protocol):
+  """What the callback needs of a metric writer (clu's `MetricWriter` fits)."""
+
+  def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+    ...
+
+
+def save_metrics(stats: SaveStats, secs_since_last_durable: float
+                 ) -> dict[str, float]:
+  """The scalars written per save (names under 'checkpoint/')."""
+  return {
+      "checkpoint/blocking_secs": stats.blocking_secs,
+      "checkpoint/commit_secs": stats.commit_secs,
+      "checkpoint/bytes": float(stats.total_bytes),
+      "checkpoint/gbytes_per_sec": stats.gbytes_per_sec,
+      "checkpoint/secs_since_last_durable": secs_since_last_durable,
+  }
 
 
 class CheckpointCallback:
@@ -66,8 +87,30 @@ class CheckpointCallback:
     max_to_keep: keep the newest N finalized steps (None keeps all).
     keep_every_n_steps: also keep every step divisible by this, forever.
     clock: seconds as a float, for `every_secs` (injectable for tests).
+    metric_writer: if given (e.g. a clu `MetricWriter`), the primary host
+      writes for each finalized save, at its step: `checkpoint/blocking_secs`
+      (how long the loop waited), `checkpoint/commit_secs` (snapshot to
+      durable), `checkpoint/bytes` (the whole checkpoint),
+      `checkpoint/gbytes_per_sec`, and `checkpoint/secs_since_last_durable`
+      (wall-clock seconds from the previous durable checkpoint of this
+      callback, or from its creation, to this one: the work a crash just
+      before it would have lost). Written from the loop's thread, at the
+      next call, `wait_until_finished` or `close` after the commit.
     **manager_kwargs: more `CheckpointManager` options (`atomicity`,
-      `primary_host`, `barrier_timeout_secs`, `name`, `barrier`).
+      `primary_host`, `barrier_timeout_secs`, `name`, `barrier`,
+      `commit_hooks`).
+
+  Attributes:
+    manager: the `CheckpointManager` that saves and restores.
+    should_stop: True once a preemption checkpoint is durable.
+    restored_step: the step `restore_or_initialize` restored, or None.
+    restored_extra: the `extra` saved with that step, or None.
+
+  Raises:
+    ValueError: `every_steps` < 1 or `every_secs` <= 0.
+
+  As a context manager it closes on exit (restoring signal handlers and
+  waiting for the running save).
   """
 
   def __init__(self, directory: epath.PathLike, *,
@@ -80,6 +123,7 @@ class CheckpointCallback:
                max_to_keep: int | None = 3,
                keep_every_n_steps: int | None = None,
                clock: Callable[[], float] = time.monotonic,
+               metric_writer: MetricWriter | None = None,
                **manager_kwargs: Any):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
@@ -90,9 +134,20 @@ class CheckpointCallback:
     self.on_steps = frozenset(operator.index(s) for s in on_steps)
     self.last_step = last_step
     self.save_on_preemption = save_on_preemption
+    self.metric_writer = metric_writer
+    user_hooks = manager_kwargs.pop("commit_hooks", ())
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep,
         keep_every_n_steps=keep_every_n_steps, **manager_kwargs)
+    # Filled by the commit thread, written by the loop's thread: metric
+    # writers are not promised to be thread-safe.
+    self._finished: collections.deque[tuple[SaveStats, float]] = (
+        collections.deque())
+    self._last_durable = time.time()
+    if metric_writer is not None:
+      self.manager.add_commit_hook(self._record_save)  # Before user hooks.
+    for hook in user_hooks:
+      self.manager.add_commit_hook(hook)
     self._clock = clock
     self._last_save_time = clock()
     self._kv = multihost.KeyValueStore()
@@ -107,7 +162,22 @@ class CheckpointCallback:
 
   @property
   def directory(self) -> epath.Path:
+    """The checkpoint directory."""
     return self.manager.directory
+
+  def add_commit_hook(self, hook: Callable[[SaveStats], None]) -> None:
+    """See `CheckpointManager.add_commit_hook`."""
+    self.manager.add_commit_hook(hook)
+
+  def _record_save(self, stats: SaveStats) -> None:
+    since = stats.finalized_at - self._last_durable
+    self._last_durable = stats.finalized_at
+    self._finished.append((stats, since))
+
+  def _write_metrics(self) -> None:
+    while self._finished:
+      stats, since = self._finished.popleft()
+      self.metric_writer.write_scalars(stats.step, save_metrics(stats, since))
 
   def _secs_due(self) -> bool:
     """Whether `every_secs` elapsed, as decided by the primary host."""
@@ -145,6 +215,7 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
+    self._write_metrics()
     self.manager.check_for_errors()
     if self.should_stop:
       return False
@@ -169,7 +240,7 @@ class CheckpointCallback:
       self._kv.delete(
           f"{self.manager.name}/every_secs/{self._saves - 2}")
     if preempted:
-      self.manager.wait_until_finished()
+      self.wait_until_finished()
       self.should_stop = True
       log.warning("preemption checkpoint of step %d is durable in %s; the"
                   " loop should stop", step, self.directory)
@@ -199,16 +270,25 @@ class CheckpointCallback:
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    finally:
+      self._write_metrics()
 
   def close(self) -> None:
     """Restores signal handlers, waits for the running save, raises its error."""
     self._signals.uninstall()
-    self.manager.close()
+    try:
+      self.manager.close()
+    finally:
+      self._write_metrics()
 
   def __enter__(self) -> "CheckpointCallback":
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
     self._signals.uninstall()
-    self.manager.__exit__(exc_type, exc, tb)
+    try:
+      self.manager.__exit__(exc_type, exc, tb)
+    finally:
+      self._write_metrics()

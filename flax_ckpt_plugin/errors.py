@@ -38,3 +38,7 @@ class ConcurrentWriterError(RuntimeError):
 
 class SaveFailedError(RuntimeError):
   """A save failed on another process, so no process finalized it."""
+
+
+class CommitHookError(RuntimeError):
+  """A commit hook failed; the step itself is finalized and durable."""

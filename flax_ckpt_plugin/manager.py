@@ -17,21 +17,24 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Sequence
 
 from etils import epath
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
+from flax_ckpt_plugin.commit import CommitHook
+from flax_ckpt_plugin.commit import SaveStats
+from flax_ckpt_plugin.commit import StepCommit
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.errors import ConcurrentWriterError
-from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.multihost import log
 from flax_ckpt_plugin.restore import restore_tree
+from flax_ckpt_plugin.snapshot import HostStaging
 from flax_ckpt_plugin.snapshot import take_snapshot
 
 # Managers opened so far per name, so that two managers in one program, or one
@@ -44,41 +47,21 @@ _opened_lock = threading.Lock()
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
   """What a finalized step records besides its arrays."""
-  step: int
+  step: int  # The step number.
   created: str  # ISO 8601, UTC.
-  created_unix: float
+  created_unix: float  # Seconds since the epoch; NaN if not recorded.
   extra: Any  # The JSON-serializable `extra` given to `save`.
-  metrics: dict[str, Any] | None
+  metrics: dict[str, Any] | None  # The `metrics` given to `save`.
   process_count: int  # Processes that wrote it.
   nbytes: int  # Bytes of array data.
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveStats:
-  """Timings of one save, for logs and metric writers."""
-  step: int
-  blocking_secs: float  # Time the caller of `save` waited.
-  commit_secs: float  # From the end of the snapshot until finalized.
-  nbytes: int  # Bytes this process wrote.
-
-
-@dataclasses.dataclass(frozen=True)
 class RestoreStats:
   """What one restore cost this process."""
-  step: int
-  secs: float
+  step: int  # The step restored.
+  secs: float  # Wall-clock seconds of the whole `restore` call.
   nbytes_read: int  # Bytes this process read from data files.
-
-
-def steps_to_delete(steps: list[int], max_to_keep: int | None,
-                    keep_every_n_steps: int | None) -> list[int]:
-  """The finalized steps that retention removes (never the newest)."""
-  if max_to_keep is None:
-    return []
-  keep = set(sorted(steps)[-max_to_keep:])
-  if keep_every_n_steps:
-    keep |= {s for s in steps if s % keep_every_n_steps == 0}
-  return sorted(s for s in steps if s not in keep)
 
 
 def _to_json(value: Any, what: str) -> Any:
@@ -124,6 +107,22 @@ class CheckpointManager:
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
       evaluation job that reads a training job's directory).
+    commit_hooks: callables run with the `SaveStats` of each step once it is
+      finalized (to notify, start an evaluation, copy the step elsewhere);
+      see `add_commit_hook`.
+
+  Attributes:
+    directory: the checkpoint directory (absolute, for local paths).
+    name: the prefix of this manager's barrier and key-value keys.
+    is_primary: whether this process is the primary host.
+    read_only: whether this manager only lists and restores.
+    last_save_stats: `SaveStats` of the newest save this manager finalized,
+      or None.
+    last_restore_stats: `RestoreStats` of the newest restore, or None.
+
+  Every method raises `RuntimeError` after `close`. As a context manager it
+  closes on exit; an error raised while closing after an exception in the
+  block is attached to that exception as a note.
   """
 
   def __init__(self, directory: epath.PathLike, *,
@@ -134,7 +133,8 @@ class CheckpointManager:
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
                barrier: multihost.Barrier | None = None,
-               read_only: bool = False):
+               read_only: bool = False,
+               commit_hooks: Sequence[CommitHook] = ()):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     if keep_every_n_steps is not None and keep_every_n_steps < 1:
@@ -148,7 +148,7 @@ class CheckpointManager:
       given_abs = os.path.abspath(given)
       self.directory = epath.Path(given_abs)
     else:
-      self.directory = epath.Path(given)
+      self.directory = object_store.as_path(given)  # fsspec, never gfile.
     self.max_to_keep = max_to_keep
     self.keep_every_n_steps = keep_every_n_steps
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity)
@@ -163,12 +163,17 @@ class CheckpointManager:
       _opened[base] += 1
       self.name = f"flax_ckpt_plugin/{base}/{_opened[base]}"
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
+    # Host copies of CPU shards, reused by each save (see snapshot.py).
+    self._staging = HostStaging()
     self._saves = 0
     self._closed = False
     self._lock = threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
     self._fallbacks = 0  # restore_newest_valid calls: names their keys.
+    self._commit_hooks: list[CommitHook] = []
+    for hook in commit_hooks:
+      self.add_commit_hook(hook)
 
     self._writer_token = None
     if not read_only:
@@ -185,6 +190,21 @@ class CheckpointManager:
       self._barrier(key=f"{self.name}/open",
                     timeout_ms=self.barrier_timeout_ms)
     self._steps = atomicity_lib.finalized_steps(self.directory)
+
+  def add_commit_hook(self, hook: CommitHook) -> None:
+    """Runs `hook(stats)` after each step this manager finalizes.
+
+    Hooks run on the primary host only, in the background commit thread,
+    once the step is durable and before retention deletes older steps, in
+    the order added. Register them on every process (only the primary runs
+    them). A slow hook delays the next save only if that save comes before
+    the hook returns. If a hook raises, the remaining hooks and retention
+    are skipped for that step, and every process raises `CommitHookError`
+    on its next call into the manager; the step stays finalized.
+    """
+    if not callable(hook):
+      raise TypeError(f"commit hook {hook!r} is not callable")
+    self._commit_hooks.append(hook)
 
   # -- queries ---------------------------------------------------------------
 
@@ -223,7 +243,12 @@ class CheckpointManager:
     return step, step_dir, manifest
 
   def metadata(self, step: int | None = None) -> StepMetadata:
-    """`extra`, metrics and timestamps of `step` (default: the newest)."""
+    """`extra`, metrics and timestamps of `step` (default: the newest).
+
+    Raises:
+      CheckpointNotFoundError: no such finalized step.
+      CheckpointCorruptedError: its manifest is missing or damaged.
+    """
     self._check_open()
     step, _, m = self._manifest(step)
     nbytes = sum(m["files"].values())
@@ -251,6 +276,8 @@ class CheckpointManager:
 
     Raises:
       CheckpointExistsError: `step` is already finalized.
+      ValueError: `step` is negative.
+      PermissionError: the manager is read-only.
       TypeError: `extra` or `metrics` cannot be stored, or a leaf has an
         unsupported type.
       Exception: the error of an earlier background commit.
@@ -271,109 +298,14 @@ class CheckpointManager:
       raise CheckpointExistsError(
           f"step {step} is already finalized in {self.directory}")
     leaves = take_snapshot(state, process_count=multihost.process_count(),
-                           is_primary=self.is_primary)
+                           is_primary=self.is_primary, staging=self._staging)
     blocking = time.perf_counter() - t0
     save_id = self._saves
     self._saves += 1
-    self._committer.start(
-        lambda: self._commit(step, save_id, leaves, extra, metrics, blocking),
-        description=f"step {step} in {self.directory}")
-
-  def _phase(self, key: str, name: str, fn: Callable[[], Any],
-             tmp: atomicity_lib.TemporaryPath) -> Any:
-    """Runs `fn`, then meets the others at barrier `key/name`.
-
-    A process whose `fn` failed records that in the key-value store before
-    the barrier, so after it every process knows and all raise together
-    instead of waiting for a timeout; the primary host removes the
-    unfinished step. Failures are kept per phase: a process still finishing
-    an earlier phase must not see a later phase's failure, or it would skip
-    the barrier that the failing process waits at.
-    """
-    multi = multihost.process_count() > 1
-    failed_dir = f"{key}/{name}/failed"
-    result, error = None, None
-    try:
-      result = fn()
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-      if multi:
-        self._kv.set(f"{failed_dir}/{multihost.process_index()}",
-                     f"{name}: {type(e).__name__}: {e}")
-    try:
-      self._barrier(key=f"{key}/{name}", timeout_ms=self.barrier_timeout_ms)
-    except Exception:
-      if self.is_primary:
-        tmp.abandon()
-      raise
-    failures = self._kv.list_dir(failed_dir) if multi else {}
-    if error is not None or failures:
-      if self.is_primary:
-        tmp.abandon()
-      if error is not None:
-        raise error
-      raise SaveFailedError(
-          f"save of step {tmp.step} to {self.directory} failed on other"
-          f" processes: {sorted(failures.values())}")
-    return result
-
-  def _commit(self, step: int, save_id: int, leaves, extra, metrics,
-              blocking: float) -> None:
-    """Background part of a save, on every process."""
-    t0 = time.perf_counter()
-    key = f"{self.name}/save{save_id}/step{step}"
-    tmp = atomicity_lib.temporary_path(self.directory, step, self.atomicity)
-    pid, count = multihost.process_index(), multihost.process_count()
-
-    def prepare():
-      if self.is_primary:
-        tmp.prepare()
-        if count > 1:  # Others check that they write where it made.
-          self._kv.set(f"{key}/identity", json.dumps(tmp.identity))
-
-    self._phase(key, "prepared", prepare, tmp)
-    identity = tmp.identity
-    if count > 1 and not self.is_primary:
-      identity = json.loads(self._kv.get(f"{key}/identity",
-                                         timeout_ms=self.barrier_timeout_ms))
-    nbytes = self._phase(
-        key, "written",
-        lambda: storage.write_process_files(tmp.path, leaves, pid,
-                                            identity=identity), tmp)
-
-    def finalize():
-      if self.is_primary:
-        self._check_still_writer(f"step {step} was not finalized")
-        storage.write_manifest(tmp.path, step=step, leaves=leaves,
-                               process_count=count, extra=extra,
-                               metrics=metrics)
-        tmp.finalize()
-
-    self._phase(key, "committed", finalize, tmp)
-    commit = time.perf_counter() - t0
-    self.last_save_stats = SaveStats(step, blocking, commit, nbytes)
-    log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
-             " written by this process", step, self.directory, blocking,
-             commit, nbytes)
-    with self._lock:
-      self._steps = sorted(set(self._steps) | {step})
-      doomed = steps_to_delete(self._steps, self.max_to_keep,
-                               self.keep_every_n_steps)
-      self._steps = [s for s in self._steps if s not in doomed]
-    if self.is_primary and doomed:
-      self._check_still_writer(f"steps {doomed} were not deleted")
-      for s in doomed:
-        atomicity_lib.delete_step(self.directory, s)
-        log.info("retention deleted step %d from %s", s, self.directory)
-
-  def _check_still_writer(self, consequence: str) -> None:
-    """Raises ConcurrentWriterError if another job claimed the directory."""
-    writer = atomicity_lib.current_writer(self.directory)
-    if writer is None or writer.get("token") != self._writer_token:
-      raise ConcurrentWriterError(
-          f"another job opened {self.directory} for writing after this one"
-          f" (its claim: {writer}); {consequence}. Two jobs must not write"
-          " one directory: stop this one, or give it another directory.")
+    commit = StepCommit(self, step, save_id, leaves, extra, metrics,
+                        blocking)
+    self._committer.start(commit.run,
+                          description=f"step {step} in {self.directory}")
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -385,6 +317,7 @@ class CheckpointManager:
 
   @property
   def save_in_progress(self) -> bool:
+    """Whether a background commit is running now."""
     return self._committer.is_running
 
   # -- restore ---------------------------------------------------------------
@@ -413,6 +346,10 @@ class CheckpointManager:
     """
     self._check_open()
     self._committer.check()
+    # A restore allocates a whole state of its own: free the save staging
+    # buffers first, so host memory peaks at one extra state, not two. (A
+    # running commit keeps its own references; the next save maps new ones.)
+    self._staging.clear()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
     tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify)
@@ -433,6 +370,10 @@ class CheckpointManager:
   def restore_newest_valid(self, target: Any, *,
                            verify: bool = True) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
+
+    Args:
+      target: what to restore into, as for `restore`.
+      verify: check checksums, as for `restore`.
 
     A step whose files fail verification or are missing on any process is
     skipped with a warning naming it and why, and the next older one is
@@ -463,6 +404,7 @@ class CheckpointManager:
         if skipped:
           log.warning("restored step %d of %s after skipping damaged steps"
                       " %s", step, self.directory, [s for s, _ in skipped])
+          self._set_aside([s for s, _ in skipped])
         return step, tree
       why = str(error) if error else "damaged on another process"
       log.warning("skipping step %d of %s: %s", step, self.directory, why)
@@ -472,6 +414,43 @@ class CheckpointManager:
           f"no finalized step in {self.directory} restores: "
           + "; ".join(f"step {s}: {why}" for s, why in skipped))
     return None
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Takes damaged steps out of the list, so that training saves them anew.
+
+    Otherwise the resumed run would never save those step numbers again (a
+    finalized step is never overwritten), and a preemption at one of them
+    would stop the job on the damaged copy. Local disks keep the files as
+    `<step>.damaged` for a person to look at (neither a step nor unfinished,
+    so never listed and never removed); on object stores the commit marker
+    is removed, which makes the step unfinished, and the next writer cleans
+    it up. A read-only manager changes nothing.
+    """
+    if self.read_only:
+      return
+    with self._lock:
+      self._steps = [s for s in self._steps if s not in steps]
+    if not self.is_primary:
+      return
+    for step in steps:
+      step_dir = self.directory / str(step)
+      try:
+        if atomicity_lib.is_local(self.directory):
+          aside = self.directory / f"{step}{atomicity_lib.DAMAGED_SUFFIX}"
+          n = 1
+          while aside.exists():
+            n += 1
+            aside = self.directory / f"{step}{atomicity_lib.DAMAGED_SUFFIX}{n}"
+          step_dir.rename(aside)
+          atomicity_lib.fsync_path(self.directory)
+        else:
+          aside = "unfinished (its commit marker was removed)"
+          (step_dir / atomicity_lib.COMMIT_MARKER).unlink(missing_ok=True)
+        log.warning("damaged step %d of %s set aside: %s", step,
+                    self.directory, aside)
+      except OSError as e:
+        log.warning("could not set damaged step %d of %s aside: %r", step,
+                    self.directory, e)
 
   # -- lifetime --------------------------------------------------------------
 
@@ -484,7 +463,10 @@ class CheckpointManager:
     if self._closed:
       return
     self._closed = True
-    self._committer.wait()
+    try:
+      self._committer.wait()
+    finally:
+      self._staging.clear()
 
   def __enter__(self) -> "CheckpointManager":
     return self

@@ -215,7 +215,11 @@ class _LeafReader:
 
   def _verified_bytes(self, n: int, shard: dict, lo: int,
                       hi: int) -> memoryview:
-    """Shard `n` as bytes, with at least [lo, hi) read in whole checked blocks."""
+    """Shard `n` as bytes, with at least [lo, hi) read in whole blocks.
+
+    The blocks are checked when `verify` is set. Each block is read once
+    for all the regions of this leaf that need it.
+    """
     if n not in self._verified:
       self._verified[n] = (np.empty(shard["nbytes"], np.uint8), set())
     buf, done = self._verified[n]
@@ -230,7 +234,8 @@ class _LeafReader:
         j += 1
       a, b = k * block, min(j * block, shard["nbytes"])
       self._reader.read_into(shard["file"], shard["offset"] + a, view[a:b])
-      self._check(shard, k, view[a:b])
+      if self._verify:
+        self._check(shard, k, view[a:b])
       done.update(range(k, j))
       k = j
     return view
@@ -245,7 +250,11 @@ class _LeafReader:
     flat = memoryview(part.reshape(-1).view(np.uint8))
     name, base = shard["file"], shard["offset"]
     whole = run_bytes * len(offsets) == shard["nbytes"]
-    if not self._verify or whole:
+    # Exactly the runs, one read each; but where a read is a request (object
+    # stores), many runs are fetched as the blocks around them instead.
+    exact = not self._verify and (len(offsets) == 1
+                                  or not self._reader.prefers_few_reads)
+    if exact or whole:
       for r, off in enumerate(offsets):
         self._reader.read_into(name, base + off,
                                flat[r * run_bytes:(r + 1) * run_bytes])
@@ -254,7 +263,7 @@ class _LeafReader:
     elif len(offsets) == 1:
       self._read_range_verified(n, shard, offsets[0], flat[:run_bytes])
     else:
-      # Only whole checked blocks: copy the runs out of them.
+      # Whole (checked) blocks: copy the runs out of them.
       src = self._verified_bytes(n, shard, offsets[0], offsets[-1] + run_bytes)
       for r, off in enumerate(offsets):
         flat[r * run_bytes:(r + 1) * run_bytes] = src[off:off + run_bytes]
@@ -273,6 +282,35 @@ def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
   if sharding is None:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return sharding
+
+
+def _on_context_mesh(path: str, leaf: Any) -> Any:
+  """`leaf`, with a sharding over an `AbstractMesh` put on the set mesh.
+
+  `nnx.eval_shape` (or `jax.eval_shape`) under `jax.set_mesh(mesh)` gives
+  `ShapeDtypeStruct`s whose `NamedSharding` names only an abstract mesh. The
+  devices are those of the mesh set by the caller, which only the caller's
+  thread sees (not the threads that restore leaves): so it is looked up here.
+  """
+  sharding = getattr(leaf, "sharding", None)
+  abstract = getattr(jax.sharding, "AbstractMesh", ())  # Not in older jax.
+  if not (isinstance(sharding, jax.sharding.NamedSharding)
+          and isinstance(sharding.mesh, abstract)):
+    return leaf
+  get_mesh = getattr(jax.sharding, "get_mesh", None)
+  mesh = get_mesh() if get_mesh else None
+  if (mesh is None or mesh.empty
+      or mesh.shape_tuple != sharding.mesh.shape_tuple):
+    found = ("no mesh is set" if mesh is None or mesh.empty
+             else f"the mesh set is {mesh}")
+    raise ValueError(
+        f"leaf {path!r}: the target's sharding is over an abstract mesh"
+        f" {sharding.mesh} and {found}. Restore inside `with"
+        " jax.set_mesh(mesh)` with the mesh of that shape, or give the target"
+        " shardings over a concrete `jax.sharding.Mesh` (for Flax NNX:"
+        " `nnx.get_named_sharding(abstract_state, mesh)`).")
+  return leaf.update(sharding=jax.sharding.NamedSharding(
+      mesh, sharding.spec, memory_kind=sharding.memory_kind))
 
 
 def _restore_array(lr: _LeafReader, shape: tuple[int, ...],
@@ -385,6 +423,7 @@ def restore_tree(step_dir: epath.Path, manifest: dict, target: Any, *,
   saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
   targets, treedef = leaf_paths(target)
   _match_structure(saved, [p for p, _, _ in targets], step_dir)
+  targets = [(p, k, _on_context_mesh(p, leaf)) for p, k, leaf in targets]
   reader = storage.ByteReader(step_dir, manifest["files"])
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest["checksum"]["block_bytes"],

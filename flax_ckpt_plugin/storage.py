@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.snapshot import LeafSnapshot
@@ -96,7 +97,10 @@ class _StepDirWriter:
     self._dir = step_dir
     self._fd = self._data_fd = None
     if not atomicity.is_local(step_dir):
-      (step_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+      # Object stores: no directory to make or to hold (a prefix exists
+      # once an object under it does); each file is one object, uploaded
+      # when it is closed.
+      self._dir = object_store.as_path(step_dir)
       return
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
     self._fd = os.open(os.fspath(step_dir), flags)
@@ -388,7 +392,8 @@ class ByteReader:
   """Reads byte ranges of a step's data files; one open handle per file.
 
   Safe to use from several threads: local files are read with positional
-  reads of one shared descriptor; other file objects are read under a lock.
+  reads of one shared descriptor; files in object stores with one ranged
+  GET per range (`object_store.ObjectFile`).
   """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int]):
@@ -397,6 +402,9 @@ class ByteReader:
     self._fds: dict[str, Any] = {}
     self._lock = threading.Lock()
     self.bytes_read = 0
+    # Each read costs a request on object stores: readers of a few spread
+    # ranges should rather fetch the span around them in one (see restore).
+    self.prefers_few_reads = not atomicity.is_local(step_dir)
 
   def _open(self, name: str):
     with self._lock:
@@ -430,9 +438,10 @@ class ByteReader:
     return fd
 
   def _open_new(self, path: epath.Path) -> tuple[Any, int]:
-    """An open handle (an fd on local disks) and the file's size."""
+    """An fd (local disks) or an `object_store.ObjectFile`, and the file's size."""
     if not atomicity.is_local(path):
-      return path.open("rb"), path.stat().length
+      f = object_store.ObjectFile(path)
+      return f, f.size
     real_dir = os.path.realpath(os.fspath(self._dir))
     real = os.path.realpath(os.fspath(path))
     if os.path.commonpath([real_dir, real]) != real_dir:
@@ -455,9 +464,9 @@ class ByteReader:
       if isinstance(fd, int):
         n = os.preadv(fd, [out[done:]], offset + done)
       else:
-        with self._lock:
-          fd.seek(offset + done)
-          n = fd.readinto(out[done:])
+        n = fd.read_into(offset + done, out[done:])
+        if n < len(out) - done:  # Ranged GETs stop only at the end.
+          done, n = done + n, 0
       if not n:
         raise CheckpointCorruptedError(
             f"data file {self._dir / name} ended at byte {offset + done},"

@@ -13,6 +13,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointExistsError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
+from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import storage
 
 # Long enough never to fire on a loaded machine; the tests never wait it out.
@@ -515,3 +516,58 @@ def test_invalid_options_raise_value_error(ckpt_dir, kwargs):
 def test_negative_step_raises(ckpt_dir, make_state):
   with pytest.raises(ValueError, match="step must be >= 0"):
     CheckpointManager(ckpt_dir).save(-1, make_state())
+
+
+def test_commit_hooks_see_each_finalized_step_in_order(ckpt_dir):
+  """A hook can read the step it is given: it is durable and complete."""
+  seen = []
+
+  def evaluate(stats):
+    # What an evaluation hook does: open the directory read-only, restore.
+    with CheckpointManager(ckpt_dir, read_only=True) as reader:
+      restored = reader.restore({"w": np.zeros(3, np.float32)}, stats.step)
+    seen.append(("evaluate", stats.step, float(restored["w"][0]),
+                 (stats.path / "_COMMITTED").is_file(), stats.total_bytes,
+                 threading.current_thread() is threading.main_thread()))
+
+  mgr = CheckpointManager(ckpt_dir, max_to_keep=1, commit_hooks=[evaluate])
+  mgr.add_commit_hook(lambda stats: seen.append(("notify", stats.step)))
+  for step in (1, 2):
+    mgr.save(step, {"w": np.full(3, step, np.float32)})
+    mgr.wait_until_finished()
+  mgr.close()
+  assert seen == [("evaluate", 1, 1.0, True, 12, False), ("notify", 1),
+                  ("evaluate", 2, 2.0, True, 12, False), ("notify", 2)]
+  assert mgr.last_save_stats.path == ckpt_dir / "2"
+  assert mgr.last_save_stats.gbytes_per_sec > 0
+  assert _listing(ckpt_dir) == {"2"}  # Retention ran after the hooks.
+
+
+def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
+  def broken(stats):
+    if stats.step == 2:
+      raise ConnectionError("notification service unreachable")
+
+  later = []
+  mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
+                          commit_hooks=[broken, later.append])
+  mgr.save(1, {"w": np.ones(3)})
+  mgr.wait_until_finished()
+  mgr.save(2, {"w": np.ones(3)})
+  with pytest.raises(CommitHookError) as info:
+    mgr.save(3, {"w": np.ones(3)})  # The next call raises it.
+  message = str(info.value)
+  assert "broken" in message and "step 2" in message and str(ckpt_dir) in message
+  assert "notification service unreachable" in message
+  assert isinstance(info.value.__cause__, ConnectionError)
+  # Step 2 is durable; retention and the later hook were skipped for it.
+  assert mgr.all_steps() == [1, 2] and _listing(ckpt_dir) == {"1", "2"}
+  assert [s.step for s in later] == [1]
+  mgr.save(3, {"w": np.ones(3)})  # Raised once: saving goes on.
+  mgr.close()
+  assert mgr.all_steps() == [3] and [s.step for s in later] == [1, 3]
+
+
+def test_commit_hook_must_be_callable(ckpt_dir):
+  with pytest.raises(TypeError, match="not callable"):
+    CheckpointManager(ckpt_dir, commit_hooks=["not a function"])

@@ -238,3 +238,24 @@ def test_barrier_timeout_names_the_barrier_key(tmp_path):
   # The step was never finalized, and the primary host removed what it began.
   assert p0["all_steps"] == []
   assert _entries(ckpt) == []
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_commit_hooks_run_on_the_primary_and_their_errors_reach_everyone(
+    tmp_path):
+  ckpt = tmp_path / "ckpt"
+  p0, p1 = (r.json for r in run_workers("commit_hooks", 2, args=[ckpt],
+                                        timeout=RUN_TIMEOUT))
+  assert p0["is_primary"] and not p1["is_primary"]
+  assert p1["calls"] == []  # Only the primary runs hooks.
+  assert [c["step"] for c in p0["calls"]] == [1, 2]
+  for call in p0["calls"]:  # A hook sees a finalized, complete step.
+    assert call["marker"] and call["path"] == str(ckpt / str(call["step"]))
+    assert call["total_bytes"] == p0["state_bytes"]
+  for result in (p0, p1):
+    assert "commit hook" in result["error"] and "step 2" in result["error"]
+    assert "evaluation launcher is down" in result["error"]
+    assert result["all_steps"] == [1, 2]  # The step itself is durable.
+    assert result["all_steps_after"] == [1, 2, 3]
+  assert p0["calls_after"] == [1, 2, 3] and p1["calls_after"] == []
+  _assert_only_finalized_steps(ckpt, [1, 2, 3])

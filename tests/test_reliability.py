@@ -1010,8 +1010,22 @@ def test_restore_or_initialize_skips_a_damaged_newest_step(
               if r.levelno == logging.WARNING]
   assert any("skipping step 3" in w and "checksum mismatch" in w
              for w in warnings), warnings
-  # The damaged step stays on disk for a person to look at.
-  assert (ckpt_dir / "3" / "_COMMITTED").exists()
+  # The damaged step is kept for a person to look at, out of the way.
+  assert (ckpt_dir / "3.damaged" / "_COMMITTED").exists()
+  assert not (ckpt_dir / "3").exists()
+  assert any("damaged step 3 of" in w and "3.damaged" in w
+             for w in warnings), warnings
+
+  # Training from step 2 saves step 3 anew, and a new job restores it.
+  state = train_step(jax.device_put(expected[2]))
+  with CheckpointCallback(ckpt_dir, every_steps=1) as cb:
+    assert cb(3, state)
+  with CheckpointCallback(ckpt_dir, every_steps=1) as cb:
+    restored = cb.restore_or_initialize(_target_state(make_state, train_step))
+    assert cb.restored_step == 3
+  assert_trees_equal(restored, expected[3])
+  assert sorted(set(os.listdir(ckpt_dir)) - {"_WRITER"}) == [
+      "1", "2", "3", "3.damaged"]
 
 
 def test_restore_or_initialize_with_every_step_damaged_lists_them(
@@ -1076,6 +1090,9 @@ def test_processes_agree_on_the_fallback_step(tmp_path):
     assert re.search(r"WARNING .*skipping step 2 of", results[p].stderr), (
         f"process {p}{logs}")
   assert "damaged on another process" in results[0].stderr, logs
+  # The primary set the damaged step aside, once, for both processes.
+  assert (ckpt / "2.damaged" / "_COMMITTED").exists() and not (
+      ckpt / "2").exists()
 
 
 # -- 6. Durability: what is fsynced, and in which order ------------------------

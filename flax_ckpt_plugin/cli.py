@@ -1,0 +1,521 @@
+"""`flax-ckpt`: look at, verify and prune checkpoint directories from a shell.
+
+    flax-ckpt list   DIR [--json]
+    flax-ckpt show   DIR [STEP] [--json]
+    flax-ckpt verify DIR [STEP] [--all] [--json] [-q]
+    flax-ckpt prune  DIR --keep N [--dry-run] [--unfinished] [--force]
+
+Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
+`prune`, which deletes through `atomicity.delete_step` and never claims the
+directory as a writer, so it can run beside a training job. Paths go through
+`etils.epath`, so `gs://` and `s3://` directories work too. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence, TextIO
+
+from etils import epath
+
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.verify import Progress
+from flax_ckpt_plugin.verify import human_size
+from flax_ckpt_plugin.verify import verify_step
+
+PROG = "flax-ckpt"
+EXIT_OK = 0  # Success.
+EXIT_CORRUPT = 1  # A checkpoint failed verification or its manifest is bad.
+EXIT_USAGE = 2  # argparse's own code for bad arguments.
+EXIT_NOT_FOUND = 3  # No such directory or step, or no finalized step.
+EXIT_IO = 4  # Could not read or delete (permission denied, I/O error).
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  success
+  1  a checkpoint failed verification (corrupt, truncated or missing data
+     files) or its manifest is damaged
+  2  usage error (bad arguments, or --keep 0 without --force)
+  3  directory or step not found, or no finalized step
+  4  could not read or delete (permission denied, I/O error)
+"""
+
+
+
+class CliError(Exception):
+  """An expected failure: one line on stderr and an exit code."""
+
+  def __init__(self, message: str, code: int):
+    super().__init__(message)
+    self.code = code
+
+
+# -- formatting ----------------------------------------------------------------
+
+
+def human_age(secs: float | None) -> str:
+  """Seconds since something happened -> '12s ago', '3m ago', '2d ago'."""
+  if secs is None or not math.isfinite(secs):
+    return "?"
+  if secs < 0:
+    return "in the future"  # Clocks of writer and reader disagree.
+  for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
+    if secs < limit:
+      return f"{int(secs // div)}{unit} ago"
+  return f"{int(secs // 86400)}d ago"
+
+
+def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  for r in rows:
+    cells = [c.ljust(w) for c, w in zip(r, widths)]
+    out.write(indent + "  ".join(cells).rstrip() + "\n")
+
+
+def _dumps(value: Any) -> str:
+  return json.dumps(value, sort_keys=True)
+
+
+# -- reading a directory -------------------------------------------------------
+
+
+def _existing_dir(name: str) -> epath.Path:
+  directory = object_store.as_path(name)  # Object stores go through fsspec.
+  if not directory.exists():
+    raise CliError(f"directory {name} does not exist", EXIT_NOT_FOUND)
+  if not directory.is_dir():
+    raise CliError(f"{name} is not a directory", EXIT_NOT_FOUND)
+  return directory
+
+
+def _size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
+  """Bytes of the files under `path` and the newest mtime among them.
+
+  Files that vanish meanwhile (a step being deleted) are skipped.
+  """
+  total, newest = 0, None
+  local = atomicity.is_local(path)
+  try:
+    entries = path.walk() if path.is_dir() else [(path.parent, [], [path.name])]
+    for root, _, files in entries:
+      for name in files:
+        try:
+          if local:
+            st = os.lstat(os.fspath(root / name))
+            size, mtime = st.st_size, st.st_mtime
+          else:
+            st = (root / name).stat()
+            size, mtime = st.length, float(st.mtime)
+        except FileNotFoundError:
+          continue
+        total += size
+        newest = mtime if newest is None else max(newest, mtime)
+  except FileNotFoundError:
+    pass
+  return total, newest
+
+
+def _committed_unix(step_dir: epath.Path) -> float | None:
+  """When the step was finalized, from its commit marker (a tiny file)."""
+  try:
+    info = json.loads((step_dir / atomicity.COMMIT_MARKER).read_text())
+    return datetime.datetime.fromisoformat(info["committed_at"]).timestamp()
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def scan(directory: epath.Path) -> list[dict[str, Any]]:
+  """Every step-like entry of `directory`, finalized or not, by step."""
+  found = []
+  for entry in directory.iterdir():
+    name, state = entry.name, None
+    step = atomicity.step_from_name(name)
+    if step is not None:
+      finalized = atomicity.is_finalized(entry)
+      state = "finalized" if finalized else "unfinished"
+    else:
+      for suffix, what in ((atomicity.TMP_SUFFIX, "unfinished"),
+                           (atomicity.DELETING_SUFFIX, "deleting")):
+        if name.endswith(suffix):
+          step = atomicity.step_from_name(name[:-len(suffix)])
+          state = what if step is not None else None
+      base, sep, n = name.partition(atomicity.DAMAGED_SUFFIX)
+      if sep and (n == "" or n.isdigit()):
+        # Set aside by a restore that found it damaged: `<step>.damaged[N]`.
+        step = atomicity.step_from_name(base)
+        state = "damaged" if step is not None else None
+    if state is None:
+      continue
+    nbytes, mtime = _size_and_mtime(entry)
+    when = _committed_unix(entry) if state == "finalized" else None
+    found.append({"step": step, "name": name, "state": state,
+                  "bytes": nbytes, "time_unix": when or mtime})
+  return sorted(found, key=lambda e: (e["step"], e["name"]))
+
+
+def _finalized(directory: epath.Path, name: str) -> list[int]:
+  steps = atomicity.finalized_steps(directory)
+  if not steps:
+    raise CliError(f"no finalized step in {name}", EXIT_NOT_FOUND)
+  return steps
+
+
+def _check_step(directory: epath.Path, name: str, step: int) -> None:
+  if atomicity.is_finalized(directory / str(step)):
+    return
+  others = [name for name in (str(step), f"{step}{atomicity.TMP_SUFFIX}",
+                               f"{step}{atomicity.DELETING_SUFFIX}")
+            if (directory / name).exists()]
+  why = (f"it is not finalized (found {', '.join(others)})" if others
+         else "no such step")
+  raise CliError(f"step {step} in {name}: {why}; finalized steps:"
+                 f" {atomicity.finalized_steps(directory)}", EXIT_NOT_FOUND)
+
+
+def _manifest(directory: epath.Path, step: int) -> dict:
+  """The validated manifest of a finalized step."""
+  step_dir = directory / str(step)
+  try:
+    manifest = storage.read_manifest(step_dir)
+  except FileNotFoundError as e:
+    if not atomicity.is_finalized(step_dir):  # Deleted since it was listed.
+      raise CliError(f"step {step} in {directory} was deleted meanwhile"
+                     " (retention of a running job?)", EXIT_NOT_FOUND) from e
+    raise CheckpointCorruptedError(str(e)) from e  # Finalized: damaged.
+  if manifest["step"] != step:
+    raise CheckpointCorruptedError(
+        f"{step_dir / storage.MANIFEST}: records step {manifest['step']!r},"
+        f" but lives in the directory of step {step}")
+  return manifest
+
+
+# -- list ----------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
+  directory = _existing_dir(args.directory)
+  entries = scan(directory)
+  now = time.time()
+  for e in entries:
+    e["age_secs"] = (None if e["time_unix"] is None
+                     else round(now - e["time_unix"], 1))
+  writer = atomicity.current_writer(directory)
+  if args.json:
+    out.write(json.dumps({"directory": args.directory, "steps": entries,
+                          "writer": writer}, indent=1) + "\n")
+    return EXIT_OK
+  if not entries:
+    out.write(f"no checkpoints in {args.directory}\n")
+  else:
+    rows = [["STEP", "STATE", "SIZE", "AGE", "NAME"]]
+    rows += [[str(e["step"]), e["state"], human_size(e["bytes"]),
+              human_age(e["age_secs"]), e["name"]] for e in entries]
+    _table(rows, out)
+    counts = {s: sum(e["state"] == s for e in entries)
+              for s in ("finalized", "unfinished", "deleting", "damaged")}
+    out.write(", ".join(f"{n} {s}" for s, n in counts.items() if n)
+              + f"; {human_size(sum(e['bytes'] for e in entries))} in all\n")
+  if writer:
+    opened = writer.get("opened", "?")
+    count = writer.get("process_count", "?")
+    out.write(f"last writer: pid {writer.get('pid', '?')} on"
+              f" {writer.get('host', '?')} ({count} process"
+              f"{'' if count == 1 else 'es'}) claimed the directory at"
+              f" {opened}\n")
+  return EXIT_OK
+
+
+# -- show ----------------------------------------------------------------------
+
+
+def _leaf_summary(leaf: dict) -> dict[str, Any]:
+  out = {"path": leaf["path"], "kind": leaf["kind"]}
+  if "value" in leaf:
+    out["value"] = leaf["value"]
+    return out
+  dtype = storage.parse_dtype(leaf["dtype"], leaf["path"])
+  out.update(dtype=dtype.name, shape=leaf["shape"],
+             nbytes=math.prod(leaf["shape"]) * dtype.itemsize,
+             shards=len(leaf["shards"]))
+  if "key_impl" in leaf:
+    out["key_impl"] = leaf["key_impl"]
+  return out
+
+
+def _leaf_type(leaf: dict) -> str:
+  if "value" in leaf:
+    return f"{leaf['kind']} = {leaf['value']!r}"
+  desc = f"{leaf['dtype']}[{','.join(str(d) for d in leaf['shape'])}]"
+  if leaf["kind"] == "numpy":
+    desc += " (numpy)"
+  if "key_impl" in leaf:
+    desc += f" (PRNG key data, {leaf['key_impl']})"
+  return desc
+
+
+def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
+  directory = _existing_dir(args.directory)
+  if args.step is None:
+    step = _finalized(directory, args.directory)[-1]
+  else:
+    step = args.step
+    _check_step(directory, args.directory, step)
+  m = _manifest(directory, step)
+  leaves = [_leaf_summary(leaf) for leaf in m["leaves"]]
+  array_bytes = sum(leaf.get("nbytes", 0) for leaf in leaves)
+  created = m.get("created_unix")
+  info = {
+      "directory": args.directory, "step": step,
+      "format": m["format"], "format_version": m["format_version"],
+      "created": m.get("created"), "created_unix": created,
+      "committed_unix": _committed_unix(directory / str(step)),
+      "process_count": m.get("process_count"),
+      "byte_order": m.get("byte_order"),
+      "checksum": m["checksum"], "files": m["files"],
+      "total_bytes": array_bytes, "leaves": leaves,
+      "extra": m.get("extra"), "metrics": m.get("metrics"),
+  }
+  if args.json:
+    out.write(json.dumps(info, indent=1) + "\n")
+    return EXIT_OK
+  age = (human_age(time.time() - created)
+         if isinstance(created, (int, float)) else "?")
+  count = m.get("process_count")
+  files = m["files"]
+  out.write(
+      f"step {step} in {args.directory}\n"
+      f"created:   {m.get('created', '?')} ({age})\n"
+      f"format:    {m['format']} version {m['format_version']}, written by"
+      f" {count} process{'' if count == 1 else 'es'}\n"
+      f"size:      {human_size(array_bytes)} of array data"
+      f" ({array_bytes} bytes) in {len(files)}"
+      f" file{'' if len(files) == 1 else 's'}\n"
+      f"checksums: {m['checksum']['algorithm']} per"
+      f" {human_size(m['checksum']['block_bytes'])} block\n"
+      f"leaves:    {len(leaves)}\n")
+  if leaves:
+    rows = [["PATH", "TYPE", "BYTES", "SHARDS"]]
+    rows += [[leaf["path"], _leaf_type(raw),
+              human_size(leaf["nbytes"]) if "nbytes" in leaf else "",
+              str(leaf.get("shards", ""))]
+             for leaf, raw in zip(leaves, m["leaves"])]
+    _table(rows, out, indent="  ")
+  for key in ("extra", "metrics"):
+    text = _dumps(info[key])
+    if len(text) > 70:
+      text = "\n  " + json.dumps(info[key], sort_keys=True,
+                                 indent=2).replace("\n", "\n  ")
+    out.write(f"{key + ':':<10} {text}\n")
+  return EXIT_OK
+
+
+# -- verify --------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
+  directory = _existing_dir(args.directory)
+  if args.step is None:
+    steps = _finalized(directory, args.directory)
+  else:
+    _check_step(directory, args.directory, args.step)
+    steps = [args.step]
+  # Manifests first: the progress bar needs the total.
+  manifests, results = {}, []
+  for step in steps:
+    try:
+      manifests[step] = _manifest(directory, step)
+    except CliError:  # Deleted since it was listed.
+      results.append({"step": step, "status": "gone", "problems": []})
+    except CheckpointCorruptedError as e:
+      results.append({"step": step, "status": "corrupt", "problems": [str(e)]})
+    except OSError as e:
+      results.append({"step": step, "status": "error",
+                      "problems": [f"{directory / str(step)}: {e}"]})
+  total = sum(s["nbytes"] for m in manifests.values()
+              for leaf in m["leaves"] for s in leaf.get("shards", ()))
+  progress = Progress(total, sys.stderr, enabled=not args.quiet)
+
+  def report(result: dict) -> None:
+    if args.json:
+      return
+    progress.clear()
+    step, status, nbytes = result["step"], result["status"], result.get("bytes")
+    if status == "ok":
+      out.write(f"step {step}: ok ({human_size(nbytes)} checked)\n")
+    elif status == "gone":
+      out.write(f"step {step}: deleted while it was verified (retention of a"
+                " running job?); skipped\n")
+    else:
+      out.write(f"step {step}: {status.upper()}\n")
+      for p in result["problems"]:
+        out.write(f"  {p}\n")
+    out.flush()
+
+  for result in results:
+    report(result)
+  for step, manifest in manifests.items():
+    before = progress.done
+    status, problems = verify_step(directory, step, manifest, progress)
+    if status != "ok" and not atomicity.is_finalized(directory / str(step)):
+      status, problems = "gone", []
+    result = {"step": step, "status": status, "problems": problems,
+              "bytes": progress.done - before}
+    results.append(result)
+    report(result)
+  progress.finish()
+  results.sort(key=lambda r: r["step"])
+  if args.json:
+    out.write(json.dumps({"directory": args.directory, "results": results},
+                         indent=1) + "\n")
+  corrupt = [r["step"] for r in results if r["status"] == "corrupt"]
+  failed = [r["step"] for r in results if r["status"] == "error"]
+  if corrupt:
+    raise CliError(f"{len(corrupt)} of {len(steps)} steps in"
+                   f" {args.directory} failed verification: steps {corrupt}",
+                   EXIT_CORRUPT)
+  if failed:
+    raise CliError(f"could not read steps {failed} of {args.directory}",
+                   EXIT_IO)
+  return EXIT_OK
+
+
+# -- prune ---------------------------------------------------------------------
+
+
+def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
+  if args.keep < 0:
+    raise CliError(f"--keep must be >= 0, got {args.keep}", EXIT_USAGE)
+  if args.keep == 0 and not args.force:
+    raise CliError("--keep 0 would delete every finalized step; add --force"
+                   " if that is what you want", EXIT_USAGE)
+  directory = _existing_dir(args.directory)
+  steps = atomicity.finalized_steps(directory)
+  doomed = steps[:len(steps) - args.keep] if args.keep < len(steps) else []
+  kept = [s for s in steps if s not in doomed]
+  verb = "would delete" if args.dry_run else "deleted"
+  for step in doomed:
+    nbytes, _ = _size_and_mtime(directory / str(step))
+    if not args.dry_run:
+      try:
+        atomicity.delete_step(directory, step)
+      except FileNotFoundError:  # Retention of a running job was faster.
+        out.write(f"step {step}: already gone\n")
+        continue
+      except OSError as e:
+        raise CliError(f"could not delete step {step} in {args.directory}:"
+                       f" {e}", EXIT_IO) from e
+    out.write(f"{verb} step {step} ({human_size(nbytes)})\n")
+    out.flush()
+  if args.unfinished:
+    entries = atomicity.unfinished_entries(directory)
+    if entries and not args.dry_run:
+      print(f"{PROG} prune: warning: removing unfinished steps"
+            f" {[e.name for e in entries]} of {args.directory}; a job saving"
+            " there right now will fail its save", file=sys.stderr)
+      entries = atomicity.remove_unfinished(directory)
+    for entry in entries:
+      out.write(f"{verb} unfinished {entry.name}\n")
+  out.write(f"kept {len(kept)} finalized step{'' if len(kept) == 1 else 's'}:"
+            f" {kept}\n")
+  return EXIT_OK
+
+
+# -- entry point ---------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog=PROG, description="Inspect, verify and prune flax_ckpt_plugin"
+      " checkpoint directories (local paths, gs://, s3://).",
+      epilog=EXIT_CODES_HELP,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  def add(name: str, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text,
+                       epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory", metavar="DIR", help="checkpoint directory")
+    return p
+
+  p = add("list", "List every step: finalized, unfinished and being deleted,"
+          " with size and age.")
+  p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.set_defaults(func=cmd_list)
+
+  p = add("show", "Show one finalized step: leaves, dtypes, shapes, extra,"
+          " metrics and metadata.")
+  p.add_argument("step", metavar="STEP", type=int, nargs="?",
+                 help="step to show (default: the newest finalized)")
+  p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.set_defaults(func=cmd_show)
+
+  p = add("verify", "Read every shard and check its CRC-32C checksums.")
+  p.add_argument("step", metavar="STEP", type=int, nargs="?",
+                 help="step to verify (default: every finalized step)")
+  p.add_argument("--all", action="store_true",
+                 help="verify every finalized step (the default without STEP)")
+  p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.add_argument("-q", "--quiet", action="store_true",
+                 help="no progress on stderr")
+  p.set_defaults(func=cmd_verify)
+
+  p = add("prune", "Delete all but the newest N finalized steps. Does not"
+          " claim the directory, so a training job writing there goes on.")
+  p.add_argument("--keep", metavar="N", type=int, required=True,
+                 help="finalized steps to keep (0 needs --force)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="only print what would be deleted")
+  p.add_argument("--unfinished", action="store_true",
+                 help="also remove unfinished steps (.partial, no _COMMITTED,"
+                 " .deleting); this fails the save of a job writing now")
+  p.add_argument("--force", action="store_true", help="allow --keep 0")
+  p.set_defaults(func=cmd_prune)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `flax-ckpt` (the console script and `python -m flax_ckpt_plugin`).
+
+  Args:
+    argv: the arguments after the program name; None reads `sys.argv`.
+
+  Returns:
+    The exit code: `EXIT_OK`, `EXIT_CORRUPT`, `EXIT_NOT_FOUND`, `EXIT_IO`,
+    or `EXIT_USAGE` for `prune --keep 0` without `--force`. Other bad
+    arguments exit with `EXIT_USAGE` through argparse (`SystemExit`).
+  """
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if getattr(args, "all", False) and args.step is not None:
+    parser.error("verify: give STEP or --all, not both")
+  try:
+    return args.func(args, sys.stdout)
+  except CliError as e:
+    print(f"{PROG} {args.command}: {e}", file=sys.stderr)
+    return e.code
+  except BrokenPipeError:  # `flax-ckpt list DIR | head`.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_OK
+  except CheckpointCorruptedError as e:
+    print(f"{PROG} {args.command}: {e}", file=sys.stderr)
+    return EXIT_CORRUPT
+  except FileNotFoundError as e:
+    print(f"{PROG} {args.command}: {e}", file=sys.stderr)
+    return EXIT_NOT_FOUND
+  except OSError as e:
+    where = f": {e.filename}" if e.filename else ""
+    print(f"{PROG} {args.command}: {e.strerror or e}{where}", file=sys.stderr)
+    return EXIT_IO
+  except KeyboardInterrupt:
+    print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+    return 130

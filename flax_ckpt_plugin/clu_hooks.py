@@ -1,0 +1,121 @@
+"""A clu periodic action that checkpoints: for loops that run a list of hooks.
+
+The Flax examples' train loops call a list of `clu.periodic_actions` after
+every step. `CheckpointAction` is one of them:
+
+    from clu import metric_writers, periodic_actions
+    from flax_ckpt_plugin.clu_hooks import CheckpointAction
+
+    writer = metric_writers.create_default_writer(
+        workdir, just_logging=jax.process_index() > 0)
+    ckpt = CheckpointAction.create(workdir, lambda: state, every_steps=1000,
+                                   last_step=num_steps, metric_writer=writer)
+    state = ckpt.restore_or_initialize(state)
+    hooks = [periodic_actions.ReportProgress(num_train_steps=num_steps,
+                                             writer=writer), ckpt]
+    for step in range(int(state.step) + 1, num_steps + 1):
+      state = train_step(state, next(batches))
+      for h in hooks:
+        h(step)
+      if ckpt.should_stop:
+        break
+    ckpt.close()
+
+Needs the `clu` extra (`pip install flax_ckpt_plugin[clu]`); the released clu
+imports tensorflow from `clu.periodic_actions`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from clu import periodic_actions
+from etils import epath
+
+from flax_ckpt_plugin.callback import CheckpointCallback
+from flax_ckpt_plugin.manager import CheckpointManager
+
+
+class CheckpointAction(periodic_actions.PeriodicAction):
+  """A clu `PeriodicAction` that runs a `CheckpointCallback` at every step.
+
+  clu's own schedule is not used: the callback decides when to save (every N
+  steps or seconds, listed steps, the last step, a preemption notice), the
+  same way on every process, so this action must be called at every step on
+  every process, as clu's hooks are. It returns True when a save started.
+
+  Args:
+    callback: the callback that saves.
+    state_fn: returns the current train state (e.g. `lambda: state`, a
+      closure over the loop's variable).
+    extra_fn: returns the JSON-serializable `extra` saved with a step (a
+      data iterator position), or None.
+  """
+
+  def __init__(self, callback: CheckpointCallback,
+               state_fn: Callable[[], Any],
+               extra_fn: Callable[[], Any] | None = None):
+    super().__init__()
+    self.callback = callback
+    self._state_fn = state_fn
+    self._extra_fn = extra_fn
+
+  @classmethod
+  def create(cls, directory: epath.PathLike, state_fn: Callable[[], Any], *,
+             extra_fn: Callable[[], Any] | None = None,
+             **callback_kwargs: Any) -> "CheckpointAction":
+    """An action with a new `CheckpointCallback(directory, **callback_kwargs)`."""
+    return cls(CheckpointCallback(directory, **callback_kwargs), state_fn,
+               extra_fn)
+
+  def __call__(self, step: int, t: float | None = None) -> bool:
+    """Runs the callback at `step`; True when a save started."""
+    if t is None:
+      t = time.monotonic()
+    self._init_and_check(step, t)
+    saved = self._save(step)
+    if saved:
+      self._after_apply(step, t)
+    return saved
+
+  def _save(self, step: int) -> bool:
+    extra = self._extra_fn() if self._extra_fn is not None else None
+    return self.callback(step, self._state_fn(), extra=extra)
+
+  def _apply(self, step: int, t: float) -> None:
+    # clu's abstract hook; `__call__` above never defers to clu's schedule.
+    del t
+    self._save(step)
+
+  @property
+  def should_stop(self) -> bool:
+    """True once a preemption checkpoint is durable: leave the loop."""
+    return self.callback.should_stop
+
+  @property
+  def manager(self) -> CheckpointManager:
+    """The callback's `CheckpointManager`."""
+    return self.callback.manager
+
+  def restore_or_initialize(self, state: Any) -> Any:
+    """See `CheckpointCallback.restore_or_initialize`."""
+    return self.callback.restore_or_initialize(state)
+
+  @property
+  def restored_step(self) -> int | None:
+    """The step `restore_or_initialize` restored, or None."""
+    return self.callback.restored_step
+
+  @property
+  def restored_extra(self) -> Any:
+    """The `extra` saved with the restored step, or None."""
+    return self.callback.restored_extra
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the running save is durable; raises its error."""
+    self.callback.wait_until_finished()
+
+  def close(self) -> None:
+    """Closes the callback: waits for the last save, raises its error."""
+    self.callback.close()

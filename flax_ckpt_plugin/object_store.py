@@ -1,0 +1,187 @@
+"""Object stores (`s3://`, `gs://`, ...): paths through fsspec, ranged reads.
+
+`as_path` turns a directory name into the `epath.Path` this package reads and
+writes through; `ObjectFile` reads byte ranges of one object, each with its
+own ranged GET, so restore threads read at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from etils import epath
+from etils.epath import backend as epath_backend
+from etils.epath import gpath as epath_gpath
+
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+
+# Object-store schemes that etils' paths know, and the fsspec implementation
+# and extra of this package that each needs.
+_FSSPEC_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"),
+                    "az": ("adlfs", None), "hf": ("huggingface_hub", None)}
+
+
+def scheme(path: epath.PathLike) -> str | None:
+  """'s3' for `s3://bucket/x`; None for local paths."""
+  text = os.fspath(path)
+  return text.split("://", 1)[0] if "://" in text else None
+
+
+@functools.cache
+def _filesystem(protocol: str, pid: int):
+  """One fsspec filesystem per protocol and process, without listing cache.
+
+  fsspec caches directory listings by default, and a cached listing does
+  not show what other processes wrote since (the commit marker of a step
+  that another host finalized): every listing and existence check here
+  asks the store. The process id is in the cache key because fsspec's
+  event loop does not survive a fork.
+  """
+  del pid
+  import fsspec  # pylint: disable=g-import-not-at-top
+  try:
+    return fsspec.filesystem(protocol, use_listings_cache=False)
+  except ImportError as e:
+    package, extra = _FSSPEC_PACKAGES.get(protocol, (None, None))
+    hint = (f"pip install 'flax_ckpt_plugin[{extra}]'" if extra else
+            f"pip install {package}" if package else
+            "install the fsspec implementation of this scheme")
+    raise ImportError(f"{protocol}:// checkpoints need {package or 'fsspec'}:"
+                      f" {hint} ({e})") from e
+
+
+def filesystem(path: epath.PathLike):
+  """The fsspec filesystem that serves the object-store `path`."""
+  return _filesystem(scheme(path), os.getpid())
+
+
+class _FsspecBackend(type(epath_backend.fsspec_backend)):
+  """etils' fsspec backend, on filesystems without a listing cache."""
+
+  def fs(self, path: epath.PathLike):
+    return filesystem(path)
+
+  def walk(self, top: epath.PathLike, *, top_down: bool = True,
+           on_error=None):
+    # etils passes `max_depth=` (fsspec's is `maxdepth`), which fsspec hands
+    # on to `ls`, where s3fs rejects it; and fsspec's roots lack the scheme.
+    prefix = f"{scheme(top)}://"
+    for root, dirs, files in self.fs(top).walk(
+        os.fspath(top), topdown=top_down,
+        on_error="omit" if on_error is None else on_error):
+      yield (root if root.startswith(prefix) else prefix + root), dirs, files
+
+
+_FSSPEC_BACKEND = _FsspecBackend()
+
+
+class ObjectStorePath(epath_gpath.PosixGPath):
+  """An `epath.Path` on `s3://`, `gs://`... that always uses fsspec.
+
+  `epath.Path` sends `gs://` and `s3://` to `tf.io.gfile` whenever
+  tensorflow is importable (unless `EPATH_USE_TF=false` is set before its
+  first use), and `tf.io.gfile` has no `s3://` since TensorFlow 2.6. A
+  checkpoint directory must not change backends because a training job
+  happens to have tensorflow installed (for its input pipeline, say), so
+  the paths this package makes use fsspec; the user's own `epath.Path`
+  objects and the process-wide etils settings are left as they are.
+  Paths derived from one (`/`, `parent`, `iterdir`) are of this class too.
+  """
+
+  @property
+  def _backend(self) -> epath_backend.Backend:
+    return _FSSPEC_BACKEND
+
+  def mkdir(self, mode: int = 0o777, parents: bool = False,
+            exist_ok: bool = False) -> None:
+    """Checks that the bucket exists; object stores have no directories.
+
+    A prefix exists as soon as an object under it does, so there is nothing
+    to create. fsspec's `makedirs` would create a missing bucket, so that a
+    mistyped bucket name would quietly make a new bucket: never done here.
+
+    Raises:
+      FileNotFoundError: the bucket does not exist (or these credentials
+        cannot see it); names the bucket.
+      FileExistsError: `exist_ok` is False and objects exist under the path.
+    """
+    del mode, parents
+    if not exist_ok and self.exists():
+      raise FileExistsError(f"{self} already exists")
+    try:
+      filesystem(self).mkdir(os.fspath(self), create_parents=False)
+    except FileExistsError:
+      if not exist_ok:
+        raise
+    except FileNotFoundError as e:
+      bucket = os.fspath(self).split("://", 1)[1].split("/", 1)[0]
+      raise FileNotFoundError(
+          f"cannot use {self}: bucket {bucket!r} does not exist or these"
+          f" credentials cannot see it ({e}). Buckets are never created"
+          " here.") from e
+
+
+def as_path(path: epath.PathLike) -> epath.Path:
+  """`path` as the `epath.Path` that this package reads and writes through.
+
+  Local paths: `epath.Path(path)`. `s3://`, `gs://`, `az://`, `hf://`: an
+  `ObjectStorePath`, which goes through fsspec (install
+  `flax_ckpt_plugin[s3]` or `[gcs]`). Other schemes: whatever `epath.Path`
+  makes of them.
+  """
+  if isinstance(path, ObjectStorePath):
+    return path
+  if scheme(path) in _FSSPEC_PACKAGES:
+    return ObjectStorePath(os.fspath(path))
+  return path if isinstance(path, epath.Path) else epath.Path(path)
+
+
+# Object stores: one ranged GET fetches at most this many bytes, and a
+# longer range is fetched as that many GETs at once (bounding the transient
+# copy of each); a range up to this size is exactly one GET.
+_GET_BYTES = 16 << 20
+_GETS_AT_ONCE = 4
+
+
+class ObjectFile:
+  """A data file in an object store, read by ranged GETs.
+
+  Holds no connection or file position, so threads read it at once: each
+  range is fetched by its own request (`cat_file` with start and end), not
+  by seek and read on a shared handle, whose read-ahead buffer would fetch
+  far more than asked and serialize the threads.
+  """
+
+  def __init__(self, path: epath.Path):
+    self._fs = filesystem(path)
+    self._url = os.fspath(path)
+    info = self._fs.info(self._url)  # FileNotFoundError if it is missing.
+    if info.get("type") != "file":
+      raise CheckpointCorruptedError(
+          f"data file {path} is not a file (a prefix of other objects?)")
+    self.size = info["size"]
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    """Reads into `out` from `offset`; returns bytes read (short at the end)."""
+    pieces = [(a, min(a + _GET_BYTES, len(out)))
+              for a in range(0, len(out), _GET_BYTES)]
+    done = 0
+    for i in range(0, len(pieces), _GETS_AT_ONCE):
+      batch = pieces[i:i + _GETS_AT_ONCE]
+      if len(batch) == 1:
+        data = [self._fs.cat_file(self._url, start=offset + batch[0][0],
+                                  end=offset + batch[0][1])]
+      else:  # Concurrent requests, on fsspec's event loop.
+        data = self._fs.cat_ranges(
+            [self._url] * len(batch), [offset + a for a, _ in batch],
+            [offset + b for _, b in batch], on_error="raise")
+      for (a, b), chunk in zip(batch, data):
+        out[a:a + len(chunk)] = chunk
+        done += len(chunk)
+        if len(chunk) < b - a:
+          return done  # The object ended early.
+    return done
+
+  def close(self) -> None:
+    pass

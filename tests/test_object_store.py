@@ -1,0 +1,703 @@
+"""Checkpoints in `s3://`, against a real S3-compatible server on 127.0.0.1.
+
+A moto server runs as its own process (`tests/s3_server.py`) and every test
+gets a fresh bucket; boto3, s3fs and the library reach it over HTTP through
+`AWS_ENDPOINT_URL`. The tests check what local-disk tests check
+(`test_manager.py`, `test_reliability.py`), as a user of a bucket sees it:
+the objects in the bucket (listed with boto3), restored values bit for bit,
+and the errors. Commit-file atomicity is chosen by itself: a step is
+finalized once `<step>/_COMMITTED` exists, and anything else is unfinished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+from etils import epath
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointCorruptedError
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import CheckpointNotFoundError
+from flax_ckpt_plugin import ConcurrentWriterError
+from flax_ckpt_plugin import storage
+from launcher import REPO_ROOT
+from launcher import run_workers
+from launcher import StdoutLines
+from s3_server import S3Server
+
+DATA = "data/process_00000.bin"
+# Subprocesses start jax (and one of them tensorflow) on a loaded 2-core
+# machine: generous deadlines, never waited out when things work.
+RUN_TIMEOUT = 180
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+  """One moto server for the session; fails every test if it cannot start."""
+  try:
+    server = S3Server.start()
+  except RuntimeError as e:
+    pytest.fail(f"could not start the S3 server: {e}", pytrace=False)
+  yield server
+  server.stop()
+
+
+@dataclasses.dataclass
+class Bucket:
+  """A fresh bucket on the test server, and a checkpoint URL in it."""
+  server: S3Server
+  name: str
+
+  @property
+  def url(self) -> str:
+    return f"s3://{self.name}/run"
+
+  def keys(self, prefix: str = "run/") -> list[str]:
+    """Every object under `prefix`, as `aws s3 ls --recursive` lists them."""
+    pages = self.server.client().get_paginator("list_objects_v2").paginate(
+        Bucket=self.name, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+  def get(self, key: str) -> bytes:
+    return self.server.client().get_object(
+        Bucket=self.name, Key=key)["Body"].read()
+
+  def put(self, key: str, body: bytes) -> None:
+    self.server.client().put_object(Bucket=self.name, Key=key, Body=body)
+
+  def delete(self, key: str) -> None:
+    self.server.client().delete_object(Bucket=self.name, Key=key)
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch) -> Bucket:
+  for key, value in s3_server.env.items():
+    monkeypatch.setenv(key, value)
+  name = f"ckpt-{uuid.uuid4().hex[:12]}"
+  s3_server.create_bucket(name)
+  return Bucket(s3_server, name)
+
+
+def _step_keys(step: int) -> list[str]:
+  """The objects of a finalized step written by one process."""
+  return [f"run/{step}/{name}"
+          for name in ("_COMMITTED", DATA, storage.MANIFEST)]
+
+
+def _expected_keys(*steps: int) -> list[str]:
+  """The bucket's listing when it holds these finalized steps (one writer)."""
+  return sorted([f"run/{atomicity.WRITER_FILE}"]
+                + [k for s in steps for k in _step_keys(s)])
+
+
+def _steps_in_bucket(b: Bucket) -> set[str]:
+  return {k.split("/")[1] for k in b.keys()} - {atomicity.WRITER_FILE}
+
+
+def _mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def _sharded(state: Any, spec_of) -> Any:
+  """`state` with every array leaf placed by `spec_of(leaf)` on 2 devices."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(_mesh(), spec_of(x))), state)
+
+
+def _abstract(state: Any, spec_of) -> Any:
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(_mesh(), spec_of(x))),
+      state)
+
+
+def _rows(x) -> P:
+  return P("x") if x.ndim else P()
+
+
+def _columns(x) -> P:
+  return P(None, "x") if x.ndim == 2 else P()
+
+
+def _replicated(x) -> P:
+  del x
+  return P()
+
+
+def _requests(server: S3Server, method: str, key: str) -> int:
+  """How many `method` requests for `key` the server has logged so far."""
+  # Lines look like `"GET /bucket/key HTTP/1.1" 206`, maybe with colour codes.
+  pattern = rf"(?<![A-Z]){method} /{re.escape(key)} HTTP"
+  return len(re.findall(pattern, server.log()))
+
+
+def _wait_for_requests(server: S3Server, method: str, key: str,
+                       at_least: int) -> int:
+  """The request count, once the server logged `at_least` (or 10 s passed)."""
+  deadline = time.monotonic() + 10
+  while (n := _requests(server, method, key)) < at_least and (
+      time.monotonic() < deadline):
+    time.sleep(0.05)
+  return n
+
+
+def test_server_that_does_not_answer_fails_the_test_instead_of_hanging():
+  """The helper's own contract: a deadline, then an error with the log."""
+  start = time.monotonic()
+  with pytest.raises(RuntimeError, match="did not answer within"):
+    S3Server.start(timeout=0.05)
+  assert time.monotonic() - start < 30  # Includes stopping the server.
+
+
+# -- paths and atomicity ------------------------------------------------------
+
+
+_TF_SUBPROCESS = """
+import json, sys
+try:
+  import tensorflow  # What a job with a tf.data input pipeline has loaded.
+  have_tf = True
+except ImportError:
+  have_tf = False
+from etils import epath
+import numpy as np
+from flax_ckpt_plugin import CheckpointManager
+
+url = sys.argv[1]
+plain_error = None
+try:
+  epath.Path(url).exists()
+except Exception as e:  # tf.io.gfile: "File system scheme 's3' not implemented"
+  plain_error = f"{type(e).__name__}: {e}"
+state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+with CheckpointManager(url) as manager:
+  manager.save(5, state)
+  manager.wait_until_finished()
+  restored = manager.restore({"w": np.zeros((3, 4), np.float32)})
+  print(json.dumps({"have_tf": have_tf, "plain_error": plain_error,
+                    "path_class": type(manager.directory).__name__,
+                    "steps": manager.all_steps(),
+                    "restored": restored["w"].tolist()}))
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_s3_goes_through_fsspec_even_where_tensorflow_is_imported(bucket):
+  """etils would send `s3://` to tf.io.gfile, which has no s3: we do not.
+
+  A subprocess imports tensorflow first (when installed, as in this test
+  environment), as a training job with a tf.data pipeline does. There a
+  plain `epath.Path('s3://...')` fails, while the manager saves and
+  restores through fsspec and s3fs.
+  """
+  proc = subprocess.run(
+      [sys.executable, "-c", _TF_SUBPROCESS, bucket.url], cwd=REPO_ROOT,
+      capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  if out["have_tf"]:
+    assert "scheme 's3' not implemented" in out["plain_error"], out
+  assert out["path_class"] == "ObjectStorePath"
+  assert out["steps"] == [5]
+  assert out["restored"] == np.arange(12).reshape(3, 4).tolist()
+  assert bucket.keys() == _expected_keys(5)
+
+
+def test_object_store_paths_stay_object_store_paths():
+  path = object_store.as_path("s3://some-bucket/run")
+  assert isinstance(path, epath.Path)
+  assert isinstance(path, object_store.ObjectStorePath)
+  for derived in (path / "3" / DATA, path.parent, path / "3" / ".." / "4"):
+    assert isinstance(derived, object_store.ObjectStorePath), derived
+  assert os.fspath(path / "3") == "s3://some-bucket/run/3"
+  assert object_store.as_path(epath.Path("gs://b/x")).__class__ is (
+      object_store.ObjectStorePath)
+  local = object_store.as_path("/tmp/x")
+  assert not isinstance(local, object_store.ObjectStorePath)
+  assert os.fspath(local) == "/tmp/x"
+
+
+@pytest.mark.parametrize("url", ["s3://b/run", "gs://b/run"])
+def test_atomicity_auto_selects_commit_file_for_object_stores(url):
+  assert atomicity.resolve_atomicity(url, "auto") == "commit_file"
+  assert atomicity.resolve_atomicity(url, "commit_file") == "commit_file"
+  with pytest.raises(ValueError, match="without atomic rename"):
+    atomicity.resolve_atomicity(url, "rename")
+  tmp = atomicity.temporary_path(object_store.as_path(url), 7, "commit_file")
+  assert isinstance(tmp, atomicity.CommitFilePath)
+  assert os.fspath(tmp.path) == f"{url}/7"  # Written in place, no rename.
+
+
+def test_manager_on_s3_uses_commit_file(bucket):
+  with CheckpointManager(bucket.url) as manager:
+    assert manager.atomicity == "commit_file"
+    assert isinstance(manager.directory, object_store.ObjectStorePath)
+  with pytest.raises(ValueError, match="without atomic rename"):
+    CheckpointManager(bucket.url, atomicity="rename")
+
+
+def test_walking_a_checkpoint_in_a_bucket(bucket):
+  """`walk` works on these paths (etils' fsspec walk fails on s3fs)."""
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(1, {"w": np.arange(3)})
+  found = {}
+  for root, _, files in object_store.as_path(bucket.url).walk():
+    assert isinstance(root, object_store.ObjectStorePath)
+    for name in files:
+      found[os.fspath(root / name)] = (root / name).stat().length
+  prefix = f"s3://{bucket.name}/"
+  assert sorted(found) == [prefix + key for key in _expected_keys(1)]
+  assert found[f"{bucket.url}/1/{DATA}"] == 3 * 8
+
+
+def test_missing_bucket_is_an_error_and_is_never_created(bucket):
+  with pytest.raises(FileNotFoundError) as info:
+    CheckpointManager("s3://no-such-bucket-here/run")
+  assert "bucket 'no-such-bucket-here' does not exist" in str(info.value)
+  names = [b["Name"] for b in bucket.server.client().list_buckets()["Buckets"]]
+  assert "no-such-bucket-here" not in names
+
+
+def test_missing_fsspec_implementation_says_what_to_install():
+  if importlib.util.find_spec("gcsfs") is not None:
+    pytest.skip("gcsfs is installed here; the message is for those without")
+  with pytest.raises(ImportError,
+                     match=r"gs:// checkpoints need gcsfs: pip install"
+                     r" 'flax_ckpt_plugin\[gcs\]'"):
+    CheckpointManager("gs://some-bucket/run")
+
+
+# -- save and restore ---------------------------------------------------------
+
+
+def test_train_state_round_trip_and_the_objects_a_user_sees(
+    bucket, make_state, train_step, assert_trees_equal, host_copy):
+  state = train_step(make_state())
+  expected = host_copy(state)
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(1, state, extra={"data_position": 17}, metrics={"loss": 0.5})
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1]
+    assert manager.latest_step() == 1
+    stats = manager.last_save_stats
+    assert stats.nbytes > 0
+
+  # What `aws s3 ls --recursive` shows: the marker, the manifest, one data
+  # object; no shard tables, no attempt token, nothing else.
+  assert bucket.keys() == _expected_keys(1)
+  manifest = json.loads(bucket.get(f"run/1/{storage.MANIFEST}"))
+  assert manifest["step"] == 1 and manifest["extra"] == {"data_position": 17}
+  assert manifest["files"] == {DATA: stats.nbytes}
+  assert len(bucket.get(f"run/1/{DATA}")) == stats.nbytes
+  assert json.loads(bucket.get("run/1/_COMMITTED"))["step"] == 1
+
+  # A fresh manager (a restarted job) restores it bit for bit, as the
+  # target's type, and training continues from it.
+  with CheckpointManager(bucket.url) as manager:
+    assert manager.all_steps() == [1]
+    restored = manager.restore(train_step(make_state(seed=5)))
+    assert manager.metadata().extra == {"data_position": 17}
+    assert manager.metadata().metrics == {"loss": 0.5}
+    assert manager.last_restore_stats.nbytes_read == stats.nbytes
+  assert_trees_equal(restored, expected)
+  assert_trees_equal(host_copy(train_step(restored)),
+                     host_copy(train_step(train_step(make_state()))))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no_verify"])
+@pytest.mark.parametrize("target_spec", [_rows, _columns, _replicated],
+                         ids=["as_saved", "columns", "replicated"])
+def test_sharded_train_state_restores_into_any_partitioning(
+    bucket, make_state, train_step, assert_trees_equal, host_copy,
+    target_spec, verify):
+  """Saved split by rows over 2 devices; restored as saved or re-split.
+
+  Restoring by columns needs a strided part of each saved shard: on an
+  object store that is fetched as one range around it, not row by row.
+  """
+  state = _sharded(train_step(make_state()), _rows)
+  expected = host_copy(state)
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(3, state)
+    manager.wait_until_finished()
+  target = _abstract(expected, target_spec)
+  data_key = f"{bucket.name}/run/3/{DATA}"
+  before = _requests(bucket.server, "GET", data_key)
+  with CheckpointManager(bucket.url, read_only=True) as manager:
+    restored = manager.restore(target, verify=verify)
+  assert_trees_equal(restored, expected)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+    assert got.sharding == want.sharding
+  # Each saved shard is fetched once, whichever devices need parts of it
+  # (here every shard is smaller than a checksum block).
+  manifest = json.loads(bucket.get(f"run/3/{storage.MANIFEST}"))
+  shards = sum(len(leaf.get("shards", ())) for leaf in manifest["leaves"])
+  assert _wait_for_requests(bucket.server, "GET", data_key,
+                            before + shards) - before == shards
+
+
+def test_each_leaf_is_fetched_with_one_ranged_get(bucket):
+  """A restore costs one HEAD of the data object and one GET per leaf."""
+  rng = np.random.default_rng(0)
+  state = {f"leaf_{i}": rng.standard_normal((50, i + 1)).astype(np.float32)
+           for i in range(6)}
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(1, state)
+    manager.wait_until_finished()
+  data_key = f"{bucket.name}/run/1/{DATA}"
+  gets_before = _requests(bucket.server, "GET", data_key)
+  heads_before = _requests(bucket.server, "HEAD", data_key)
+  with CheckpointManager(bucket.url, read_only=True) as manager:
+    restored = manager.restore({k: np.zeros_like(v) for k, v in state.items()})
+  for key, value in state.items():
+    assert restored[key].tobytes() == value.tobytes(), key
+  gets = _wait_for_requests(bucket.server, "GET", data_key, gets_before + 6)
+  assert gets - gets_before == len(state)
+  assert _requests(bucket.server, "HEAD", data_key) - heads_before == 1
+
+
+def test_long_ranges_are_fetched_in_concurrent_pieces(bucket, monkeypatch):
+  monkeypatch.setattr(object_store, "_GET_BYTES", 1000)
+  monkeypatch.setattr(object_store, "_GETS_AT_ONCE", 3)
+  value = np.random.default_rng(1).standard_normal(2500).astype(np.float32)
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(1, {"v": value})
+    manager.wait_until_finished()
+  data_key = f"{bucket.name}/run/1/{DATA}"
+  before = _requests(bucket.server, "GET", data_key)
+  with CheckpointManager(bucket.url, read_only=True) as manager:
+    restored = manager.restore({"v": np.zeros_like(value)})
+  assert restored["v"].tobytes() == value.tobytes()
+  assert _wait_for_requests(bucket.server, "GET", data_key,
+                            before + 10) - before == 10  # 10,000 bytes.
+
+
+# -- retention and unfinished steps -------------------------------------------
+
+
+def test_retention_deletes_from_the_bucket(bucket):
+  with CheckpointManager(bucket.url, max_to_keep=2,
+                         keep_every_n_steps=3) as manager:
+    for step in range(1, 8):
+      manager.save(step, {"w": jnp.full((4,), step, jnp.int32)})
+      manager.wait_until_finished()
+      # Never fewer than the kept steps, and the newest is always there.
+      assert str(step) in _steps_in_bucket(bucket)
+    assert manager.all_steps() == [3, 6, 7]
+  assert bucket.keys() == _expected_keys(3, 6, 7)
+  with CheckpointManager(bucket.url, read_only=True) as manager:
+    restored = manager.restore({"w": np.zeros(4, np.int32)}, step=3)
+  assert restored["w"].tolist() == [3] * 4
+
+
+def _copy_step_without_marker(b: Bucket, src: int, dst: int) -> None:
+  """Step `dst` as a crash before its marker leaves it: data, no marker."""
+  for key in b.keys(f"run/{src}/"):
+    if not key.endswith("/_COMMITTED"):
+      body = b.get(key)
+      if key.endswith(storage.MANIFEST):
+        body = body.replace(b'"step": %d' % src, b'"step": %d' % dst)
+      b.put(key.replace(f"run/{src}/", f"run/{dst}/"), body)
+
+
+def test_unfinished_step_is_never_listed_or_restored_and_is_cleaned_up(
+    bucket):
+  """Step 2 has all its data and manifest but no `_COMMITTED`."""
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(1, {"w": jnp.arange(6.0)})
+    manager.wait_until_finished()
+  _copy_step_without_marker(bucket, 1, 2)
+  assert f"run/2/{DATA}" in bucket.keys()
+
+  # A reader (an evaluation job) neither lists, restores nor removes it.
+  with CheckpointManager(bucket.url, read_only=True) as reader:
+    assert reader.all_steps() == [1]
+    assert reader.latest_step() == 1
+    with pytest.raises(CheckpointNotFoundError, match="step 2 is not a"):
+      reader.restore({"w": np.zeros(6, np.float32)}, step=2)
+    restored = reader.restore({"w": np.zeros(6, np.float32)})
+  assert restored["w"].tolist() == list(range(6))
+  assert atomicity.unfinished_entries(object_store.as_path(bucket.url)) == [
+      object_store.as_path(bucket.url) / "2"]
+
+  # The next writer removes every object of it, and may save step 2 anew.
+  with CheckpointManager(bucket.url) as writer:
+    assert not any(k.startswith("run/2/") for k in bucket.keys())
+    assert writer.all_steps() == [1]
+    writer.save(2, {"w": jnp.arange(6.0) * 2})
+  assert bucket.keys() == _expected_keys(1, 2)
+
+
+_KILLED_WRITER = """
+import sys
+import numpy as np
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin import CheckpointManager
+
+def finalize_never(self):
+  # Data and manifest are in the bucket; the marker is next. Stop here.
+  print("about to write the commit marker", flush=True)
+  import time
+  time.sleep(600)
+
+url = sys.argv[1]
+with CheckpointManager(url) as manager:
+  manager.save(1, {"w": np.arange(8, dtype=np.int64)})
+  manager.wait_until_finished()
+  print("step 1 finalized", flush=True)
+  atomicity.CommitFilePath.finalize = finalize_never
+  manager.save(2, {"w": np.arange(8, dtype=np.int64) * 2})
+  manager.wait_until_finished()
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_writer_killed_before_the_marker_leaves_nothing_that_looks_final(
+    bucket):
+  """SIGKILL a real writer process right before it writes `_COMMITTED`."""
+  proc = subprocess.Popen(
+      [sys.executable, "-u", "-c", _KILLED_WRITER, bucket.url],
+      cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, start_new_session=True)
+  try:
+    lines = StdoutLines(proc.stdout)
+    found = lines.wait_match("about to write the commit marker",
+                             time.monotonic() + RUN_TIMEOUT)
+    assert found, "\n".join(lines.lines)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  # Everything of step 2 but the marker reached the bucket.
+  keys = bucket.keys()
+  assert f"run/2/{storage.MANIFEST}" in keys and f"run/2/{DATA}" in keys
+  assert "run/2/_COMMITTED" not in keys
+
+  with CheckpointManager(bucket.url, read_only=True) as reader:
+    assert reader.all_steps() == [1]
+    with pytest.raises(CheckpointNotFoundError):
+      reader.restore({"w": np.zeros(8, np.int64)}, step=2)
+  with CheckpointManager(bucket.url) as restarted:
+    assert restarted.latest_step() == 1
+    assert restarted.restore({"w": np.zeros(8, np.int64)})["w"].tolist() == (
+        list(range(8)))
+  assert bucket.keys() == _expected_keys(1)
+
+
+def test_interrupted_deletion_never_leaves_a_finalized_looking_step(
+    bucket, monkeypatch):
+  """Retention removes the marker first: a crash after that is unfinished."""
+  with CheckpointManager(bucket.url) as manager:
+    for step in (1, 2):
+      manager.save(step, {"w": jnp.arange(3)})
+      manager.wait_until_finished()
+  directory = object_store.as_path(bucket.url)
+
+  def crash(path):
+    raise OSError(f"connection lost while removing {path}")
+
+  with monkeypatch.context() as m:
+    m.setattr(atomicity, "_remove_tree", crash)
+    with pytest.raises(OSError, match="connection lost"):
+      atomicity.delete_step(directory, 1)
+  assert "run/1/_COMMITTED" not in bucket.keys()
+  assert f"run/1/{DATA}" in bucket.keys()
+  assert atomicity.finalized_steps(directory) == [2]
+  with CheckpointManager(bucket.url) as manager:
+    assert manager.all_steps() == [2]
+  assert bucket.keys() == _expected_keys(2)
+
+
+def test_two_attempts_at_one_step_never_finalize_or_delete_each_other(
+    bucket):
+  """An old job re-preparing a step that a new job is writing (commit file).
+
+  The later `prepare` replaces the step's `_ATTEMPT` token: the earlier
+  attempt may neither finalize over it nor, when abandoned, delete it.
+  """
+  directory = object_store.as_path(bucket.url)
+  old = atomicity.temporary_path(directory, 4, "commit_file")
+  new = atomicity.temporary_path(directory, 4, "commit_file")
+  old.prepare()
+  (old.path / "old.txt").write_text("old")
+  new.prepare()
+  (new.path / "new.txt").write_text("new")
+  assert old.is_ours() is False and new.is_ours() is True
+  with pytest.raises(FileExistsError, match="was replaced while it was"):
+    old.finalize()
+  old.abandon()
+  assert bucket.keys("run/4/") == ["run/4/_ATTEMPT", "run/4/new.txt"]
+  new.finalize()
+  assert bucket.keys("run/4/") == ["run/4/_COMMITTED", "run/4/new.txt"]
+  assert atomicity.finalized_steps(directory) == [4]
+
+
+def test_second_writer_takes_over_and_the_first_gets_concurrent_writer_error(
+    bucket):
+  first = CheckpointManager(bucket.url, max_to_keep=1)
+  first.save(1, {"w": jnp.arange(4)})
+  first.wait_until_finished()
+  claim = json.loads(bucket.get("run/_WRITER"))
+  second = CheckpointManager(bucket.url, max_to_keep=1)
+  assert json.loads(bucket.get("run/_WRITER"))["token"] != claim["token"]
+  first.save(2, {"w": jnp.arange(4) + 2})
+  with pytest.raises(ConcurrentWriterError, match="step 2 was not finalized"):
+    first.wait_until_finished()
+  first.close()
+  assert not any(k.startswith("run/2/") for k in bucket.keys())
+  second.save(2, {"w": jnp.arange(4) + 20})
+  second.close()
+  assert bucket.keys() == _expected_keys(2)
+
+
+# -- the callback and damaged objects -----------------------------------------
+
+
+def test_restore_or_initialize_on_s3(bucket, make_state, train_step,
+                                     assert_trees_equal, host_copy):
+  # First run: nothing in the bucket, so the given state comes back.
+  initial = make_state()
+  with CheckpointCallback(bucket.url, every_steps=2, max_to_keep=2) as cb:
+    state = cb.restore_or_initialize(initial)
+    assert state is initial and cb.restored_step is None
+    saved = {}
+    for step in range(1, 6):
+      state = train_step(state)
+      if cb(step, state, extra={"step": step}):
+        saved[step] = host_copy(state)
+    cb.wait_until_finished()
+    assert cb.manager.all_steps() == [2, 4]
+  assert _steps_in_bucket(bucket) == {"2", "4"}
+
+  # Restart: the newest finalized step, with its `extra`.
+  with CheckpointCallback(bucket.url, every_steps=2, max_to_keep=2) as cb:
+    restored = cb.restore_or_initialize(train_step(make_state(seed=3)))
+    assert cb.restored_step == 4
+    assert cb.restored_extra == {"step": 4}
+  assert_trees_equal(restored, saved[4])
+
+
+def _flip_byte(b: Bucket, step: int, offset: int) -> None:
+  body = bytearray(b.get(f"run/{step}/{DATA}"))
+  body[offset] ^= 0xFF
+  b.put(f"run/{step}/{DATA}", bytes(body))
+
+
+def _truncate(b: Bucket, step: int) -> None:
+  b.put(f"run/{step}/{DATA}", b.get(f"run/{step}/{DATA}")[:-10])
+
+
+def _remove(b: Bucket, step: int) -> None:
+  b.delete(f"run/{step}/{DATA}")
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    (lambda b, s: _flip_byte(b, s, 5), "leaf 'w': checksum mismatch"),
+    (_truncate, "truncated"),
+    (_remove, "missing"),
+], ids=["flipped_byte", "truncated_object", "missing_object"])
+def test_damaged_object_error_names_file_step_and_leaf(bucket, damage,
+                                                       fragment):
+  states = {s: {"w": np.random.default_rng(s).standard_normal(64)
+                .astype(np.float32)} for s in (1, 2)}
+  with CheckpointManager(bucket.url) as manager:
+    for step, state in states.items():
+      manager.save(step, state)
+      manager.wait_until_finished()
+  damage(bucket, 2)
+  target = {"w": np.zeros(64, np.float32)}
+  with CheckpointManager(bucket.url, read_only=True) as manager:
+    with pytest.raises(CheckpointCorruptedError) as info:
+      manager.restore(target, step=2)
+    message = str(info.value)
+    assert fragment in message, message
+    assert f"{bucket.url}/2" in message and DATA in message, message
+    assert "step 2" in message, message
+    assert "leaf 'w'" in message, message
+    # The other step is untouched, and the fallback finds it.
+    step, restored = manager.restore_newest_valid(target)
+  assert step == 1
+  assert restored["w"].tobytes() == states[1]["w"].tobytes()
+
+
+def test_restore_or_initialize_skips_a_corrupted_newest_step(
+    bucket, make_state, train_step, assert_trees_equal, host_copy):
+  saved = {}
+  with CheckpointCallback(bucket.url, every_steps=1) as cb:
+    state = make_state()
+    for step in (1, 2):
+      state = train_step(state)
+      cb(step, state)
+      saved[step] = host_copy(state)
+  manifest = json.loads(bucket.get(f"run/2/{storage.MANIFEST}"))
+  shard = next(leaf for leaf in manifest["leaves"]
+               if leaf["path"].endswith("kernel"))["shards"][0]
+  _flip_byte(bucket, 2, shard["offset"] + 3)
+  with CheckpointCallback(bucket.url, every_steps=1) as cb:
+    restored = cb.restore_or_initialize(train_step(make_state(seed=4)))
+    assert cb.restored_step == 1
+  assert_trees_equal(restored, saved[1])
+  # Set aside: no longer finalized, so the resumed run saves step 2 anew.
+  assert "run/2/_COMMITTED" not in bucket.keys()
+  with CheckpointCallback(bucket.url, every_steps=1) as cb:  # Cleans it up.
+    assert not any(k.startswith("run/2/") for k in bucket.keys())
+    assert cb(2, train_step(jax.device_put(saved[1])))
+  assert "run/2/_COMMITTED" in bucket.keys()
+
+
+# -- several processes --------------------------------------------------------
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+def test_two_processes_save_and_restore_a_sharded_train_state_on_s3(bucket):
+  """2 JAX processes (4 devices) train and save to s3; 2 fresh ones restore.
+
+  Each process uploads only its own shards, as `data/process_0000N.bin`.
+  """
+  saving = [r.json for r in run_workers(
+      "save_restore", 2, args=["save", bucket.url], timeout=RUN_TIMEOUT)]
+  latest = saving[0]["saved"]["6"]
+  for p, out in enumerate(saving):
+    assert out["all_steps"] == [4, 6], p
+    assert out["restored"] == latest, p
+  keys = bucket.keys()
+  assert keys == sorted(["run/_WRITER"] + [
+      f"run/{s}/{name}" for s in (4, 6)
+      for name in ("_COMMITTED", storage.MANIFEST, "data/process_00000.bin",
+                   "data/process_00001.bin")])
+  sizes = [len(bucket.get(f"run/6/data/process_{p:05d}.bin")) for p in (0, 1)]
+  assert sizes == [saving[0]["owned_bytes"], saving[1]["owned_bytes"]]
+  assert sum(sizes) == saving[0]["total_array_bytes"]
+
+  fresh = [r.json for r in run_workers(
+      "save_restore", 2, args=["restore", bucket.url], timeout=RUN_TIMEOUT)]
+  for p, out in enumerate(fresh):
+    assert out["restored_step"] == 6, p
+    assert out["is_train_state"], p
+    assert out["restored_on_target_shardings"], p
+    assert out["restored"] == latest, p
+    assert out["alt_restored"] == latest, p
+    assert out["step_after_training"] == 7, p
