@@ -21,7 +21,7 @@ every step. `CheckpointAction` is one of them:
         break
     ckpt.close()
 
-Needs the `clu` extra (`pip install flax_ckpt_plugin[clu]`); the released clu
+Needs the `clu` extra (`pip install -e '.[clu]'` in a checkout); the released clu
 imports tensorflow from `clu.periodic_actions`.
 """
 

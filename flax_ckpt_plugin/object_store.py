@@ -44,7 +44,8 @@ def _filesystem(protocol: str, pid: int):
     return fsspec.filesystem(protocol, use_listings_cache=False)
   except ImportError as e:
     package, extra = _FSSPEC_PACKAGES.get(protocol, (None, None))
-    hint = (f"pip install 'flax_ckpt_plugin[{extra}]'" if extra else
+    hint = (f"pip install {package} (the '{extra}' extra of"
+            " flax_ckpt_plugin)" if extra else
             f"pip install {package}" if package else
             "install the fsspec implementation of this scheme")
     raise ImportError(f"{protocol}:// checkpoints need {package or 'fsspec'}:"

@@ -282,8 +282,8 @@ def test_missing_fsspec_implementation_says_what_to_install():
   if importlib.util.find_spec("gcsfs") is not None:
     pytest.skip("gcsfs is installed here; the message is for those without")
   with pytest.raises(ImportError,
-                     match=r"gs:// checkpoints need gcsfs: pip install"
-                     r" 'flax_ckpt_plugin\[gcs\]'"):
+                     match=r"gs:// checkpoints need gcsfs: pip install gcsfs"
+                     r" \(the 'gcs' extra of flax_ckpt_plugin\)"):
     CheckpointManager("gs://some-bucket/run")
 
 
