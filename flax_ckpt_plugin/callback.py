@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Protocol
 from etils import epath
 
 from flax_ckpt_plugin import multihost
-from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.commit import SaveStats
+from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.multihost import log
 from flax_ckpt_plugin.preemption import SignalFlag
 

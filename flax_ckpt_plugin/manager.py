@@ -144,11 +144,9 @@ class CheckpointManager:
       raise ValueError(f"primary_host={primary_host} is not a process index"
                        f" (process count {multihost.process_count()})")
     given = os.fspath(directory)
-    if atomicity_lib.is_local(given):
-      given_abs = os.path.abspath(given)
-      self.directory = epath.Path(given_abs)
-    else:
-      self.directory = object_store.as_path(given)  # fsspec, never gfile.
+    # Object stores go through fsspec, never tf.io.gfile (see object_store).
+    self.directory = object_store.as_path(
+        os.path.abspath(given) if atomicity_lib.is_local(given) else given)
     self.max_to_keep = max_to_keep
     self.keep_every_n_steps = keep_every_n_steps
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity)

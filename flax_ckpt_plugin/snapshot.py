@@ -210,15 +210,15 @@ class HostStaging:
 
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
-                  staging: HostStaging | None = None) -> list[LeafSnapshot]:
+                  staging: HostStaging) -> list[LeafSnapshot]:
   """Copies the shards this process writes to host memory.
 
   Args:
     tree: the state to save (e.g. a Flax `TrainState`).
     process_count: number of JAX processes.
     is_primary: whether this process writes host-local values.
-    staging: reusable buffers for CPU shards; without it, CPU shards are
-      copied into new memory.
+    staging: the buffers CPU shards are copied into (reused by the next
+      call, so the previous snapshot must no longer be in use).
 
   Returns:
     One `LeafSnapshot` per leaf, in flattening order, on every process (so
@@ -253,7 +253,6 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       if s.device.platform == "cpu":
         index = normalize_index(s.index, arr.shape)
         cpu_items.append(((path, index), np.asarray(s.data)))
-  staging = staging or HostStaging()
   copies = iter(staging.copy(cpu_items))
   del cpu_items  # No view of a runtime buffer outlives this call.
 
