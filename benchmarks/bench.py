@@ -85,46 +85,76 @@ def build(args: argparse.Namespace):
   return state, train_step
 
 
-def snapshot_ab(args: argparse.Namespace) -> dict:
-  """Why the CPU snapshot copies: a copy against a view, in one process.
+AB_MODES = {
+    "pin": "snapshot only: numpy views that pin the state's buffers",
+    "host_copy": "snapshot only: a blocking copy into reused host buffers",
+    "enqueued_copy": "snapshot only: ours, a copy enqueued on the device",
+    "save_page_cache": "whole save, data written through the page cache",
+    "save_direct": "whole save, ours: large shards written with O_DIRECT",
+}
 
-  Alternates segments of 8 steps: no snapshot; a snapshot that pins the
-  runtime's buffers with numpy views (what costs nothing to take); and our
-  snapshot, which copies into reused host buffers. Nothing is written, so
-  the difference between segments is the snapshot's whole cost to the
-  loop: its blocking time plus what it does to the steps after it (a pinned
+
+def lever_ab(args: argparse.Namespace) -> dict:
+  """What each lever costs the loop, measured by alternation in one process.
+
+  Alternates segments of 8 train steps: one with no save, and one per mode
+  of `AB_MODES`, each taking one snapshot or save at the segment's third
+  step; a save's segment ends by waiting for it to be durable. The
+  difference from the segments without a save is the lever's whole cost to
+  the loop: its blocking time, what it does to the steps after it (a pinned
   buffer cannot be donated, so the next step copies its input into new
-  memory).
+  memory), and the CPU its background work takes from them. Medians over
+  `--ab` rounds.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import snapshot  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import storage  # pylint: disable=g-import-not-at-top
 
   state, train_step = build(args)
   staging = snapshot.HostStaging()
-  segs = {"none": [], "view": [], "copy": []}
-  blocking = {"view": [], "copy": []}
-  for _ in range(args.snapshot_ab):
+  root = tempfile.mkdtemp(dir=args.dir)
+  mngr = flax_ckpt_plugin.CheckpointManager(os.path.join(root, "ab"),
+                                            max_to_keep=2)
+  direct_flag = storage._O_DIRECT  # pylint: disable=protected-access
+  segs = {mode: [] for mode in ("none", *AB_MODES)}
+  blocking = {mode: [] for mode in AB_MODES}
+  step = 0
+  for _ in range(args.ab):
     for mode in segs:
       held = None
       t0 = time.perf_counter()
       for i in range(8):
         state, loss = train_step(state)
         float(loss)
-        if i == 2 and mode != "none":
-          t = time.perf_counter()
-          if mode == "view":
-            held = [np.asarray(a) for a in jax.tree.leaves(state)]
-          else:
-            held = snapshot.take_snapshot(state, process_count=1,
-                                          is_primary=True, staging=staging)
-          blocking[mode].append(time.perf_counter() - t)
+        step += 1
+        if i != 2 or mode == "none":
+          continue
+        t = time.perf_counter()
+        if mode == "pin":
+          held = [np.asarray(a) for a in jax.tree.leaves(state)]
+        elif mode == "host_copy":
+          held = staging.copy([((k,), np.asarray(s.data)) for k, a in
+                               enumerate(jax.tree.leaves(state))
+                               for s in a.addressable_shards])
+        elif mode == "enqueued_copy":
+          held = snapshot.take_snapshot(state, process_count=1,
+                                        is_primary=True, staging=staging)
+        else:
+          storage._O_DIRECT = direct_flag if mode == "save_direct" else 0  # pylint: disable=protected-access
+          mngr.save(step, state)
+        blocking[mode].append(time.perf_counter() - t)
+      mngr.wait_until_finished()
       del held
       segs[mode].append(time.perf_counter() - t0)
+  storage._O_DIRECT = direct_flag  # pylint: disable=protected-access
+  mngr.close()
+  shutil.rmtree(root, ignore_errors=True)
   base = statistics.median(segs["none"])
   return {mode: {"cost_per_save_secs": statistics.median(segs[mode]) - base,
                  "blocking_secs": statistics.median(blocking[mode])}
-          for mode in ("view", "copy")}
+          for mode in AB_MODES}
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -357,15 +387,15 @@ def main() -> None:
                       help="where checkpoints are written (default: a temp"
                       " dir)")
   parser.add_argument("--json", default=None, help="write all figures here")
-  parser.add_argument("--snapshot-ab", type=int, default=5, metavar="N",
-                      help="also measure N rounds of a pinning (view)"
-                      " snapshot against ours (copy), without writing;"
+  parser.add_argument("--ab", type=int, default=5, metavar="N",
+                      help="also measure N rounds of the snapshot and write"
+                      " levers against each other, in one process of ours;"
                       " 0 skips it")
-  parser.add_argument("--worker", choices=SYSTEMS + ("snapshot_ab",),
+  parser.add_argument("--worker", choices=SYSTEMS + ("ab",),
                       help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.worker == "snapshot_ab":
-    print(json.dumps(snapshot_ab(args)))
+  if args.worker == "ab":
+    print(json.dumps(lever_ab(args)))
     return
   if args.worker:
     print(json.dumps(worker(args)))
@@ -390,20 +420,22 @@ def main() -> None:
           if isinstance(v, float)), flush=True)
   summary = summarize(results)
   print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
-  if args.snapshot_ab:
+  if args.ab:
     proc = subprocess.run(
-        [sys.executable, __file__, *passthrough, "--worker", "snapshot_ab"],
+        [sys.executable, __file__, *passthrough, "--worker", "ab"],
         capture_output=True, text=True, check=False)
     if proc.returncode:
-      sys.exit(f"snapshot A/B run failed:\n{proc.stdout}\n"
+      sys.exit(f"lever A/B run failed:\n{proc.stdout}\n"
                f"{proc.stderr[-4000:]}")
     ab = json.loads(proc.stdout.strip().splitlines()[-1])
-    summary["snapshot_ab"] = ab
-    print(f"\nsnapshot on CPU, {args.snapshot_ab} rounds, no writes: a view"
-          f" that pins the buffers blocks {ab['view']['blocking_secs']:.3f} s"
-          f" and costs the loop {ab['view']['cost_per_save_secs']:+.3f} s per"
-          f" save; our copy blocks {ab['copy']['blocking_secs']:.3f} s and"
-          f" costs {ab['copy']['cost_per_save_secs']:+.3f} s")
+    summary["lever_ab"] = ab
+    print(f"\nlevers, one process of ours, median of {args.ab} rounds of"
+          " alternating 8-step segments:")
+    width = max(len(d) for d in AB_MODES.values())
+    print(f"{'':{width}}  blocks (s)  costs the loop per save (s)")
+    for mode, desc in AB_MODES.items():
+      print(f"{desc:{width}}  {ab[mode]['blocking_secs']:10.3f}"
+            f"  {ab[mode]['cost_per_save_secs']:+.3f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "runs": results, "summary": summary}, f,

@@ -213,15 +213,16 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
         return real(step_dir, *args, **kwargs)
       return hooked
 
-    def write_all(real):
-      def hooked(f, buf):
+    def write_shard(real):
+      def hooked(data_file, buf, offset):
         if due():
-          real(f, buf[:len(buf) // 2])  # Unbuffered: these bytes hit the file.
+          # Unbuffered and direct writes: these bytes hit the file.
+          real(data_file, buf[:len(buf) // 2], offset)
           _die(moment, writing[0])
-        real(f, buf)
+        real(data_file, buf, offset)
       return hooked
     wrap(storage, "write_process_files", write_process_files)
-    wrap(storage, "_write_all", write_all)
+    wrap(storage._DataFile, "write", write_shard)  # pylint: disable=protected-access
   elif moment == "finalize_manifest":
     def write_manifest(real):
       def hooked(step_dir, **kwargs):

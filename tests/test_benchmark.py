@@ -13,7 +13,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(BENCH), "--layers", "2", "--width", "128",
        "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1",
-       "--snapshot-ab", "1", "--dir", str(tmp_path), "--json", str(out)],
+       "--ab", "1", "--dir", str(tmp_path), "--json", str(out)],
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   assert "ours/Orbax" in proc.stdout  # The table was printed.
@@ -31,10 +31,12 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
                                     "blocking",
                                     "isolated_save", "warm_restore",
                                     "rss_peak"}
-  for mode in ("view", "copy"):  # The snapshot A/B ran and reported.
-    ab = summary["snapshot_ab"][mode]
+  # The lever A/B ran and reported every mode.
+  assert set(summary["lever_ab"]) == {"pin", "host_copy", "enqueued_copy",
+                                      "save_page_cache", "save_direct"}
+  for mode, ab in summary["lever_ab"].items():
     assert ab["blocking_secs"] >= 0 and ab["cost_per_save_secs"] == ab[
         "cost_per_save_secs"], mode
-  assert "snapshot on CPU" in proc.stdout
+  assert "levers, one process of ours" in proc.stdout
   # Checkpoints went under --dir and were cleaned up.
   assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]

@@ -252,15 +252,51 @@ def test_snapshot_survives_donation(ckpt_dir, make_state, train_step,
   assert gated_write.entered.wait(TIMEOUT)
   for _ in range(5):
     state = train_step(state)
-  # The step asked to donate the saved buffers. On CPU the runtime declines
-  # while the snapshot pins them; on accelerators it reuses them. Either way
-  # the checkpoint must hold the values at the time of `save`.
+  # The steps donated the saved buffers and wrote into them: the
+  # checkpoint must still hold the values at the time of `save`.
   gated_write.release.set()
   manager.wait_until_finished()
 
   assert not np.array_equal(state.params["params"]["Dense_0"]["kernel"],
                             expected.params["params"]["Dense_0"]["kernel"])
   assert_trees_equal(manager.restore(state), expected)
+  manager.close()
+
+
+def _kernel_address(state) -> int:
+  return state.opt_state[0].mu["params"]["Dense_0"]["kernel"
+                                                  ].unsafe_buffer_pointer()
+
+
+def test_save_leaves_the_state_donatable_and_reuses_its_staging(
+    ckpt_dir, make_state, train_step, assert_trees_equal, host_copy):
+  """A save must not pin the state: the next step's donation is accepted
+  (its output reuses the input's memory), and each save after the first
+  copies into the staging memory of the one before."""
+  state = train_step(make_state())
+  # The control: a numpy view pins a buffer, and the step then writes its
+  # output elsewhere, so the address check below can fail.
+  before = _kernel_address(state)
+  pin = np.asarray(state.opt_state[0].mu["params"]["Dense_0"]["kernel"])
+  state = train_step(state)
+  assert _kernel_address(state) != before
+  del pin
+
+  manager = CheckpointManager(ckpt_dir)
+  staging, expected = [], {}
+  for step in (1, 2, 3):
+    before = _kernel_address(state)
+    expected[step] = host_copy(state)
+    manager.save(step, state)
+    state = train_step(state)
+    assert _kernel_address(state) == before, f"save {step} pinned the state"
+    manager.wait_until_finished()
+    staging.append(sorted(
+        a.unsafe_buffer_pointer()
+        for _, arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
+  assert staging[0] and staging[0] == staging[1] == staging[2]
+  for step in (1, 2, 3):
+    assert_trees_equal(manager.restore(state, step), expected[step])
   manager.close()
 
 

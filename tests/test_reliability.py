@@ -533,9 +533,11 @@ def test_flipped_byte_in_a_partially_read_large_shard(ckpt_dir):
   Step 1 and 2 hold one 12 MB float32 shard each (written from one device):
   three 4 MiB checksum blocks. The target is sharded by rows over the 2 CPU
   devices, so each device reads half of the shard: rows [0, 1500) are bytes
-  [0, 6144000), which end inside block 1 ([4194304, 8388608)).
+  [0, 6144000) of the shard, which end inside block 1 ([4194304, 8388608)
+  from the shard's start, which the manifest gives).
 
-  The flipped byte of step 2 is at byte 7,000,000, in rows device 1 reads,
+  The flipped byte of step 2 is at byte 7,000,000 of the shard, in rows
+  device 1 reads,
   but inside block 1. With `verify=True` a partial read checks whole blocks,
   so the damage is caught (on device 0's read already); each block is read
   once for both devices, so no byte is read twice.
@@ -548,8 +550,10 @@ def test_flipped_byte_in_a_partially_read_large_shard(ckpt_dir):
                                                     np.float32)
   one_device = jax.device_put(values, jax.devices()[0])
   _save_steps(ckpt_dir, {1: {"w": one_device}, 2: {"w": one_device}})
+  manifest = json.loads((ckpt_dir / "2" / storage.MANIFEST).read_text())
+  start = manifest["leaves"][0]["shards"][0]["offset"]
   flipped = 7_000_000
-  _flip_byte(ckpt_dir / "2" / DATA, flipped)
+  _flip_byte(ckpt_dir / "2" / DATA, start + flipped)
   sharding = NamedSharding(_mesh(), P("x"))
   target = {"w": jax.ShapeDtypeStruct(_LARGE_SHAPE, jnp.float32,
                                       sharding=sharding)}
@@ -564,7 +568,8 @@ def test_flipped_byte_in_a_partially_read_large_shard(ckpt_dir):
     message = str(info.value)
     assert "step 2" in message and "leaf 'w'" in message, message
     assert "checksum mismatch in data/process_00000.bin" in message, message
-    assert "[4194304, 8388608)" in message, message  # Block 1.
+    block_1 = f"[{start + 4194304}, {start + 8388608})"
+    assert block_1 in message, message
 
     unverified = manager.restore(target, 2, verify=False)
     assert manager.last_restore_stats.nbytes_read == _LARGE_NBYTES

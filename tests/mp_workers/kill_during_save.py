@@ -25,6 +25,8 @@ import _topology as topo
 topo.init()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+
 import flax_ckpt_plugin
 from flax_ckpt_plugin import storage
 
@@ -41,6 +43,12 @@ def _inject_kill() -> None:
   def dying(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode).
     if step_dir.name.split(".")[0] == str(KILL_AT_STEP):
+      # Die where a real write would be: after this process's snapshot of
+      # the step is on the host. (The snapshot's copy runs after the train
+      # step, whose collectives need both processes; dying before it ran
+      # would hang the survivor in that step, not in the save.)
+      jax.block_until_ready(
+          [s.data for leaf in leaves for s in leaf.shards])
       print(f"process {process_index}: SIGKILL while writing {step_dir}",
             flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
