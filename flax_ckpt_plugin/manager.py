@@ -464,6 +464,7 @@ class CheckpointManager:
     try:
       self._committer.wait()
     finally:
+      self._committer.close()
       self._staging.clear()
 
   def __enter__(self) -> "CheckpointManager":

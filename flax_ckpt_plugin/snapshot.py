@@ -181,6 +181,7 @@ _COPY_CHUNK_BYTES = 16 << 20
 _ENQUEUE_PAD = np.zeros(4096, np.float32)
 
 
+@functools.lru_cache(maxsize=None)  # Per leaf per save: keep it cheap.
 def _bits_dtype(dtype: Any) -> np.dtype | None:
   """Unsigned integers as wide as `dtype`, or None where no bitcast fits."""
   dtype = np.dtype(dtype)
@@ -220,13 +221,53 @@ def _copy_into(dsts, srcs, pad):
   return [_update(d, s) for d, s in zip(dsts, srcs)], pad * 2 + 1
 
 
-class HostStaging:
-  """Host buffers for CPU shards, reused by every save of one manager.
+# `_copy_into` compiled ahead of its first use, per (device, signature):
+# compiled on a background thread after a first save, so that the second
+# save does not wait for the compiler.
+_COMPILED_COPIES: dict[tuple[Any, ...], Any] = {}
+_COMPILED_LOCK = threading.Lock()
+_MAX_COMPILED = 16
 
-  A buffer is handed out again only by the next `take_snapshot`, which the
-  manager calls after the previous commit (the only reader) has finished.
-  The buffers hold one copy of the shards this process writes; `clear` frees
-  them.
+
+def _spec(a: jax.Array) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                              weak_type=a.weak_type)
+
+
+def _compile_copy_into(key: tuple[Any, ...], copies: list[jax.ShapeDtypeStruct],
+                       srcs: list[jax.ShapeDtypeStruct],
+                       pad: jax.ShapeDtypeStruct) -> None:
+  try:
+    compiled = _copy_into.lower(copies, srcs, pad).compile()
+  except Exception:  # pylint: disable=broad-except
+    return  # The save then compiles it through jit, as without this.
+  with _COMPILED_LOCK:
+    if len(_COMPILED_COPIES) >= _MAX_COMPILED:
+      _COMPILED_COPIES.clear()
+    _COMPILED_COPIES[key] = compiled
+
+
+def _reusing_copy(key: tuple[Any, ...], dsts: list[jax.Array],
+                  srcs: list[jax.Array], pad: jax.Array) -> list[jax.Array]:
+  with _COMPILED_LOCK:
+    compiled = _COMPILED_COPIES.get(key)
+  if compiled is not None:
+    try:
+      return compiled(dsts, srcs, pad)[0]
+    except (TypeError, ValueError):  # Arguments it was not compiled for.
+      pass
+  return _copy_into(dsts, srcs, pad)[0]
+
+
+class HostStaging:
+  """Staging memory for CPU shards, reused by every save of one manager.
+
+  Two kinds: device copies (`copy_on_devices`, for every dtype that travels
+  as unsigned bits) and numpy buffers filled by threads (`copy`, for the
+  rest). Either is handed out again only by the next `take_snapshot`, which
+  the manager calls after the previous commit (the only reader) has
+  finished. Together they hold one copy of the CPU shards this process
+  writes; `clear` frees them.
   """
 
   def __init__(self, threads: int | None = None):
@@ -265,23 +306,31 @@ class HostStaging:
       old, self._device = self._device, {}
       by_device: dict[Any, list[int]] = {}
       for i, src in enumerate(srcs):
-        by_device.setdefault(src.sharding._device_assignment[0], []).append(i)  # pylint: disable=protected-access
+        (device,) = src.devices()
+        by_device.setdefault(device, []).append(i)
       out: list[Any] = [None] * len(srcs)
       for device, idx in by_device.items():
         group = [srcs[i] for i in idx]
-        sig = tuple((a.shape, a.dtype.str) for a in group)
+        sig = tuple((a.shape, a.dtype, a.weak_type) for a in group)
+        key = (device, sig)
         pad = self._pads.get(device)
         if pad is None:
           pad = self._pads[device] = jax.device_put(_ENQUEUE_PAD, device)
         prev = old.pop(device, None)
         if prev is not None and prev[0] == sig:
-          copies, _ = _copy_into(prev[1], group, pad)
+          copies = _reusing_copy(key, prev[1], group, pad)
         else:
           copies, _ = _copy_new(group, pad)
-          # Compiles the reusing copy now, so that the next save (the
-          # second of a run) does not block for it; the runtime copies
-          # twice, once.
-          copies, _ = _copy_into(copies, group, pad)
+          with _COMPILED_LOCK:
+            compiled = key in _COMPILED_COPIES
+          if not compiled:
+            # Not a daemon: one killed at interpreter exit inside the
+            # compiler aborts the process.
+            threading.Thread(
+                target=_compile_copy_into, daemon=False,
+                name="flax_ckpt_plugin-compile",
+                args=(key, [_spec(c) for c in copies],
+                      [_spec(g) for g in group], _spec(pad))).start()
         del prev
         self._device[device] = (sig, copies)
         for i, c in zip(idx, copies):
@@ -394,11 +443,16 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                                 np.dtype(arr.dtype)))
         else:
           data.append(ShardData(index, next(host_copies)))
-      out.append(LeafSnapshot(path, keys, "array", str(arr.dtype),
+      out.append(LeafSnapshot(path, keys, "array", _dtype_name(arr.dtype),
                               tuple(arr.shape), data, key_impl=impl))
     else:
       out.append(_host_leaf(path, keys, leaf, is_primary))
   return out
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: np.dtype) -> str:
+  return str(dtype)  # Slow in numpy; called per leaf per save.
 
 
 def _c_order(arr: np.ndarray) -> np.ndarray:

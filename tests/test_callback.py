@@ -41,10 +41,7 @@ def _disk_on_fire(step_dir, leaves, process_index, **kwargs):
 def _join_commit(callback: CheckpointCallback) -> None:
   """Waits for the background thread without asking for its error."""
   # pylint: disable-next=protected-access
-  thread = callback.manager._committer._thread
-  if thread is not None:
-    thread.join(TIMEOUT)
-    assert not thread.is_alive()
+  assert callback.manager._committer.join(TIMEOUT)
 
 
 def _run(callback: CheckpointCallback, steps) -> list[int]:

@@ -61,10 +61,7 @@ def gated_write(monkeypatch):
 
 def _join_commit(manager: CheckpointManager) -> None:
   """Waits for the background thread without asking the manager for errors."""
-  thread = manager._committer._thread  # pylint: disable=protected-access
-  if thread is not None:
-    thread.join(TIMEOUT)
-    assert not thread.is_alive()
+  assert manager._committer.join(TIMEOUT)  # pylint: disable=protected-access
 
 
 def _tiny(step: int) -> dict:
