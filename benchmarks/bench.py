@@ -104,7 +104,7 @@ def lever_ab(args: argparse.Namespace) -> dict:
   the loop: its blocking time, what it does to the steps after it (a pinned
   buffer cannot be donated, so the next step copies its input into new
   memory), and the CPU its background work takes from them. Medians over
-  `--ab` rounds.
+  `--ab` rounds, the order of the segments rotated from round to round.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -113,16 +113,22 @@ def lever_ab(args: argparse.Namespace) -> dict:
   from flax_ckpt_plugin import storage  # pylint: disable=g-import-not-at-top
 
   state, train_step = build(args)
-  staging = snapshot.HostStaging()
+  # One staging area per snapshot mode: a shared one would free one mode's
+  # buffers in the other's segment.
+  host_staging, staging = snapshot.HostStaging(), snapshot.HostStaging()
   root = tempfile.mkdtemp(dir=args.dir)
+  # Nothing is deleted until the end: retention would free one mode's
+  # files inside another mode's segment.
   mngr = flax_ckpt_plugin.CheckpointManager(os.path.join(root, "ab"),
-                                            max_to_keep=2)
+                                            max_to_keep=None)
   direct_flag = storage._O_DIRECT  # pylint: disable=protected-access
   segs = {mode: [] for mode in ("none", *AB_MODES)}
   blocking = {mode: [] for mode in AB_MODES}
   step = 0
-  for _ in range(args.ab):
-    for mode in segs:
+  modes = list(segs)
+  for r in range(args.ab):
+    # Rotated each round, so that no mode always follows the same one.
+    for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
       held = None
       t0 = time.perf_counter()
       for i in range(8):
@@ -135,7 +141,7 @@ def lever_ab(args: argparse.Namespace) -> dict:
         if mode == "pin":
           held = [np.asarray(a) for a in jax.tree.leaves(state)]
         elif mode == "host_copy":
-          held = staging.copy([((k,), np.asarray(s.data)) for k, a in
+          held = host_staging.copy([((k,), np.asarray(s.data)) for k, a in
                                enumerate(jax.tree.leaves(state))
                                for s in a.addressable_shards])
         elif mode == "enqueued_copy":
