@@ -41,16 +41,16 @@ def _direct_io_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     probe = d / "probe"
     try:
       fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+      try:
+        buf = np.zeros(2 * 4096, np.uint8)
+        start = -buf.ctypes.data % 4096
+        os.pwrite(fd, memoryview(buf)[start:start + 4096], 0)
+      finally:
+        os.close(fd)
     except OSError:
+      probe.unlink(missing_ok=True)
+      d.rmdir()
       continue
-    try:
-      buf = np.zeros(2 * 4096, np.uint8)
-      start = -buf.ctypes.data % 4096
-      os.pwrite(fd, memoryview(buf)[start:start + 4096], 0)
-    except OSError:
-      continue
-    finally:
-      os.close(fd)
     probe.unlink()
     return d
   raise AssertionError(
@@ -63,7 +63,10 @@ def direct_dir_fixture(tmp_path):
   d = _direct_io_dir(tmp_path)
   yield d
   for p in sorted(d.rglob("*"), reverse=True):
-    p.unlink() if p.is_file() else p.rmdir()
+    if p.is_dir():
+      p.rmdir()
+    else:
+      p.unlink()
   d.rmdir()
 
 
