@@ -110,7 +110,7 @@ def lever_ab(args: argparse.Namespace) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import snapshot  # pylint: disable=g-import-not-at-top
-  from flax_ckpt_plugin import storage  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import datafile  # pylint: disable=g-import-not-at-top
 
   state, train_step = build(args)
   # One staging area per snapshot mode: a shared one would free one mode's
@@ -121,7 +121,7 @@ def lever_ab(args: argparse.Namespace) -> dict:
   # files inside another mode's segment.
   mngr = flax_ckpt_plugin.CheckpointManager(os.path.join(root, "ab"),
                                             max_to_keep=None)
-  direct_flag = storage._O_DIRECT  # pylint: disable=protected-access
+  direct_flag = datafile.O_DIRECT
   segs = {mode: [] for mode in ("none", *AB_MODES)}
   blocking = {mode: [] for mode in AB_MODES}
   step = 0
@@ -148,13 +148,13 @@ def lever_ab(args: argparse.Namespace) -> dict:
           held = snapshot.take_snapshot(state, process_count=1,
                                         is_primary=True, staging=staging)
         else:
-          storage._O_DIRECT = direct_flag if mode == "save_direct" else 0  # pylint: disable=protected-access
+          datafile.O_DIRECT = direct_flag if mode == "save_direct" else 0
           mngr.save(step, state)
         blocking[mode].append(time.perf_counter() - t)
       mngr.wait_until_finished()
       del held
       segs[mode].append(time.perf_counter() - t0)
-  storage._O_DIRECT = direct_flag  # pylint: disable=protected-access
+  datafile.O_DIRECT = direct_flag
   mngr.close()
   shutil.rmtree(root, ignore_errors=True)
   base = statistics.median(segs["none"])

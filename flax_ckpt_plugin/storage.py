@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
@@ -44,7 +45,7 @@ FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
-_CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
+_CHUNK = datafile.CHUNK
 # Every shard carries a CRC-32C per block of this many bytes (the last block
 # may be shorter), so a reader of part of a shard verifies whole blocks only.
 CHECKSUM_BLOCK = 4 << 20
@@ -82,92 +83,6 @@ def _as_bytes(arr: np.ndarray) -> np.ndarray:
   # Views through uint8 also work for dtypes the buffer protocol lacks
   # (bfloat16, float8, int4 from ml_dtypes).
   return np.asarray(arr, order="C").reshape(-1).view(np.uint8)
-
-
-# Direct I/O (O_DIRECT) moves data from the snapshot to the disk without
-# copying it into the page cache first: on a 2-core machine that copy is
-# CPU time taken from the train step, and skipping it also makes the write
-# itself faster. The kernel requires the memory address, the file offset
-# and the length of each direct write to be multiples of the block size.
-# Host buffers are not aligned, so each large shard is instead placed in the
-# file at an offset congruent to its memory address modulo `_ALIGN` (the
-# gap before it, under `_ALIGN` bytes, is left as a hole). Its aligned
-# middle then goes out with direct writes straight from the snapshot, and
-# only its ragged head and tail (under `_ALIGN` bytes each) through the page
-# cache. Readers follow the offsets in the shard table, as for any layout.
-_ALIGN = 4096
-_DIRECT_MIN_BYTES = 1 << 20  # Smaller shards go through the page cache.
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-class _DataFile:
-  """One process's data file, written by offset.
-
-  Large shards go out with direct I/O where the file system takes it; a
-  file system that refuses it (tmpfs, some FUSE mounts) gets every byte
-  through the page cache instead, with no error.
-  """
-
-  def __init__(self, out: "_StepDirWriter", name: str):
-    self._out = out
-    self.f = out.open(name)
-    self._direct = out.open_direct(name) if _O_DIRECT else None
-    self.end = 0
-
-  @property
-  def direct(self) -> bool:
-    return self._direct is not None
-
-  def place(self, buf: np.ndarray) -> int:
-    """The file offset for `buf`, after everything placed so far."""
-    offset = self.end
-    if self.direct and buf.nbytes >= _DIRECT_MIN_BYTES:
-      offset += (buf.ctypes.data - offset) % _ALIGN
-    self.end = offset + buf.nbytes
-    return offset
-
-  def write(self, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf)
-    head = tail = len(view)
-    if self.direct and buf.nbytes >= _DIRECT_MIN_BYTES:
-      head = -buf.ctypes.data % _ALIGN
-      tail = head + (len(view) - head) // _ALIGN * _ALIGN
-    _pwrite_all(self.f.fileno(), view[:head], offset)
-    pos = head
-    while pos < tail and self._direct is not None:
-      n = min(tail - pos, _CHUNK)
-      try:
-        written = os.pwrite(self._direct, view[pos:pos + n], offset + pos)
-      except OSError as e:
-        if e.errno != errno.EINVAL:
-          raise
-        # The file system took the O_DIRECT open but not the write.
-        self._close_direct()
-        break
-      if not written:
-        raise OSError(errno.EIO, "direct write wrote nothing")
-      pos += written - written % _ALIGN  # Stay aligned after a short write.
-    _pwrite_all(self.f.fileno(), view[pos:], offset + pos)
-
-  def sync(self) -> None:
-    self._out.sync(self.f)
-
-  def _close_direct(self) -> None:
-    if self._direct is not None:
-      os.close(self._direct)
-      self._direct = None
-
-  def close(self) -> None:
-    self._close_direct()
-    self.f.close()
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-  while view:
-    n = os.pwrite(fd, view[:_CHUNK], offset)
-    if not n:
-      raise OSError(errno.EIO, "write wrote nothing")
-    view, offset = view[n:], offset + n
 
 
 class _StepDirWriter:
@@ -225,7 +140,7 @@ class _StepDirWriter:
       return None
     base = name.split("/", 1)[1]
     try:
-      return os.open(base, os.O_WRONLY | _O_DIRECT | os.O_CLOEXEC,
+      return os.open(base, os.O_WRONLY | datafile.O_DIRECT | os.O_CLOEXEC,
                      dir_fd=self._data_fd)
     except OSError as e:
       if e.errno != errno.EINVAL:
@@ -305,7 +220,7 @@ def _write_local(out: "_StepDirWriter", name: str, shards: list[Any],
   try:
     sums = pool.submit(
         lambda: [block_checksums(memoryview(b)) for b in bufs])
-    data = _DataFile(out, name)
+    data = datafile.DataFile(out, name)
     try:
       offsets = [data.place(b) for b in bufs]
       for buf, offset in zip(bufs, offsets):

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import manager as manager_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin import CheckpointCallback
@@ -222,7 +223,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
         real(data_file, buf, offset)
       return hooked
     wrap(storage, "write_process_files", write_process_files)
-    wrap(storage._DataFile, "write", write_shard)  # pylint: disable=protected-access
+    wrap(datafile.DataFile, "write", write_shard)
   elif moment == "finalize_manifest":
     def write_manifest(real):
       def hooked(step_dir, **kwargs):

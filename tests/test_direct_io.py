@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.snapshot import LeafSnapshot
 from flax_ckpt_plugin.snapshot import ShardData
@@ -95,12 +96,12 @@ def _assert_file_holds(step_dir: pathlib.Path, table: dict,
 def _spy_direct(monkeypatch) -> list[tuple[int, bool]]:
   """Records (bytes, whether direct I/O was on) for each shard written."""
   calls = []
-  real = storage._DataFile.write  # pylint: disable=protected-access
+  real = datafile.DataFile.write
 
   def write(self, buf, offset):
     calls.append((buf.nbytes, self.direct))
     real(self, buf, offset)
-  monkeypatch.setattr(storage._DataFile, "write", write)  # pylint: disable=protected-access
+  monkeypatch.setattr(datafile.DataFile, "write", write)
   return calls
 
 
@@ -117,7 +118,7 @@ def test_large_shards_are_written_direct_and_read_back(direct_dir,
   _assert_file_holds(direct_dir / "1", table, bufs)
   assert [d for _, d in calls] == [True] * len(bufs)
   for entry, buf in zip(table["shards"], bufs):
-    if buf.nbytes >= storage._DIRECT_MIN_BYTES:  # pylint: disable=protected-access
+    if buf.nbytes >= datafile.DIRECT_MIN_BYTES:
       assert entry["offset"] % 4096 == buf.ctypes.data % 4096
   # The gaps before aligned shards are under 4 KiB each.
   assert table["nbytes"] - sum(b.nbytes for b in bufs) < 4096 * len(bufs)
@@ -187,5 +188,5 @@ def test_saved_state_restores_from_a_direct_io_disk(direct_dir, monkeypatch,
   with CheckpointManager(direct_dir / "ckpt") as manager:
     manager.save(1, tree)
     manager.wait_until_finished()
-    assert any(n >= storage._DIRECT_MIN_BYTES and d for n, d in calls)  # pylint: disable=protected-access
+    assert any(n >= datafile.DIRECT_MIN_BYTES and d for n, d in calls)
     assert_trees_equal(manager.restore(tree), expected)
