@@ -182,7 +182,7 @@ _ENQUEUE_PAD = np.zeros(4096, np.float32)
 
 
 @functools.lru_cache(maxsize=None)  # Per leaf per save: keep it cheap.
-def _bits_dtype(dtype: Any) -> np.dtype | None:
+def bits_dtype(dtype: Any) -> np.dtype | None:
   """Unsigned integers as wide as `dtype`, or None where no bitcast fits."""
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
@@ -199,7 +199,7 @@ def _bits_dtype(dtype: Any) -> np.dtype | None:
 
 
 def _bits(x: jax.Array) -> jax.Array:
-  to = _bits_dtype(x.dtype)
+  to = bits_dtype(x.dtype)
   if x.dtype == jnp.bool_:
     return x.astype(to)
   return lax.bitcast_convert_type(x, to)
@@ -212,7 +212,7 @@ def _update(dst: jax.Array, src: jax.Array) -> jax.Array:
 
 @jax.jit
 def _copy_new(srcs, pad):
-  dsts = [jnp.zeros(s.shape, _bits_dtype(s.dtype)) for s in srcs]
+  dsts = [jnp.zeros(s.shape, bits_dtype(s.dtype)) for s in srcs]
   return [_update(d, s) for d, s in zip(dsts, srcs)], pad * 2 + 1
 
 
@@ -297,7 +297,7 @@ class HostStaging:
   def copy_on_devices(self, srcs: list[jax.Array]) -> list[jax.Array]:
     """Enqueues a copy of each single-device CPU array; returns the copies.
 
-    The copies hold the sources' bits as unsigned integers (`_bits_dtype`
+    The copies hold the sources' bits as unsigned integers (`bits_dtype`
     must accept every source's dtype). Copies of the previous call on the
     same device with the same shapes and dtypes are donated to this one,
     so their memory is reused; copies not reused are freed.
@@ -421,7 +421,7 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
     for s in shards or ():
       if s.device.platform != "cpu":
         continue
-      if _bits_dtype(arr.dtype) is not None:
+      if bits_dtype(arr.dtype) is not None:
         on_device.append(s.data)
       else:
         index = normalize_index(s.index, arr.shape)
@@ -438,7 +438,7 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
         index = normalize_index(s.index, arr.shape)
         if s.device.platform != "cpu":
           data.append(ShardData(index, _c_order(np.asarray(s.data))))
-        elif _bits_dtype(arr.dtype) is not None:
+        elif bits_dtype(arr.dtype) is not None:
           data.append(ShardData(index, next(device_copies),
                                 np.dtype(arr.dtype)))
         else:

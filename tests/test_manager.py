@@ -5,6 +5,7 @@ import os
 import shutil
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,6 +15,7 @@ from flax_ckpt_plugin import CheckpointExistsError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
+from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin import storage
 
 # Long enough never to fire on a loaded machine; the tests never wait it out.
@@ -294,6 +296,73 @@ def test_save_leaves_the_state_donatable_and_reuses_its_staging(
   assert staging[0] and staging[0] == staging[1] == staging[2]
   for step in (1, 2, 3):
     assert_trees_equal(manager.restore(state, step), expected[step])
+  manager.close()
+
+
+def _kernel_shards(state) -> list[int]:
+  kernel = state.opt_state[0].mu["params"]["Dense_0"]["kernel"]
+  return sorted(s.data.unsafe_buffer_pointer()
+                for s in kernel.addressable_shards)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_restored_state_is_donatable(sharded, ckpt_dir, make_state,
+                                     train_step, assert_trees_equal,
+                                     host_copy):
+  """The first step after a restore donates it: its output reuses the
+  restored memory, as after any step (a restore whose arrays the runtime
+  would not donate makes that step copy the whole state, with two states
+  alive at once)."""
+  state = train_step(make_state())
+  expected = host_copy(state)
+  manager = CheckpointManager(ckpt_dir)
+  manager.save(1, state)
+  manager.wait_until_finished()
+  target = jax.eval_shape(lambda: state)
+  if sharded:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    target = jax.tree.map(
+        lambda a: a.update(sharding=jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*("x",)[:a.ndim == 2]))),
+        target)
+  # The control: memory handed to the runtime by device_put is not donated,
+  # so the address check below can fail.
+  def adopt(a, t):
+    buf = restore_lib.host_buffer(a.shape, a.dtype)
+    np.copyto(buf, a)
+    return jax.device_put(buf, t.sharding)
+  adopted = jax.tree.map(adopt, expected, target)
+  before = _kernel_shards(adopted)
+  assert _kernel_shards(train_step(adopted)) != before
+
+  restored = manager.restore(target, 1)
+  assert_trees_equal(restored, expected)
+  before = _kernel_shards(restored)
+  assert _kernel_shards(train_step(restored)) == before
+  manager.close()
+
+
+def test_restored_arrays_own_their_memory(ckpt_dir, make_state, train_step,
+                                          assert_trees_equal, host_copy):
+  """Restored arrays are filled in place: no two restores (of any leaf,
+  scalars included) may share a buffer, or the second would overwrite the
+  first."""
+  manager = CheckpointManager(ckpt_dir)
+  state = make_state()
+  expected = {}
+  for step in (1, 2):
+    state = train_step(state)
+    expected[step] = host_copy(state)
+    manager.save(step, state)
+  manager.wait_until_finished()
+  target = jax.eval_shape(lambda: state)
+  first = manager.restore(target, 1)
+  second = manager.restore(target, 2)
+  assert_trees_equal(first, expected[1])
+  assert_trees_equal(second, expected[2])
+  addresses = [a.unsafe_buffer_pointer()
+               for tree in (first, second) for a in jax.tree.leaves(tree)]
+  assert len(set(addresses)) == len(addresses)
   manager.close()
 
 
