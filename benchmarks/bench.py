@@ -14,12 +14,16 @@ Each run measures:
    (including the wait for the last save), against the mean of the same
    steps without saves run just before and just after; and the steady state:
    the same number of saves in the middle of each interval, so that every
-   save's cost falls inside the measured steps, as in a long run;
+   save's cost falls inside the measured steps, as in a long run. Each is
+   run `--rounds` times, each time with a new manager, and every loop with
+   saves sits between two loops without (the median over rounds counts);
 2. blocking time of each save call;
 3. one isolated save until durable, and a raw write + fsync of the same bytes
    with plain Python file I/O (the disk's ceiling, measured in the same run);
 4. warm restore (files in the page cache) into a target sharded over 2 CPU
-   devices;
+   devices: the median of 3, after one that warms the page cache; and the
+   train step right after each, against any other step (a step that cannot
+   donate the restored arrays copies them first);
 5. peak RSS of the process, and how far it rose above the train loop's own
    peak once checkpointing started.
 
@@ -186,8 +190,10 @@ def worker(args: argparse.Namespace) -> dict:
         blocking.append(b)
     return time.perf_counter() - t0, blocking
 
-  base, _ = run_loop(lambda step, s: None)
-  out["loop_secs_no_saves_before"] = base
+  def no_save(step, s):
+    return None
+
+  base, _ = run_loop(no_save)
   out["rss_mb_train_only"] = _rss_mb()
 
   if args.worker == "ours":
@@ -215,47 +221,61 @@ def worker(args: argparse.Namespace) -> dict:
     def restore(mngr, step, target):
       return mngr.restore(step, args=ocp.args.StandardRestore(target))
 
-  # 1 + 2: the train loop with a save every `every` steps.
-  mngr = open_manager(os.path.join(root, "loop"))
+  def loop_with_saves(name, save_at):
+    """The loop with a new manager saving at the steps `save_at` picks."""
+    directory = os.path.join(root, name)
+    mngr = open_manager(directory)
 
-  def periodic(step, s):
-    if step % args.every:
-      return None
+    def save(step, s):
+      if not save_at(step):
+        return None
+      t = time.perf_counter()
+      save_now(mngr, step, s)
+      return time.perf_counter() - t
+
+    secs, blocking = run_loop(save)
     t = time.perf_counter()
-    save_now(mngr, step, s)
-    return time.perf_counter() - t
+    mngr.wait_until_finished()
+    secs += time.perf_counter() - t
+    mngr.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return secs, blocking
 
-  loop, blocking = run_loop(periodic)
-  t = time.perf_counter()
-  mngr.wait_until_finished()
-  out["loop_secs_with_saves"] = loop + time.perf_counter() - t
-  out["blocking_secs"] = blocking
-  mngr.close()
+  # 1 + 2: each round runs the loop with a save every `every` steps (the
+  # last at the last step, waited for), and the same saves in the middle of
+  # each interval (steps 5, 15, 25, 35 of 40: each save's whole cost, its
+  # blocking and its commit beside the steps after it, falls inside the
+  # measured steps, as in a long run). Each gets a new manager, as a new
+  # training run would. Every loop with saves sits between two loops without,
+  # and is compared to their mean: that cancels a machine that speeds up or
+  # slows down over minutes (shared VMs do, by tens of percent).
+  def periodic(step):
+    return step % args.every == 0
 
-  # 1b: steady state. The same saves, in the middle of each interval (steps
-  # 5, 15, 25, 35 of 40): each save's whole cost, its blocking and its
-  # commit running beside the steps that follow, falls inside the measured
-  # steps, as in a long run; above, the last save (at the last step) is
-  # waited for alone, a one-time cost at the end of training.
-  mngr = open_manager(os.path.join(root, "mid"))
+  def mid(step):
+    return (step - args.every // 2) % args.every == 0
 
-  def mid_interval(step, s):
-    if (step - args.every // 2) % args.every:
-      return None
-    save_now(mngr, step, s)
-    return 0.0
-
-  loop, _ = run_loop(mid_interval)
-  t = time.perf_counter()
-  mngr.wait_until_finished()
-  out["loop_secs_saves_mid_interval"] = loop + time.perf_counter() - t
-  mngr.close()
-  # The loop without saves again, after: the baseline is the mean of the
-  # runs before and after, which cancels a machine that slowly speeds up or
-  # slows down (shared VMs do, by tens of percent over minutes).
-  after, _ = run_loop(lambda step, s: None)
-  out["loop_secs_no_saves_after"] = after
-  out["loop_secs_no_saves"] = (base + after) / 2
+  nones, loops = [base], {"periodic": [], "mid": []}
+  out["blocking_secs"] = []
+  for r in range(args.rounds):
+    for name, save_at in (("periodic", periodic), ("mid", mid)):
+      secs, blocking = loop_with_saves(f"{name}{r}", save_at)
+      loops[name].append(secs)
+      if name == "periodic":
+        out["blocking_secs"] += blocking
+      nones.append(run_loop(no_save)[0])
+  out["loop_secs_no_saves"] = nones
+  out["loop_secs_with_saves"] = loops["periodic"]
+  out["loop_secs_saves_mid_interval"] = loops["mid"]
+  # Loop k with saves (0, 1, 2... alternating periodic and mid) sits between
+  # loops k and k + 1 without.
+  ratios = {name: [] for name in loops}
+  for k in range(2 * args.rounds):
+    name = ("periodic", "mid")[k % 2]
+    baseline = (nones[k] + nones[k + 1]) / 2
+    ratios[name].append(loops[name][k // 2] / baseline - 1)
+  out["loop_overhead_rounds"] = ratios["periodic"]
+  out["loop_overhead_steady_rounds"] = ratios["mid"]
 
   # 3: one isolated save until durable, then the raw ceiling.
   mngr = open_manager(os.path.join(root, "isolated"))
@@ -280,14 +300,34 @@ def worker(args: argparse.Namespace) -> dict:
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
           mesh, P("x") if a.ndim == 2 else P())),
       jax.eval_shape(lambda: state))
-  restore(mngr, 1, target)  # Warms the page cache.
-  t = time.perf_counter()
+  # The first restore warms the page cache, is checked bit for bit, and
+  # compiles the train step for the sharded state.
   restored = restore(mngr, 1, target)
-  jax.block_until_ready(restored)
-  out["warm_restore_secs"] = time.perf_counter() - t
   ok = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
       jax.tree.leaves(restored), jax.tree.leaves(state)))
   out["restore_bit_identical"] = bool(ok)
+  restored, loss = train_step(restored)
+  float(loss)
+  # Each timed restore is followed by the train step that uses it, timed
+  # too: a restore whose arrays the step cannot donate moves part of its
+  # cost into that step (it copies the whole state first).
+  out["warm_restore_secs"], out["step_after_restore_secs"] = [], []
+  for _ in range(3):
+    restored = None  # The previous state's memory is freed first.
+    t = time.perf_counter()
+    restored = restore(mngr, 1, target)
+    jax.block_until_ready(restored)
+    out["warm_restore_secs"].append(time.perf_counter() - t)
+    t = time.perf_counter()
+    restored, loss = train_step(restored)
+    float(loss)
+    out["step_after_restore_secs"].append(time.perf_counter() - t)
+  restored = None
+  t = time.perf_counter()
+  for _ in range(3):
+    state, loss = train_step(state)
+    float(loss)
+  out["step_secs"] = (time.perf_counter() - t) / 3
   mngr.close()
   out["rss_mb_peak"] = _rss_mb()
   shutil.rmtree(root, ignore_errors=True)
@@ -305,10 +345,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     gb = runs[0]["state_bytes"] / 1e9
     s[name] = {
         "loop_overhead": statistics.median(
-            r["loop_secs_with_saves"] / r["loop_secs_no_saves"] - 1
-            for r in runs),
+            statistics.median(r["loop_overhead_rounds"]) for r in runs),
         "loop_overhead_steady": statistics.median(
-            r["loop_secs_saves_mid_interval"] / r["loop_secs_no_saves"] - 1
+            statistics.median(r["loop_overhead_steady_rounds"])
             for r in runs),
         "blocking_secs": statistics.median(
             statistics.median(r["blocking_secs"]) for r in runs),
@@ -319,8 +358,13 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "save_vs_ceiling": statistics.median(
             r["raw_write_fsync_secs"] / r["isolated_save_secs"]
             for r in runs),
-        "warm_restore_secs": _median(runs, "warm_restore_secs"),
-        "warm_restore_gbps": gb / _median(runs, "warm_restore_secs"),
+        "warm_restore_secs": statistics.median(
+            statistics.median(r["warm_restore_secs"]) for r in runs),
+        "warm_restore_gbps": gb / statistics.median(
+            statistics.median(r["warm_restore_secs"]) for r in runs),
+        "step_after_restore_secs": statistics.median(
+            statistics.median(r["step_after_restore_secs"]) for r in runs),
+        "step_secs": _median(runs, "step_secs"),
         "rss_mb_peak": _median(runs, "rss_mb_peak"),
         "rss_mb_above_train_loop": statistics.median(
             r["rss_mb_peak"] - r["rss_mb_train_only"] for r in runs),
@@ -364,6 +408,10 @@ def print_table(s: dict, runs: int, gb: float) -> None:
       ("warm restore, sharded (s)", f"{ours['warm_restore_secs']:.3f}",
        f"{orbax['warm_restore_secs']:.3f}", f"{r['warm_restore']:.3f}",
        "<= 0.25"),
+      ("  then the first train step (s)",
+       f"{ours['step_after_restore_secs']:.3f}",
+       f"{orbax['step_after_restore_secs']:.3f}",
+       f"(any step: {ours['step_secs']:.3f}, {orbax['step_secs']:.3f})", ""),
       ("peak RSS (MB)", f"{ours['rss_mb_peak']:.0f}",
        f"{orbax['rss_mb_peak']:.0f}", f"{r['rss_peak']:.3f}", "<= 1"),
       ("  RSS above the train loop (MB)",
@@ -388,7 +436,11 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--every", type=int, default=10)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="runs per system, each in a new process")
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="loops with saves per kind in each run, each"
+                      " between two loops without")
   parser.add_argument("--dir", default=None,
                       help="where checkpoints are written (default: a temp"
                       " dir)")
@@ -422,8 +474,10 @@ def main() -> None:
       run = json.loads(proc.stdout.strip().splitlines()[-1])
       results[name].append(run)
       print(f"run {rep + 1}/{args.repeats} {name}: " + ", ".join(
-          f"{k}={v:.3f}" for k, v in run.items()
-          if isinstance(v, float)), flush=True)
+          f"{k}={v:.3f}" if isinstance(v, float) else
+          f"{k}=[{', '.join(f'{x:.3f}' for x in v)}]"
+          for k, v in run.items() if isinstance(v, (float, list))),
+            flush=True)
   summary = summarize(results)
   print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
   if args.ab:

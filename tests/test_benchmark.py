@@ -12,7 +12,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run(
       [sys.executable, str(BENCH), "--layers", "2", "--width", "128",
-       "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1",
+       "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1", "--rounds", "2",
        "--ab", "1", "--dir", str(tmp_path), "--json", str(out)],
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -24,9 +24,17 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
     assert figures["restore_bit_identical"], system
     for key in ("loop_overhead", "loop_overhead_steady", "blocking_secs",
                 "isolated_save_secs",
-                "raw_write_fsync_gbps", "warm_restore_secs", "rss_mb_peak"):
+                "raw_write_fsync_gbps", "warm_restore_secs",
+                "step_after_restore_secs", "step_secs", "rss_mb_peak"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
-    assert len(result["runs"][system][0]["blocking_secs"]) == 2  # Steps 2, 4.
+    run = result["runs"][system][0]
+    assert len(run["blocking_secs"]) == 4  # Steps 2 and 4, in 2 rounds.
+    # Each of the 4 loops with saves sits between 2 of the 5 without.
+    assert len(run["loop_secs_no_saves"]) == 5
+    assert len(run["loop_overhead_rounds"]) == 2
+    assert len(run["loop_overhead_steady_rounds"]) == 2
+    assert len(run["warm_restore_secs"]) == 3
+    assert len(run["step_after_restore_secs"]) == 3
   assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
                                     "blocking",
                                     "isolated_save", "warm_restore",
