@@ -343,6 +343,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
   s = {}
   for name, runs in results.items():
     gb = runs[0]["state_bytes"] / 1e9
+    restore = statistics.median(
+        statistics.median(r["warm_restore_secs"]) for r in runs)
     s[name] = {
         "loop_overhead": statistics.median(
             statistics.median(r["loop_overhead_rounds"]) for r in runs),
@@ -358,10 +360,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "save_vs_ceiling": statistics.median(
             r["raw_write_fsync_secs"] / r["isolated_save_secs"]
             for r in runs),
-        "warm_restore_secs": statistics.median(
-            statistics.median(r["warm_restore_secs"]) for r in runs),
-        "warm_restore_gbps": gb / statistics.median(
-            statistics.median(r["warm_restore_secs"]) for r in runs),
+        "warm_restore_secs": restore,
+        "warm_restore_gbps": gb / restore,
         "step_after_restore_secs": statistics.median(
             statistics.median(r["step_after_restore_secs"]) for r in runs),
         "step_secs": _median(runs, "step_secs"),
@@ -477,7 +477,7 @@ def main() -> None:
           f"{k}={v:.3f}" if isinstance(v, float) else
           f"{k}=[{', '.join(f'{x:.3f}' for x in v)}]"
           for k, v in run.items() if isinstance(v, (float, list))),
-            flush=True)
+          flush=True)
   summary = summarize(results)
   print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
   if args.ab:

@@ -369,18 +369,17 @@ def _restore_array(lr: _LeafReader, shape: tuple[int, ...],
   for device, index in indices.items():
     region = normalize_index(index, shape) if index is not None else tuple(
         (0, d) for d in shape)
+    host = cache.get(region)
     owned = _owned_cpu_buffer(tuple(hi - lo for lo, hi in region), lr.dtype,
                               device)
     if owned is not None:
       arr, view = owned
-      host = cache.get(region)
       if host is None:
         cache[region] = lr.read(region, out=view)
       else:
         np.copyto(view, host)
       arrays.append(arr)
       continue
-    host = cache.get(region)
     if host is None:
       host = cache[region] = lr.read(region)
     else:
