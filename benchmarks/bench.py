@@ -338,21 +338,22 @@ def _median(runs: list[dict], key: str) -> float:
   return statistics.median(r[key] for r in runs)
 
 
+def _median_of_medians(runs: list[dict], key: str) -> float:
+  """The median over runs of each run's median of its list `key`."""
+  return statistics.median(statistics.median(r[key]) for r in runs)
+
+
 def summarize(results: dict[str, list[dict]]) -> dict:
   """Medians per system and the ratios the targets are stated in."""
   s = {}
   for name, runs in results.items():
     gb = runs[0]["state_bytes"] / 1e9
-    restore = statistics.median(
-        statistics.median(r["warm_restore_secs"]) for r in runs)
+    restore = _median_of_medians(runs, "warm_restore_secs")
     s[name] = {
-        "loop_overhead": statistics.median(
-            statistics.median(r["loop_overhead_rounds"]) for r in runs),
-        "loop_overhead_steady": statistics.median(
-            statistics.median(r["loop_overhead_steady_rounds"])
-            for r in runs),
-        "blocking_secs": statistics.median(
-            statistics.median(r["blocking_secs"]) for r in runs),
+        "loop_overhead": _median_of_medians(runs, "loop_overhead_rounds"),
+        "loop_overhead_steady": _median_of_medians(
+            runs, "loop_overhead_steady_rounds"),
+        "blocking_secs": _median_of_medians(runs, "blocking_secs"),
         "isolated_save_secs": _median(runs, "isolated_save_secs"),
         "isolated_save_gbps": gb / _median(runs, "isolated_save_secs"),
         "raw_write_fsync_gbps": statistics.median(
@@ -362,8 +363,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             for r in runs),
         "warm_restore_secs": restore,
         "warm_restore_gbps": gb / restore,
-        "step_after_restore_secs": statistics.median(
-            statistics.median(r["step_after_restore_secs"]) for r in runs),
+        "step_after_restore_secs": _median_of_medians(
+            runs, "step_after_restore_secs"),
         "step_secs": _median(runs, "step_secs"),
         "rss_mb_peak": _median(runs, "rss_mb_peak"),
         "rss_mb_above_train_loop": statistics.median(

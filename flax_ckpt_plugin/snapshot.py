@@ -210,15 +210,17 @@ def _update(dst: jax.Array, src: jax.Array) -> jax.Array:
   return lax.dynamic_update_slice(dst, _bits(src), (0,) * src.ndim)
 
 
+def _copy(dsts, srcs, pad):
+  return [_update(d, s) for d, s in zip(dsts, srcs)], pad * 2 + 1
+
+
+_copy_into = jax.jit(_copy, donate_argnums=0)
+
+
 @jax.jit
 def _copy_new(srcs, pad):
-  dsts = [jnp.zeros(s.shape, bits_dtype(s.dtype)) for s in srcs]
-  return [_update(d, s) for d, s in zip(dsts, srcs)], pad * 2 + 1
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_into(dsts, srcs, pad):
-  return [_update(d, s) for d, s in zip(dsts, srcs)], pad * 2 + 1
+  return _copy([jnp.zeros(s.shape, bits_dtype(s.dtype)) for s in srcs], srcs,
+               pad)
 
 
 # `_copy_into` compiled ahead of its first use, per (device, signature):
