@@ -25,7 +25,11 @@ Each run measures:
    train step right after each, against any other step (a step that cannot
    donate the restored arrays copies them first);
 5. peak RSS of the process, and how far it rose above the train loop's own
-   peak once checkpointing started.
+   peak once checkpointing started;
+6. two limits of the machine that bound the figures above: how long new
+   memory takes to touch for the first time (one core), and how long
+   deleting the file that the raw write of 3 made takes (retention deletes
+   a step of that size after each save).
 
 It prints medians with ratios (ours / Orbax, ours / ceiling) and writes all
 figures as JSON.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -49,6 +54,23 @@ SYSTEMS = ("ours", "orbax")
 
 def _rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _touch_secs_per_gb(nbytes: int) -> float:
+  """Seconds per GB to touch new anonymous memory once, on one thread.
+
+  Memory the runtime allocates costs this before any byte is written, so
+  it bounds a restore that creates its arrays (and a first snapshot).
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  buf = mmap.mmap(-1, nbytes)
+  view = np.frombuffer(buf, np.uint8)
+  t = time.perf_counter()
+  view[::mmap.PAGESIZE] = 1
+  secs = time.perf_counter() - t
+  del view
+  buf.close()
+  return secs / (nbytes / 1e9)
 
 
 def build(args: argparse.Namespace):
@@ -177,6 +199,8 @@ def worker(args: argparse.Namespace) -> dict:
 
   root = tempfile.mkdtemp(dir=args.dir)
   out = {"system": args.worker, "state_bytes": nbytes}
+  # 6, first: 1/4 of the state (at least 64 MiB), before RSS nears its peak.
+  out["touch_secs_per_gb"] = _touch_secs_per_gb(max(nbytes // 4, 64 << 20))
 
   def run_loop(save):
     nonlocal state
@@ -292,7 +316,9 @@ def worker(args: argparse.Namespace) -> dict:
     os.fsync(f.fileno())
   out["raw_write_fsync_secs"] = time.perf_counter() - t
   del host
+  t = time.perf_counter()
   os.unlink(raw_path)
+  out["unlink_raw_secs"] = time.perf_counter() - t
 
   # 4: warm restore into a target sharded over 2 devices.
   mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -311,13 +337,20 @@ def worker(args: argparse.Namespace) -> dict:
   # Each timed restore is followed by the train step that uses it, timed
   # too: a restore whose arrays the step cannot donate moves part of its
   # cost into that step (it copies the whole state first).
-  out["warm_restore_secs"], out["step_after_restore_secs"] = [], []
+  # Its CPU time (all threads) and minor page faults show what bounds it.
+  for key in ("warm_restore_secs", "step_after_restore_secs",
+              "restore_cpu_secs", "restore_page_faults"):
+    out[key] = []
   for _ in range(3):
     restored = None  # The previous state's memory is freed first.
-    t = time.perf_counter()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, t = time.process_time(), time.perf_counter()
     restored = restore(mngr, 1, target)
     jax.block_until_ready(restored)
     out["warm_restore_secs"].append(time.perf_counter() - t)
+    out["restore_cpu_secs"].append(time.process_time() - cpu)
+    out["restore_page_faults"].append(
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
     t = time.perf_counter()
     restored, loss = train_step(restored)
     float(loss)
@@ -365,6 +398,11 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "warm_restore_gbps": gb / restore,
         "step_after_restore_secs": _median_of_medians(
             runs, "step_after_restore_secs"),
+        "restore_cpu_secs": _median_of_medians(runs, "restore_cpu_secs"),
+        "restore_page_faults": _median_of_medians(runs,
+                                                  "restore_page_faults"),
+        "touch_secs_per_gb": _median(runs, "touch_secs_per_gb"),
+        "unlink_raw_secs": _median(runs, "unlink_raw_secs"),
         "step_secs": _median(runs, "step_secs"),
         "rss_mb_peak": _median(runs, "rss_mb_peak"),
         "rss_mb_above_train_loop": statistics.median(
@@ -409,6 +447,12 @@ def print_table(s: dict, runs: int, gb: float) -> None:
       ("warm restore, sharded (s)", f"{ours['warm_restore_secs']:.3f}",
        f"{orbax['warm_restore_secs']:.3f}", f"{r['warm_restore']:.3f}",
        "<= 0.25"),
+      ("  its CPU time, all threads (s)",
+       f"{ours['restore_cpu_secs']:.2f}", f"{orbax['restore_cpu_secs']:.2f}",
+       "", ""),
+      ("  its minor page faults",
+       f"{ours['restore_page_faults']:.0f}",
+       f"{orbax['restore_page_faults']:.0f}", "", ""),
       ("  then the first train step (s)",
        f"{ours['step_after_restore_secs']:.3f}",
        f"{orbax['step_after_restore_secs']:.3f}",
@@ -426,6 +470,11 @@ def print_table(s: dict, runs: int, gb: float) -> None:
     print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
   print(f"restores bit-identical: ours {ours['restore_bit_identical']},"
         f" Orbax {orbax['restore_bit_identical']}")
+  machine = {k: statistics.median([ours[k], orbax[k]])
+             for k in ("touch_secs_per_gb", "unlink_raw_secs")}
+  print(f"machine: touching new memory takes"
+        f" {machine['touch_secs_per_gb']:.2f} s per GB on one core; deleting"
+        f" the {gb:.3f} GB raw file took {machine['unlink_raw_secs']:.3f} s")
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run(
       [sys.executable, str(BENCH), "--layers", "2", "--width", "128",
-       "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1", "--rounds", "2",
+       "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1",
+       "--rounds", "2",
        "--ab", "1", "--dir", str(tmp_path), "--json", str(out)],
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -25,7 +26,9 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
     for key in ("loop_overhead", "loop_overhead_steady", "blocking_secs",
                 "isolated_save_secs",
                 "raw_write_fsync_gbps", "warm_restore_secs",
-                "step_after_restore_secs", "step_secs", "rss_mb_peak"):
+                "step_after_restore_secs", "step_secs", "rss_mb_peak",
+                "restore_cpu_secs", "restore_page_faults",
+                "touch_secs_per_gb", "unlink_raw_secs"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
     run = result["runs"][system][0]
     assert len(run["blocking_secs"]) == 4  # Steps 2 and 4, in 2 rounds.
@@ -35,6 +38,9 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
     assert len(run["loop_overhead_steady_rounds"]) == 2
     assert len(run["warm_restore_secs"]) == 3
     assert len(run["step_after_restore_secs"]) == 3
+    assert len(run["restore_cpu_secs"]) == 3
+    assert len(run["restore_page_faults"]) == 3
+    assert run["touch_secs_per_gb"] > 0 and run["unlink_raw_secs"] >= 0
   assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
                                     "blocking",
                                     "isolated_save", "warm_restore",
@@ -45,6 +51,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   for mode, ab in summary["lever_ab"].items():
     assert ab["blocking_secs"] >= 0 and ab["cost_per_save_secs"] == ab[
         "cost_per_save_secs"], mode
+  assert "machine: touching new memory takes" in proc.stdout
   assert "levers, one process of ours" in proc.stdout
   # Checkpoints went under --dir and were cleaned up.
   assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
