@@ -280,6 +280,7 @@ def worker(args: argparse.Namespace) -> dict:
     return (step - args.every // 2) % args.every == 0
 
   nones, loops = [base], {"periodic": [], "mid": []}
+  ratios = {name: [] for name in loops}
   out["blocking_secs"] = []
   for r in range(args.rounds):
     for name, save_at in (("periodic", periodic), ("mid", mid)):
@@ -288,16 +289,10 @@ def worker(args: argparse.Namespace) -> dict:
       if name == "periodic":
         out["blocking_secs"] += blocking
       nones.append(run_loop(no_save)[0])
+      ratios[name].append(secs / ((nones[-2] + nones[-1]) / 2) - 1)
   out["loop_secs_no_saves"] = nones
   out["loop_secs_with_saves"] = loops["periodic"]
   out["loop_secs_saves_mid_interval"] = loops["mid"]
-  # Loop k with saves (0, 1, 2... alternating periodic and mid) sits between
-  # loops k and k + 1 without.
-  ratios = {name: [] for name in loops}
-  for k in range(2 * args.rounds):
-    name = ("periodic", "mid")[k % 2]
-    baseline = (nones[k] + nones[k + 1]) / 2
-    ratios[name].append(loops[name][k // 2] / baseline - 1)
   out["loop_overhead_rounds"] = ratios["periodic"]
   out["loop_overhead_steady_rounds"] = ratios["mid"]
 
@@ -336,8 +331,8 @@ def worker(args: argparse.Namespace) -> dict:
   float(loss)
   # Each timed restore is followed by the train step that uses it, timed
   # too: a restore whose arrays the step cannot donate moves part of its
-  # cost into that step (it copies the whole state first).
-  # Its CPU time (all threads) and minor page faults show what bounds it.
+  # cost into that step (it copies the whole state first). The restore's
+  # CPU time (all threads) and minor page faults show what bounds it.
   for key in ("warm_restore_secs", "step_after_restore_secs",
               "restore_cpu_secs", "restore_page_faults"):
     out[key] = []

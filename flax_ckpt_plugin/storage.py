@@ -45,7 +45,6 @@ FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
-_CHUNK = datafile.CHUNK
 # Every shard carries a CRC-32C per block of this many bytes (the last block
 # may be shorter), so a reader of part of a shard verifies whole blocks only.
 CHECKSUM_BLOCK = 4 << 20
@@ -66,7 +65,7 @@ def index_file(process_index: int) -> str:
 
 def _write_all(f, buf: memoryview) -> None:
   while buf:
-    n = f.write(buf[:_CHUNK])
+    n = f.write(buf[:datafile.CHUNK])
     if n is None:  # Non-blocking streams only; not expected for files.
       raise OSError("short write")
     buf = buf[n:]
