@@ -8,6 +8,7 @@ from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
+from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.manager import RestoreStats
@@ -26,6 +27,7 @@ __all__ = [
     "ConcurrentWriterError",
     "PREEMPTED_EXIT_CODE",
     "RestoreStats",
+    "RestoreFailedError",
     "SaveFailedError",
     "SaveStats",
     "StepMetadata",

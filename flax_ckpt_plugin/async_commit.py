@@ -5,16 +5,79 @@ finalize, retention) runs here. An error in the background is kept and raised
 on the next call into the library, once, with the step and directory added as
 a note: it is never only logged. The original exception type is kept, so
 `except OSError` or `except TimeoutError` in user code still works.
+
+A program that returns from its main thread without `close()` does not lose
+its last save: before the interpreter shuts down, every running commit is
+waited for. If one failed and nobody saw its error, the process prints it
+and exits with status 1 instead of 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 from typing import Callable
+import weakref
 
 from flax_ckpt_plugin.errors import CommitHookError
-from flax_ckpt_plugin.multihost import log
+from flax_ckpt_plugin.logs import log
+
+# Exit status of a process whose last background commit failed unseen.
+UNSEEN_FAILURE_EXIT_CODE = 1
+
+_live: "weakref.WeakSet[AsyncCommitter]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _finish_at_exit() -> None:
+  """Waits for every running commit; fails the process on an unseen error.
+
+  Runs when the main thread has returned, before the interpreter stops
+  daemon threads and before `atexit` handlers (JAX's shutdown of the
+  coordination service among them), so multi-process commits can still meet
+  at their barriers.
+  """
+  failed = []
+  for committer in list(_live):
+    if committer.is_running:
+      log.warning("the program is exiting without close(): waiting for the"
+                  " background commit of %s", committer.description)
+      committer.join()
+    error = committer.unseen_error()
+    if error is not None:
+      failed.append(error)
+  if not failed:
+    return
+  for error in failed:
+    notes = "".join(f"\n{n}" for n in getattr(error, "__notes__", ()))
+    print(f"flax_ckpt_plugin: a background commit failed and the program"
+          f" exited without calling close() or wait_until_finished():"
+          f" {type(error).__name__}: {error}{notes}", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(UNSEEN_FAILURE_EXIT_CODE)  # pylint: disable=protected-access
+
+
+def _install_exit_hook() -> None:
+  global _hook_installed
+  with _hook_lock:
+    if _hook_installed:
+      return
+    _hook_installed = True
+  # `threading._register_atexit` runs before non-daemon threads are joined
+  # and before `atexit` handlers (concurrent.futures relies on it); plain
+  # `atexit` is the fallback, registered after `jax.distributed` usually
+  # is, so it still runs before JAX's own shutdown.
+  register = getattr(threading, "_register_atexit", None)
+  try:
+    if register is None:
+      raise RuntimeError
+    register(_finish_at_exit)
+  except RuntimeError:  # Missing, or the interpreter is shutting down.
+    atexit.register(_finish_at_exit)
 
 
 def _lower_priority() -> None:
@@ -51,12 +114,16 @@ class AsyncCommitter:
     self._closing = False
     self._worker: threading.Thread | None = None
     self._error: BaseException | None = None
+    self.description = ""  # Of the running or last commit.
+    _live.add(self)
+    _install_exit_hook()
 
   def start(self, fn: Callable[[], None], *, description: str) -> None:
     """Waits for the previous commit (raising its error), then runs `fn`."""
     self.wait()
     with self._cond:
       self._job = (fn, description)
+      self.description = description
       self._busy = True
       self._closing = False
       if self._worker is None:
@@ -109,6 +176,11 @@ class AsyncCommitter:
       error, self._error = self._error, None
     if error is not None:
       raise error
+
+  def unseen_error(self) -> BaseException | None:
+    """The error of a finished commit that nobody raised yet (not cleared)."""
+    with self._cond:
+      return self._error
 
   def join(self, timeout: float | None = None) -> bool:
     """Waits until no commit runs, without raising; False on timeout."""

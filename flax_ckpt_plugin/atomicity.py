@@ -164,6 +164,28 @@ def delete_step(directory: epath.Path, step: int) -> None:
     _remove_tree(step_dir)
 
 
+def set_aside(directory: epath.Path, step: int) -> str:
+  """Takes a damaged finalized step out of the list; says where it went.
+
+  Local disks keep the files as `<step>.damaged` for a person to look at
+  (neither a step nor unfinished, so never listed and never removed); on
+  object stores the commit marker is removed, which makes the step
+  unfinished, and the next writer cleans it up. Primary host only.
+  """
+  step_dir = directory / str(step)
+  if not is_local(directory):
+    (step_dir / COMMIT_MARKER).unlink(missing_ok=True)
+    return "unfinished (its commit marker was removed)"
+  aside = directory / f"{step}{DAMAGED_SUFFIX}"
+  n = 1
+  while aside.exists():
+    n += 1
+    aside = directory / f"{step}{DAMAGED_SUFFIX}{n}"
+  step_dir.rename(aside)
+  fsync_path(directory)
+  return str(aside)
+
+
 def claim_directory(directory: epath.Path, process_count: int) -> str:
   """Records this job as the directory's writer; returns its token.
 

@@ -12,8 +12,9 @@
 Multi-process contract: call it on every process at every step with the same
 step. All processes then make the same decision: step-based triggers are
 deterministic, the `every_secs` decision is taken by the primary host and read
-by the others through the coordination service, and the preemption sync point
-is agreed by JAX's preemption sync manager.
+by the others through the coordinator at a few steps per interval (see
+`schedule`), and the preemption sync point is agreed by JAX's preemption sync
+manager.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ import operator
 import os
 import signal
 import time
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from etils import epath
 
-from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import atomicity as atomicity_lib
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.commit import SaveStats
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
-from flax_ckpt_plugin.multihost import log
 from flax_ckpt_plugin.preemption import SignalFlag
+from flax_ckpt_plugin.schedule import EverySecs
 
 # The exit code for a job that stopped after its preemption checkpoint:
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
@@ -96,9 +100,13 @@ class CheckpointCallback:
       callback, or from its creation, to this one: the work a crash just
       before it would have lost). Written from the loop's thread, at the
       next call, `wait_until_finished` or `close` after the commit.
-    **manager_kwargs: more `CheckpointManager` options (`atomicity`,
-      `primary_host`, `barrier_timeout_secs`, `name`, `barrier`,
-      `commit_hooks`).
+    commit_hooks: run after each finalized step (see
+      `CheckpointManager.add_commit_hook`).
+    atomicity: see `CheckpointManager`.
+    primary_host: see `CheckpointManager`.
+    barrier_timeout_secs: see `CheckpointManager`.
+    name: see `CheckpointManager`.
+    coordinator: see `CheckpointManager`.
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -124,7 +132,12 @@ class CheckpointCallback:
                keep_every_n_steps: int | None = None,
                clock: Callable[[], float] = time.monotonic,
                metric_writer: MetricWriter | None = None,
-               **manager_kwargs: Any):
+               commit_hooks: Sequence[CommitHook] = (),
+               atomicity: atomicity_lib.Atomicity = "auto",
+               primary_host: int = 0,
+               barrier_timeout_secs: float = 300.0,
+               name: str | None = None,
+               coordinator: coordinator_lib.Coordinator | None = None):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
     if every_secs is not None and not every_secs > 0:
@@ -135,10 +148,11 @@ class CheckpointCallback:
     self.last_step = last_step
     self.save_on_preemption = save_on_preemption
     self.metric_writer = metric_writer
-    user_hooks = manager_kwargs.pop("commit_hooks", ())
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep,
-        keep_every_n_steps=keep_every_n_steps, **manager_kwargs)
+        keep_every_n_steps=keep_every_n_steps, atomicity=atomicity,
+        primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
+        name=name, coordinator=coordinator)
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -146,18 +160,18 @@ class CheckpointCallback:
     self._last_durable = time.time()
     if metric_writer is not None:
       self.manager.add_commit_hook(self._record_save)  # Before user hooks.
-    for hook in user_hooks:
+    for hook in commit_hooks:
       self.manager.add_commit_hook(hook)
-    self._clock = clock
-    self._last_save_time = clock()
-    self._kv = multihost.KeyValueStore()
-    self._saves = 0  # Saves started: names the key directory of every_secs.
-    self._calls = 0  # Calls since the last save: names the key.
+    self._every_secs = None if every_secs is None else EverySecs(
+        every_secs, clock, self.manager.coordinator,
+        is_primary=self.manager.is_primary,
+        timeout_ms=self.manager.barrier_timeout_ms)
     self.should_stop = False
     self.restored_step: int | None = None
     self.restored_extra: Any = None
-    self._signals = SignalFlag(preemption_signals if save_on_preemption
-                               else ())
+    self._signals = SignalFlag(
+        preemption_signals if save_on_preemption else (),
+        forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
 
   @property
@@ -179,21 +193,9 @@ class CheckpointCallback:
       stats, since = self._finished.popleft()
       self.metric_writer.write_scalars(stats.step, save_metrics(stats, since))
 
-  def _secs_due(self) -> bool:
-    """Whether `every_secs` elapsed, as decided by the primary host."""
-    local = self._clock() - self._last_save_time >= self.every_secs
-    if multihost.process_count() == 1:
-      return local
-    key = f"{self.manager.name}/every_secs/{self._saves}/{self._calls}"
-    self._calls += 1
-    if self.manager.is_primary:
-      self._kv.set(key, "1" if local else "0")
-      return local
-    timeout_ms = self.manager.barrier_timeout_ms
-    return self._kv.get(key, timeout_ms=timeout_ms) == "1"
-
   def _due(self, step: int) -> bool:
-    due = self.every_secs is not None and self._secs_due()
+    due = (self._every_secs is not None
+           and self._every_secs.due(step, self.manager.name))
     if self.every_steps is not None and step > 0:
       due |= step % self.every_steps == 0
     return due or step in self.on_steps or step == self.last_step
@@ -221,7 +223,7 @@ class CheckpointCallback:
       return False
     step = operator.index(step)
     preempted = self.save_on_preemption and (
-        multihost.reached_preemption_sync_point(step)
+        self.manager.coordinator.reached_preemption_sync_point(step)
         or self._signals.triggered)
     due = self._due(step) or preempted
     if not due:
@@ -230,15 +232,8 @@ class CheckpointCallback:
       self.should_stop = preempted  # That step is already durable.
       return False
     self.manager.save(step, state, extra=extra, metrics=metrics)
-    self._last_save_time = self._clock()
-    self._saves += 1
-    self._calls = 0
-    if (self.every_secs is not None and self.manager.is_primary
-        and multihost.process_count() > 1 and self._saves >= 2):
-      # `save` waited for the previous commit, whose barriers every process
-      # passed after reading all keys from before that save: drop those.
-      self._kv.delete(
-          f"{self.manager.name}/every_secs/{self._saves - 2}")
+    if self._every_secs is not None:
+      self._every_secs.saved(self.manager.name)
     if preempted:
       self.wait_until_finished()
       self.should_stop = True

@@ -1,17 +1,18 @@
 """The background part of a save, on every process: the save protocol.
 
     every process                          primary host only
-    prepared:  barrier                     make the step's working directory
+    prepared:  agree                       make the step's working directory
     written:   write own shards + fsync,
-               barrier
-    committed: barrier                     manifest, fsync, finalize
-    hooks:     barrier                     run the commit hooks
-    retention                              delete steps beyond max_to_keep
+               agree
+    committed: agree                       manifest, fsync, finalize
+    hooks:     agree                       run the commit hooks
 
-A process that fails a phase records it in the coordination service's
-key-value store before that phase's barrier, so every process learns of it
-right after the barrier and all raise together, instead of the others
-waiting for a timeout at the next one.
+Each phase is a `coordinator.agree`: a process whose part failed records it
+before the phase's barrier, so every process learns of it right after the
+barrier and all raise together, instead of the others waiting for a timeout
+at the next one. `commit` takes everything it needs as a `CommitInputs` and
+returns the `SaveStats`; the manager keeps its list of steps and applies
+retention with the result.
 """
 
 from __future__ import annotations
@@ -20,22 +21,18 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any, Callable, TYPE_CHECKING
+from typing import Any, Callable, NamedTuple, Sequence
 
 from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
-from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CommitHookError
-from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
-from flax_ckpt_plugin.multihost import log
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.snapshot import LeafSnapshot
-
-if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager import CheckpointManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +41,8 @@ class SaveStats:
   step: int  # The step saved.
   blocking_secs: float  # Time the caller of `save` waited.
   commit_secs: float  # From the end of the snapshot until finalized.
-  nbytes: int  # Bytes this process wrote.
-  total_bytes: int = 0  # Bytes of the whole checkpoint, all processes.
+  process_bytes: int  # Bytes of array data this process wrote.
+  total_bytes: int = 0  # Bytes of array data of the whole checkpoint.
   path: epath.Path | None = None  # The finalized step directory.
   finalized_at: float = 0.0  # time.time() when it became durable.
 
@@ -58,7 +55,25 @@ class SaveStats:
 CommitHook = Callable[[SaveStats], None]
 
 
-def steps_to_delete(steps: list[int], max_to_keep: int | None,
+class CommitInputs(NamedTuple):
+  """Everything one background commit reads; it touches nothing else."""
+  coordinator: coordinator_lib.Coordinator
+  directory: epath.Path  # The checkpoint directory.
+  step: int
+  key: str  # Unique prefix of this save's barrier and key-value keys.
+  tmp: atomicity_lib.TemporaryPath  # Where the step is written.
+  leaves: list[LeafSnapshot]  # This process's snapshot.
+  extra: Any  # JSON-ready `extra` and `metrics`.
+  metrics: dict[str, Any] | None
+  blocking_secs: float
+  is_primary: bool
+  timeout_ms: int
+  # Raises ConcurrentWriterError (with the given consequence) when another
+  # job claimed the directory since this one opened it.
+  check_still_writer: Callable[[str], None]
+
+
+def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
                     keep_every_n_steps: int | None) -> list[int]:
   """The finalized steps that retention removes (never the newest)."""
   if max_to_keep is None:
@@ -75,155 +90,104 @@ def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:
              for leaf in leaves if leaf.dtype is not None)
 
 
-def check_still_writer(mgr: CheckpointManager, consequence: str) -> None:
-  """Raises ConcurrentWriterError if another job claimed the directory."""
-  # pylint: disable=protected-access
-  writer = atomicity_lib.current_writer(mgr.directory)
-  if writer is None or writer.get("token") != mgr._writer_token:
-    raise ConcurrentWriterError(
-        f"another job opened {mgr.directory} for writing after this one"
-        f" (its claim: {writer}); {consequence}. Two jobs must not write"
-        " one directory: stop this one, or give it another directory.")
+def _phase(inputs: CommitInputs, name: str, fn: Callable[[], Any]) -> Any:
+  """Runs `fn` on every process; all raise together if any failed.
 
-
-class StepCommit:
-  """Writes and finalizes one snapshot; `run` is the commit thread's body.
-
-  Called on every process (by `CheckpointManager.save`); only the primary
-  host makes, finalizes and deletes step directories and runs hooks.
+  The primary host removes the unfinished step when a phase failed or timed
+  out anywhere.
   """
+  coord, tmp = inputs.coordinator, inputs.tmp
+  abandon = tmp.abandon if inputs.is_primary else None
+  outcome = coordinator_lib.agree(coord, f"{inputs.key}/{name}", fn,
+                                  timeout_ms=inputs.timeout_ms,
+                                  on_timeout=abandon)
+  if outcome.failures:
+    if abandon is not None:
+      abandon()
+    if outcome.error is not None:
+      raise outcome.error
+    raise SaveFailedError(
+        f"save of step {inputs.step} to {inputs.directory} failed on other"
+        f" processes: {coordinator_lib.describe_failures(outcome.failures)}")
+  return outcome.result
 
-  # pylint: disable=protected-access  # The manager's own state.
 
-  def __init__(self, mgr: CheckpointManager, step: int, save_id: int,
-               leaves: list[LeafSnapshot], extra: Any, metrics: Any,
-               blocking: float):
-    self.mgr = mgr
-    self.step = step
-    self.leaves = leaves
-    self.extra = extra
-    self.metrics = metrics
-    self.blocking = blocking
-    self.key = f"{mgr.name}/save{save_id}/step{step}"
-    self.tmp = atomicity_lib.temporary_path(mgr.directory, step,
-                                            mgr.atomicity)
+def commit(inputs: CommitInputs) -> SaveStats:
+  """Writes and finalizes one snapshot; the commit thread's body.
 
-  def _phase(self, name: str, fn: Callable[[], Any]) -> Any:
-    """Runs `fn`, then meets the others at barrier `key/name`.
+  Called on every process; only the primary host makes and finalizes the
+  step directory.
+  """
+  coord, tmp, step, key = (inputs.coordinator, inputs.tmp, inputs.step,
+                           inputs.key)
+  t0 = time.perf_counter()
+  pid, count = coord.process_index, coord.process_count
 
-    A process whose `fn` failed records that before the barrier, so after
-    it every process knows and all raise together; the primary host removes
-    the unfinished step. Failures are kept per phase: a process still
-    finishing an earlier phase must not see a later phase's failure, or it
-    would skip the barrier that the failing process waits at.
-    """
-    mgr, tmp = self.mgr, self.tmp
-    multi = multihost.process_count() > 1
-    failed_dir = f"{self.key}/{name}/failed"
-    result, error = None, None
-    try:
-      result = fn()
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-      if multi:
-        mgr._kv.set(f"{failed_dir}/{multihost.process_index()}",
-                    f"{name}: {type(e).__name__}: {e}")
-    try:
-      mgr._barrier(key=f"{self.key}/{name}", timeout_ms=mgr.barrier_timeout_ms)
-    except Exception:
-      if mgr.is_primary:
-        tmp.abandon()
-      raise
-    failures = mgr._kv.list_dir(failed_dir) if multi else {}
-    if error is not None or failures:
-      if mgr.is_primary:
-        tmp.abandon()
-      if error is not None:
-        raise error
-      raise SaveFailedError(
-          f"save of step {tmp.step} to {mgr.directory} failed on other"
-          f" processes: {sorted(failures.values())}")
-    return result
+  def prepare():
+    if inputs.is_primary:
+      tmp.prepare()
+      if count > 1:  # Others check that they write where it made.
+        coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
 
-  def run(self) -> None:
-    mgr, tmp, step, key = self.mgr, self.tmp, self.step, self.key
-    t0 = time.perf_counter()
-    pid, count = multihost.process_index(), multihost.process_count()
+  _phase(inputs, "prepared", prepare)
+  identity = tmp.identity
+  if count > 1 and not inputs.is_primary:
+    identity = json.loads(coord.kv_get(f"{key}/identity",
+                                       timeout_ms=inputs.timeout_ms))
+  nbytes = _phase(
+      inputs, "written",
+      lambda: storage.write_process_files(tmp.path, inputs.leaves, pid,
+                                          identity=identity))
 
-    def prepare():
-      if mgr.is_primary:
-        tmp.prepare()
-        if count > 1:  # Others check that they write where it made.
-          mgr._kv.set(f"{key}/identity", json.dumps(tmp.identity))
+  def finalize():
+    if inputs.is_primary:
+      inputs.check_still_writer(f"step {step} was not finalized")
+      storage.write_manifest(tmp.path, step=step, leaves=inputs.leaves,
+                             process_count=count, extra=inputs.extra,
+                             metrics=inputs.metrics)
+      tmp.finalize()
 
-    self._phase("prepared", prepare)
-    identity = tmp.identity
-    if count > 1 and not mgr.is_primary:
-      identity = json.loads(mgr._kv.get(f"{key}/identity",
-                                        timeout_ms=mgr.barrier_timeout_ms))
-    nbytes = self._phase(
-        "written",
-        lambda: storage.write_process_files(tmp.path, self.leaves, pid,
-                                            identity=identity))
+  _phase(inputs, "committed", finalize)
+  secs = time.perf_counter() - t0
+  log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
+           " written by this process", step, inputs.directory,
+           inputs.blocking_secs, secs, nbytes)
+  return SaveStats(step, inputs.blocking_secs, secs, nbytes,
+                   total_bytes=checkpoint_bytes(inputs.leaves),
+                   path=inputs.directory / str(step),
+                   finalized_at=time.time())
 
-    def finalize():
-      if mgr.is_primary:
-        check_still_writer(mgr, f"step {step} was not finalized")
-        storage.write_manifest(tmp.path, step=step, leaves=self.leaves,
-                               process_count=count, extra=self.extra,
-                               metrics=self.metrics)
-        tmp.finalize()
 
-    self._phase("committed", finalize)
-    commit = time.perf_counter() - t0
-    stats = SaveStats(step, self.blocking, commit, nbytes,
-                      total_bytes=checkpoint_bytes(self.leaves),
-                      path=mgr.directory / str(step), finalized_at=time.time())
-    mgr.last_save_stats = stats
-    log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
-             " written by this process", step, mgr.directory, self.blocking,
-             commit, nbytes)
-    self.leaves = None  # The snapshot's buffers go back to the manager.
-    with mgr._lock:
-      mgr._steps = sorted(set(mgr._steps) | {step})
-    self._run_hooks(stats)
-    with mgr._lock:
-      doomed = steps_to_delete(mgr._steps, mgr.max_to_keep,
-                               mgr.keep_every_n_steps)
-      mgr._steps = [s for s in mgr._steps if s not in doomed]
-    if mgr.is_primary and doomed:
-      check_still_writer(mgr, f"steps {doomed} were not deleted")
-      for s in doomed:
-        atomicity_lib.delete_step(mgr.directory, s)
-        log.info("retention deleted step %d from %s", s, mgr.directory)
+def run_hooks(coord: coordinator_lib.Coordinator, key: str,
+              hooks: Sequence[CommitHook], stats: SaveStats, *,
+              is_primary: bool, timeout_ms: int) -> None:
+  """Primary: runs the hooks; all: learn together whether one failed.
 
-  def _run_hooks(self, stats: SaveStats) -> None:
-    """Primary: runs the hooks; all: learn together whether one failed."""
-    mgr = self.mgr
-    multi = multihost.process_count() > 1
-    error = None
-    if mgr.is_primary:
-      for hook in mgr._commit_hooks:
-        try:
-          hook(stats)
-        except Exception as e:  # pylint: disable=broad-except
-          name = getattr(hook, "__qualname__", None) or repr(hook)
-          error = CommitHookError(
-              f"commit hook {name} failed after step {stats.step} was"
-              f" finalized in {mgr.directory} (the step is durable;"
-              f" retention was skipped for this save): {type(e).__name__}:"
-              f" {e}")
-          error.__cause__ = e
-          if multi:
-            mgr._kv.set(f"{self.key}/hooks/failed", str(error))
-          break
-    if multi:
-      # Every process meets here, so that a failed hook is raised by all
-      # of them, not only by the primary (the others would otherwise wait
-      # for it at the next save's barriers until they time out).
-      mgr._barrier(key=f"{self.key}/hooks", timeout_ms=mgr.barrier_timeout_ms)
-      if error is None:
-        for message in mgr._kv.list_dir(f"{self.key}/hooks").values():
-          error = CommitHookError(message)
-    if error is not None:
-      raise error
+  Every process meets here, so that a failed hook is raised by all of them,
+  not only by the primary (the others would otherwise wait for it at the
+  next save's barriers until they time out).
+
+  Raises:
+    CommitHookError: a hook raised (on every process).
+  """
+  def run():
+    if not is_primary:
+      return
+    for hook in hooks:
+      try:
+        hook(stats)
+      except Exception as e:  # pylint: disable=broad-except
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        error = CommitHookError(
+            f"commit hook {name} failed after step {stats.step} was"
+            f" finalized in {stats.path.parent if stats.path else '?'} (the"
+            f" step is durable; retention was skipped for this save):"
+            f" {type(e).__name__}: {e}")
+        raise error from e
+
+  outcome = coordinator_lib.agree(coord, f"{key}/hooks", run,
+                                  timeout_ms=timeout_ms)
+  if outcome.error is not None:
+    raise outcome.error
+  for _, message in outcome.failures.values():
+    raise CommitHookError(message)

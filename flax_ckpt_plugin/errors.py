@@ -42,3 +42,11 @@ class SaveFailedError(RuntimeError):
 
 class CommitHookError(RuntimeError):
   """A commit hook failed; the step itself is finalized and durable."""
+
+
+class RestoreFailedError(RuntimeError):
+  """A restore failed on another process, so no process restored that step.
+
+  The process that failed raises its own error; the others raise this one,
+  naming it and its error, at once rather than after a barrier timeout.
+  """

@@ -8,8 +8,8 @@ primary host creates, finalizes and deletes step directories.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -22,26 +22,22 @@ from typing import Any, Sequence
 from etils import epath
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
-from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import commit as commit_lib
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.commit import SaveStats
-from flax_ckpt_plugin.commit import StepCommit
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.multihost import log
+from flax_ckpt_plugin.errors import ConcurrentWriterError
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore import restore_tree
 from flax_ckpt_plugin.snapshot import HostStaging
 from flax_ckpt_plugin.snapshot import take_snapshot
-
-# Managers opened so far per name, so that two managers in one program, or one
-# directory opened twice, never share barrier keys. Every process opens its
-# managers in the same order, so the counts agree across processes.
-_opened: collections.Counter[str] = collections.Counter()
-_opened_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +49,7 @@ class StepMetadata:
   extra: Any  # The JSON-serializable `extra` given to `save`.
   metrics: dict[str, Any] | None  # The `metrics` given to `save`.
   process_count: int  # Processes that wrote it.
-  nbytes: int  # Bytes of array data.
+  total_bytes: int  # Bytes of array data of the whole checkpoint.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +96,19 @@ class CheckpointManager:
     primary_host: the process that creates, finalizes and deletes.
     barrier_timeout_secs: how long a process waits at a barrier for the
       others before raising `TimeoutError`.
-    name: prefix of this manager's barrier keys; defaults to a digest of
-      `directory` as given (which must then be the same string on every
-      process).
-    barrier: injectable barrier, `(*, key, timeout_ms) -> None`.
+    name: the part of this manager's barrier keys shared by every manager of
+      the directory; defaults to a digest of `directory` as given (which
+      must then be the same string on every process). The writer's identity
+      (a token drawn when the directory is opened) completes the keys, so
+      two managers, or one directory opened twice, never share a barrier.
+    coordinator: how processes meet (`coordinator.Coordinator`); defaults
+      to JAX's coordination service. Tests pass one that runs "processes"
+      as threads.
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
-      evaluation job that reads a training job's directory).
+      evaluation job that reads a training job's directory). It lists the
+      directory at every query, so it sees steps finalized after it opened,
+      and it talks to other processes only in `restore_newest_valid`.
     commit_hooks: callables run with the `SaveStats` of each step once it is
       finalized (to notify, start an evaluation, copy the step elsewhere);
       see `add_commit_hook`.
@@ -114,6 +116,7 @@ class CheckpointManager:
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
     name: the prefix of this manager's barrier and key-value keys.
+    coordinator: the `Coordinator` it meets other processes through.
     is_primary: whether this process is the primary host.
     read_only: whether this manager only lists and restores.
     last_save_stats: `SaveStats` of the newest save this manager finalized,
@@ -132,7 +135,7 @@ class CheckpointManager:
                primary_host: int = 0,
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
-               barrier: multihost.Barrier | None = None,
+               coordinator: coordinator_lib.Coordinator | None = None,
                read_only: bool = False,
                commit_hooks: Sequence[CommitHook] = ()):
     if max_to_keep is not None and max_to_keep < 1:
@@ -140,9 +143,11 @@ class CheckpointManager:
     if keep_every_n_steps is not None and keep_every_n_steps < 1:
       raise ValueError("keep_every_n_steps must be >= 1 or None, got"
                        f" {keep_every_n_steps}")
-    if not 0 <= primary_host < multihost.process_count():
+    self.coordinator = coordinator or coordinator_lib.default()
+    count = self.coordinator.process_count
+    if not 0 <= primary_host < count:
       raise ValueError(f"primary_host={primary_host} is not a process index"
-                       f" (process count {multihost.process_count()})")
+                       f" (process count {count})")
     given = os.fspath(directory)
     # Object stores go through fsspec, never tf.io.gfile (see object_store).
     self.directory = object_store.as_path(
@@ -152,14 +157,11 @@ class CheckpointManager:
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity)
     self.primary_host = primary_host
     self.read_only = read_only
-    self.is_primary = multihost.process_index() == primary_host
+    self.is_primary = self.coordinator.process_index == primary_host
     self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
-    self._barrier = barrier or multihost.barrier
-    self._kv = multihost.KeyValueStore()
     base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
-    with _opened_lock:
-      _opened[base] += 1
-      self.name = f"flax_ckpt_plugin/{base}/{_opened[base]}"
+    self._base = f"flax_ckpt_plugin/{base}"
+    self.name = self._base
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
     # Host copies of CPU shards, reused by each save (see snapshot.py).
     self._staging = HostStaging()
@@ -168,26 +170,42 @@ class CheckpointManager:
     self._lock = threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
-    self._fallbacks = 0  # restore_newest_valid calls: names their keys.
     self._commit_hooks: list[CommitHook] = []
     for hook in commit_hooks:
       self.add_commit_hook(hook)
-
     self._writer_token = None
+    self._steps: list[int] = []
     if not read_only:
-      if self.is_primary:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        previous = atomicity_lib.current_writer(self.directory)
-        self._writer_token = atomicity_lib.claim_directory(
-            self.directory, multihost.process_count())
-        if previous:
-          log.info("took over %s from its previous writer %s",
-                   self.directory, previous)
-        for entry in atomicity_lib.remove_unfinished(self.directory):
-          log.warning("removed unfinished checkpoint %s", entry)
-      self._barrier(key=f"{self.name}/open",
-                    timeout_ms=self.barrier_timeout_ms)
-    self._steps = atomicity_lib.finalized_steps(self.directory)
+      self._open_for_writing()
+      self._steps = atomicity_lib.finalized_steps(self.directory)
+
+  def _open_for_writing(self) -> None:
+    """Primary: claims the directory; all: learn the writer's token.
+
+    The token names every later key of this manager (`name`), so keys
+    derive from what all processes share (the directory and this writer),
+    not from how many managers each process opened.
+    """
+    coord = self.coordinator
+    if self.is_primary:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      previous = atomicity_lib.current_writer(self.directory)
+      self._writer_token = atomicity_lib.claim_directory(
+          self.directory, coord.process_count)
+      if previous:
+        log.info("took over %s from its previous writer %s", self.directory,
+                 previous)
+      for entry in atomicity_lib.remove_unfinished(self.directory):
+        log.warning("removed unfinished checkpoint %s", entry)
+      if coord.process_count > 1:
+        coord.kv_set(f"{self._base}/writer", self._writer_token)
+    # Reused by every opening of this directory: a barrier key may be used
+    # again once all passed it, and the primary set the token before it.
+    coord.barrier(f"{self._base}/open", timeout_ms=self.barrier_timeout_ms)
+    if not self.is_primary:
+      self._writer_token = coord.kv_get(f"{self._base}/writer",
+                                        timeout_ms=self.barrier_timeout_ms)
+    self.name = f"{self._base}/{self._writer_token}"
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
@@ -207,14 +225,20 @@ class CheckpointManager:
   # -- queries ---------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Finalized steps, oldest first (unfinished ones are never listed)."""
+    """Finalized steps, oldest first (unfinished ones are never listed).
+
+    A writer knows its own steps; a read-only manager lists the directory
+    anew at each call, so it sees what a training job finalized since.
+    """
+    if self.read_only:
+      return atomicity_lib.finalized_steps(self.directory)
     with self._lock:
       return list(self._steps)
 
   def latest_step(self) -> int | None:
     """The newest finalized step, or None."""
-    with self._lock:
-      return self._steps[-1] if self._steps else None
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def _finalized_dir(self, step: int | None) -> tuple[int, epath.Path]:
     if step is None:
@@ -249,12 +273,11 @@ class CheckpointManager:
     """
     self._check_open()
     step, _, m = self._manifest(step)
-    nbytes = sum(m["files"].values())
     return StepMetadata(step=step, created=m.get("created", ""),
                         created_unix=m.get("created_unix", math.nan),
                         extra=m.get("extra"), metrics=m.get("metrics"),
                         process_count=m.get("process_count", 1),
-                        nbytes=nbytes)
+                        total_bytes=sum(m["files"].values()))
 
   # -- save ------------------------------------------------------------------
 
@@ -295,15 +318,52 @@ class CheckpointManager:
     if step in self.all_steps():
       raise CheckpointExistsError(
           f"step {step} is already finalized in {self.directory}")
-    leaves = take_snapshot(state, process_count=multihost.process_count(),
+    coord = self.coordinator
+    leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging)
-    blocking = time.perf_counter() - t0
-    save_id = self._saves
+    inputs = commit_lib.CommitInputs(
+        coordinator=coord, directory=self.directory, step=step,
+        key=f"{self.name}/save{self._saves}",
+        tmp=atomicity_lib.temporary_path(self.directory, step,
+                                         self.atomicity),
+        leaves=leaves, extra=extra, metrics=metrics,
+        blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
+        timeout_ms=self.barrier_timeout_ms,
+        check_still_writer=self._check_still_writer)
     self._saves += 1
-    commit = StepCommit(self, step, save_id, leaves, extra, metrics,
-                        blocking)
-    self._committer.start(commit.run,
+    del leaves  # The commit holds the snapshot, and drops it when done.
+    self._committer.start(functools.partial(self._commit, inputs),
                           description=f"step {step} in {self.directory}")
+
+  def _commit(self, inputs: commit_lib.CommitInputs) -> None:
+    """The commit thread's job: commit, record, hooks, retention."""
+    key = inputs.key
+    stats = commit_lib.commit(inputs)
+    del inputs  # The snapshot's buffers go back to the staging area.
+    self.last_save_stats = stats
+    with self._lock:
+      self._steps = sorted(set(self._steps) | {stats.step})
+    commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
+                         is_primary=self.is_primary,
+                         timeout_ms=self.barrier_timeout_ms)
+    with self._lock:
+      doomed = commit_lib.steps_to_delete(self._steps, self.max_to_keep,
+                                          self.keep_every_n_steps)
+      self._steps = [s for s in self._steps if s not in doomed]
+    if self.is_primary and doomed:
+      self._check_still_writer(f"steps {doomed} were not deleted")
+      for s in doomed:
+        atomicity_lib.delete_step(self.directory, s)
+        log.info("retention deleted step %d from %s", s, self.directory)
+
+  def _check_still_writer(self, consequence: str) -> None:
+    """Raises ConcurrentWriterError if another job claimed the directory."""
+    writer = atomicity_lib.current_writer(self.directory)
+    if writer is None or writer.get("token") != self._writer_token:
+      raise ConcurrentWriterError(
+          f"another job opened {self.directory} for writing after this one"
+          f" (its claim: {writer}); {consequence}. Two jobs must not write"
+          " one directory: stop this one, or give it another directory.")
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -324,6 +384,9 @@ class CheckpointManager:
               verify: bool = True) -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
+    Runs on this process alone (it meets no other process), so it may be
+    called on one process only, e.g. in a commit hook.
+
     Args:
       target: a concrete pytree such as a `TrainState`, or an abstract one
         from `jax.eval_shape` whose `ShapeDtypeStruct` leaves may carry
@@ -339,7 +402,8 @@ class CheckpointManager:
 
     Raises:
       CheckpointNotFoundError: no such finalized step.
-      StructureMismatchError: the trees differ; names the leaf key path.
+      StructureMismatchError: the trees differ; names every mismatched leaf
+        by its key path.
       CheckpointCorruptedError: the step's files are damaged.
     """
     self._check_open()
@@ -355,19 +419,14 @@ class CheckpointManager:
                                            nbytes)
     return tree
 
-  def _all_agree(self, key: str, ok: bool) -> bool:
-    """True if `ok` holds on every process (a barrier when several run)."""
-    if multihost.process_count() == 1:
-      return ok
-    self._kv.set(f"{key}/{multihost.process_index()}", "1" if ok else "0")
-    self._barrier(key=key, timeout_ms=self.barrier_timeout_ms)
-    votes = self._kv.list_dir(key)
-    return len(votes) == multihost.process_count() and all(
-        v == "1" for v in votes.values())
-
   def restore_newest_valid(self, target: Any, *,
                            verify: bool = True) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
+
+    Called on every process. The primary host lists the steps and the
+    others use its list; after each try all processes learn together how
+    it went on each of them (`coordinator.agree`), so they never restore
+    different steps and never wait for a timeout to hear of an error.
 
     Args:
       target: what to restore into, as for `restore`.
@@ -375,8 +434,7 @@ class CheckpointManager:
 
     A step whose files fail verification or are missing on any process is
     skipped with a warning naming it and why, and the next older one is
-    tried; all processes agree on each outcome, so they never restore
-    different steps.
+    tried.
 
     Returns:
       (step, restored tree), or None when the directory has no finalized
@@ -386,43 +444,32 @@ class CheckpointManager:
       CheckpointCorruptedError: every finalized step failed; names them.
       StructureMismatchError: the target does not match (not skipped: an
         older step would not match either).
+      RestoreFailedError: a restore failed on another process for another
+        reason than damage (raised by every process that did not fail
+        itself; the one that failed raises its own error).
     """
     self._check_open()
     self._committer.check()
-    self._fallbacks += 1
-    skipped = []
-    for step in reversed(self.all_steps()):
-      error, tree = None, None
-      try:
-        tree = self.restore(target, step, verify=verify)
-      except (CheckpointCorruptedError, FileNotFoundError) as e:
-        error = e
-      key = f"{self.name}/fallback{self._fallbacks}/step{step}"
-      if self._all_agree(key, error is None):
-        if skipped:
-          log.warning("restored step %d of %s after skipping damaged steps"
-                      " %s", step, self.directory, [s for s, _ in skipped])
-          self._set_aside([s for s, _ in skipped])
-        return step, tree
-      why = str(error) if error else "damaged on another process"
-      log.warning("skipping step %d of %s: %s", step, self.directory, why)
-      skipped.append((step, why))
-    if skipped:
-      raise CheckpointCorruptedError(
-          f"no finalized step in {self.directory} restores: "
-          + "; ".join(f"step {s}: {why}" for s, why in skipped))
-    return None
+    key = f"{self._base}/restore"
+    key = f"{key}/{self.coordinator.next_round(key)}"
+    found, skipped = fallback.restore_newest(
+        self.coordinator, key, steps=self.all_steps,
+        restore=lambda step: self.restore(target, step, verify=verify),
+        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
+        where=str(self.directory))
+    if skipped and found is not None:
+      log.warning("restored step %d of %s after skipping damaged steps %s",
+                  found[0], self.directory, skipped)
+      self._set_aside(skipped)
+    return found
 
   def _set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
 
     Otherwise the resumed run would never save those step numbers again (a
     finalized step is never overwritten), and a preemption at one of them
-    would stop the job on the damaged copy. Local disks keep the files as
-    `<step>.damaged` for a person to look at (neither a step nor unfinished,
-    so never listed and never removed); on object stores the commit marker
-    is removed, which makes the step unfinished, and the next writer cleans
-    it up. A read-only manager changes nothing.
+    would stop the job on the damaged copy. See `atomicity.set_aside`. A
+    read-only manager changes nothing.
     """
     if self.read_only:
       return
@@ -431,19 +478,8 @@ class CheckpointManager:
     if not self.is_primary:
       return
     for step in steps:
-      step_dir = self.directory / str(step)
       try:
-        if atomicity_lib.is_local(self.directory):
-          aside = self.directory / f"{step}{atomicity_lib.DAMAGED_SUFFIX}"
-          n = 1
-          while aside.exists():
-            n += 1
-            aside = self.directory / f"{step}{atomicity_lib.DAMAGED_SUFFIX}{n}"
-          step_dir.rename(aside)
-          atomicity_lib.fsync_path(self.directory)
-        else:
-          aside = "unfinished (its commit marker was removed)"
-          (step_dir / atomicity_lib.COMMIT_MARKER).unlink(missing_ok=True)
+        aside = atomicity_lib.set_aside(self.directory, step)
         log.warning("damaged step %d of %s set aside: %s", step,
                     self.directory, aside)
       except OSError as e:

@@ -1,7 +1,7 @@
 """Preemption notices: signals turned into "save now and stop" at one step.
 
 With `jax.distributed`, JAX's preemption notifier catches SIGTERM and
-`multihost.reached_preemption_sync_point(step)` turns true on every process at
+`Coordinator.reached_preemption_sync_point(step)` turns true on every process at
 the same step. Without it, a single process needs its own handler: this
 module's `SignalFlag` only sets a flag (so it is safe at any instant), and the
 next callback call saves and stops.
@@ -19,12 +19,7 @@ import signal
 import threading
 from typing import Iterable
 
-from flax_ckpt_plugin.multihost import log
-
-
-def _distributed_notifier_installed() -> bool:
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  return distributed.global_state.preemption_sync_manager is not None
+from flax_ckpt_plugin.logs import log
 
 
 class SignalFlag:
@@ -33,13 +28,20 @@ class SignalFlag:
   The previous Python handler of each signal still runs (after the flag is
   set); the default action (terminate) does not, since the point is to save
   first. `uninstall()` puts the previous handlers back.
+
+  Args:
+    signals: the preemption signals.
+    forward: the runtime's notifier catches SIGTERM and tells every process
+      (`Coordinator.preemption_notifier_installed()`): SIGTERM is left to it,
+      and the other signals are passed on to it as SIGTERM.
   """
 
-  def __init__(self, signals: Iterable[int | signal.Signals]):
+  def __init__(self, signals: Iterable[int | signal.Signals], *,
+               forward: bool = False):
     self.signals = tuple(signal.Signals(s) for s in signals)
     self._previous: dict[signal.Signals, object] = {}
     self.received: signal.Signals | None = None
-    self._forward = False
+    self._forward = forward
 
   def install(self) -> bool:
     """Installs the handlers; False (and nothing done) off the main thread."""
@@ -48,7 +50,6 @@ class SignalFlag:
                   " main thread; signals %s will not trigger a checkpoint",
                   [s.name for s in self.signals])
       return False
-    self._forward = _distributed_notifier_installed()
     for sig in self.signals:
       if self._forward and sig == signal.SIGTERM:
         continue  # JAX's notifier already handles it on every process.

@@ -8,8 +8,9 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import multihost
 from flax_ckpt_plugin import storage
+from fake_coordinator import FakeCluster
+from fake_coordinator import ThreadCoordinator
 
 TIMEOUT = 60
 
@@ -140,12 +141,17 @@ def test_should_stop_stays_false_without_preemption(ckpt_dir):
   assert not callback.should_stop
 
 
-def test_preemption_sync_point_saves_and_stops(ckpt_dir, monkeypatch):
-  """Fault injected: multihost.reached_preemption_sync_point reports the sync
-  point at step 7 (a single process has no preemption sync manager)."""
-  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
-                      lambda step: step == 7)
-  callback = CheckpointCallback(ckpt_dir, every_steps=5)
+def _preempted_at(step: int) -> ThreadCoordinator:
+  cluster = FakeCluster(1)
+  cluster.preempt_at = step
+  return cluster.coordinators()[0]
+
+
+def test_preemption_sync_point_saves_and_stops(ckpt_dir):
+  """Fault injected: the coordinator reports the preemption sync point at
+  step 7 (a single process has no preemption sync manager)."""
+  callback = CheckpointCallback(ckpt_dir, every_steps=5,
+                                coordinator=_preempted_at(7))
   assert [s for s in range(1, 7) if callback(s, _tiny(s))] == [5]
   assert not callback.should_stop
   assert callback(7, _tiny(7))
@@ -159,24 +165,23 @@ def test_preemption_sync_point_saves_and_stops(ckpt_dir, monkeypatch):
 
 
 def test_preemption_at_an_already_saved_step_stops_without_saving(
-    ckpt_dir, monkeypatch):
+    ckpt_dir):
   """Fault injected: the preemption sync point is reported at step 5, which a
   previous run already saved."""
   with CheckpointCallback(ckpt_dir, every_steps=5) as first:
     first(5, _tiny(5))
-  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
-                      lambda step: step == 5)
-  restarted = CheckpointCallback(ckpt_dir, every_steps=5)
+  restarted = CheckpointCallback(ckpt_dir, every_steps=5,
+                                 coordinator=_preempted_at(5))
   assert not restarted(5, _tiny(55))
   assert restarted.should_stop
   restarted.close()
 
 
-def test_preemption_ignored_when_disabled(ckpt_dir, monkeypatch):
-  """Fault injected: the preemption sync point is reported at every step."""
-  monkeypatch.setattr(multihost, "reached_preemption_sync_point",
-                      lambda step: True)
-  callback = CheckpointCallback(ckpt_dir, save_on_preemption=False)
+def test_preemption_ignored_when_disabled(ckpt_dir):
+  """Fault injected: the preemption sync point is reported at step 3."""
+  coord = _preempted_at(3)
+  callback = CheckpointCallback(ckpt_dir, save_on_preemption=False,
+                                coordinator=coord)
   assert not callback(3, _tiny(3))
   assert not callback.should_stop
   callback.close()

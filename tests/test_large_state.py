@@ -104,11 +104,11 @@ def test_one_gigabyte_state_restores_bit_identical_in_new_process(ckpt_dir):
       expected = leaf_digests(state)  # Overlaps with the background commit.
       callback.wait_until_finished()
     stats = callback.manager.last_save_stats
-    print(f"\nsave of {stats.nbytes / 1e9:.2f} GB: callback blocked"
+    print(f"\nsave of {stats.process_bytes / 1e9:.2f} GB: callback blocked"
           f" {blocking:.3f}s (snapshot {stats.blocking_secs:.3f}s), commit"
           f" {stats.commit_secs:.2f}s, still committing when the call"
           f" returned: {running_after_return}")
-    assert stats.nbytes >= STATE_BYTES
+    assert stats.process_bytes >= STATE_BYTES
     assert stats.blocking_secs < stats.commit_secs
     del state
 

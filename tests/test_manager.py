@@ -89,7 +89,7 @@ def test_save_wait_list_restore(ckpt_dir, make_state, train_step,
   assert_trees_equal(manager.restore(target), expected)
   stats = manager.last_save_stats
   assert stats.step == 1
-  assert stats.nbytes == os.path.getsize(
+  assert stats.process_bytes == os.path.getsize(
       ckpt_dir / "1" / "data" / "process_00000.bin")
   manager.close()
 
@@ -211,7 +211,7 @@ def test_extra_and_metrics_round_trip(ckpt_dir, make_state):
   assert meta.extra == extra
   assert meta.metrics == {"loss": 0.25, "accuracy": 1.0, "grad_norm": 1.5}
   assert meta.process_count == 1
-  assert meta.nbytes == os.path.getsize(
+  assert meta.total_bytes == os.path.getsize(
       ckpt_dir / "4" / "data" / "process_00000.bin")
   manifest = json.loads((ckpt_dir / "4" / "manifest.json").read_text())
   assert manifest["extra"] == extra

@@ -301,15 +301,15 @@ def test_train_state_round_trip_and_the_objects_a_user_sees(
     assert manager.all_steps() == [1]
     assert manager.latest_step() == 1
     stats = manager.last_save_stats
-    assert stats.nbytes > 0
+    assert stats.process_bytes > 0
 
   # What `aws s3 ls --recursive` shows: the marker, the manifest, one data
   # object; no shard tables, no attempt token, nothing else.
   assert bucket.keys() == _expected_keys(1)
   manifest = json.loads(bucket.get(f"run/1/{storage.MANIFEST}"))
   assert manifest["step"] == 1 and manifest["extra"] == {"data_position": 17}
-  assert manifest["files"] == {DATA: stats.nbytes}
-  assert len(bucket.get(f"run/1/{DATA}")) == stats.nbytes
+  assert manifest["files"] == {DATA: stats.process_bytes}
+  assert len(bucket.get(f"run/1/{DATA}")) == stats.process_bytes
   assert json.loads(bucket.get("run/1/_COMMITTED"))["step"] == 1
 
   # A fresh manager (a restarted job) restores it bit for bit, as the
@@ -319,7 +319,7 @@ def test_train_state_round_trip_and_the_objects_a_user_sees(
     restored = manager.restore(train_step(make_state(seed=5)))
     assert manager.metadata().extra == {"data_position": 17}
     assert manager.metadata().metrics == {"loss": 0.5}
-    assert manager.last_restore_stats.nbytes_read == stats.nbytes
+    assert manager.last_restore_stats.process_bytes_read == stats.process_bytes
   assert_trees_equal(restored, expected)
   assert_trees_equal(host_copy(train_step(restored)),
                      host_copy(train_step(train_step(make_state()))))

@@ -1,0 +1,91 @@
+"""Restoring the newest step that every process can restore.
+
+A step that is damaged (a checksum mismatch, a missing or truncated file) on
+any process is skipped and the next older one is tried. Any other error on
+any process (a permission error, a target that does not fit the saved tree,
+a mesh error) ends the search on every process at once: each try is a
+`coordinator.agree`, so all processes learn together how it went on each of
+them, instead of the others waiting out the barrier timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.logs import log
+
+
+class _Damaged(Exception):
+  """A step's files are damaged here: skip it (the original is its cause)."""
+
+
+def _restore_or_mark(restore: Callable[[int], Any], step: int) -> Any:
+  try:
+    return restore(step)
+  except (CheckpointCorruptedError, FileNotFoundError) as e:
+    raise _Damaged(str(e)) from e
+
+
+def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
+                   steps: Callable[[], list[int]],
+                   restore: Callable[[int], Any], is_primary: bool,
+                   timeout_ms: int, where: str
+                   ) -> tuple[tuple[int, Any] | None, list[int]]:
+  """Tries the finalized steps, newest first, on every process.
+
+  Args:
+    coord: how processes meet.
+    key: a prefix of keys no earlier call used (same on every process).
+    steps: lists the finalized steps; only the primary host's list is used.
+    restore: restores one step on this process.
+    is_primary: whether this process lists the steps for all.
+    timeout_ms: how long to wait for the others at each try.
+    where: the directory, for messages.
+
+  Returns:
+    ((step, restored), skipped damaged steps), or (None, []) when there is
+    no finalized step.
+
+  Raises:
+    CheckpointCorruptedError: every finalized step is damaged somewhere.
+    RestoreFailedError: another process failed for another reason.
+    Exception: this process's own error, when it is not damage.
+  """
+  if coord.process_count == 1:
+    candidates = steps()
+  elif is_primary:
+    candidates = steps()
+    coord.kv_set(f"{key}/steps", json.dumps(candidates))
+  else:
+    candidates = json.loads(coord.kv_get(f"{key}/steps",
+                                         timeout_ms=timeout_ms))
+  skipped, why = [], []
+  for step in reversed(candidates):
+    outcome = coordinator_lib.agree(
+        coord, f"{key}/step{step}",
+        lambda step=step: _restore_or_mark(restore, step),
+        timeout_ms=timeout_ms)
+    if not outcome.failures:
+      return (step, outcome.result), skipped
+    if outcome.error is not None and not isinstance(outcome.error, _Damaged):
+      raise outcome.error
+    others = {p: f for p, f in outcome.failed_elsewhere(coord.process_index)
+              .items() if f[0] != _Damaged.__name__}
+    if others:
+      raise RestoreFailedError(
+          f"restoring step {step} of {where} failed on other processes, so"
+          " no process restores it:"
+          f" {coordinator_lib.describe_failures(others)}")
+    reason = (str(outcome.error) if outcome.error is not None
+              else "damaged on another process")
+    log.warning("skipping step %d of %s: %s", step, where, reason)
+    skipped.append(step)
+    why.append(f"step {step}: {reason}")
+  if skipped:
+    raise CheckpointCorruptedError(
+        f"no finalized step in {where} restores: " + "; ".join(why))
+  return None, []
