@@ -26,7 +26,6 @@ import os
 import stat
 import threading
 import time
-from concurrent import futures
 from typing import Any, Iterable
 
 import crc32c
@@ -214,11 +213,15 @@ def _write_local(out: "_StepDirWriter", name: str, shards: list[Any],
   (both release the GIL), so a save costs about its slower half.
   """
   bufs = [_as_bytes(shard.host()) for _, shard in shards]
-  pool = futures.ThreadPoolExecutor(
-      1, thread_name_prefix="flax_ckpt_plugin-checksum")
+  # A plain thread, not a pool: a commit that finishes while the interpreter
+  # exits (see async_commit) may no longer start pool work.
+  sums: list[list[int]] = []
+  summer = threading.Thread(
+      target=lambda: sums.extend(block_checksums(memoryview(b))
+                                 for b in bufs),
+      name="flax_ckpt_plugin-checksum")
+  summer.start()
   try:
-    sums = pool.submit(
-        lambda: [block_checksums(memoryview(b)) for b in bufs])
     data = datafile.DataFile(out, name)
     try:
       offsets = [data.place(b) for b in bufs]
@@ -227,11 +230,12 @@ def _write_local(out: "_StepDirWriter", name: str, shards: list[Any],
       data.sync()
     finally:
       data.close()
-    for (leaf, shard), buf, offset, crcs in zip(shards, bufs, offsets,
-                                                sums.result()):
-      entries.append(_entry(leaf, shard, name, offset, buf, crcs))
   finally:
-    pool.shutdown(wait=True)
+    summer.join()
+  if len(sums) != len(bufs):
+    raise RuntimeError("computing the checksums of the shards failed")
+  for (leaf, shard), buf, offset, crcs in zip(shards, bufs, offsets, sums):
+    entries.append(_entry(leaf, shard, name, offset, buf, crcs))
   return data.end
 
 

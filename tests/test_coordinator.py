@@ -1,0 +1,264 @@
+"""Cross-process logic on the fake coordinator: N "processes" as threads.
+
+The real multi-process tests (test_multihost*.py) run the same protocol over
+JAX's coordination service; these cover its decisions in milliseconds.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import CommitHookError
+from flax_ckpt_plugin import RestoreFailedError
+from flax_ckpt_plugin import SaveFailedError
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import storage
+from fake_coordinator import FakeCluster
+from fake_coordinator import run_threads
+
+TIMEOUT_SECS = 20.0
+
+
+def _state(step: int) -> dict:
+  return {"w": np.full((4, 3), step, np.float32), "step": step}
+
+
+# -- agree ---------------------------------------------------------------------
+
+
+def test_agree_tells_every_process_who_failed():
+  def work(coord):
+    def fn():
+      if coord.process_index == 2:
+        raise OSError("disk on fire")
+      return coord.process_index * 10
+    return coordinator_lib.agree(coord, "k", fn, timeout_ms=10_000)
+
+  outcomes = run_threads(3, work)
+  for i, outcome in enumerate(outcomes):
+    assert outcome.failures == {2: ("OSError", "disk on fire")}
+    assert (outcome.error is not None) == (i == 2)
+  assert [o.result for o in outcomes] == [0, 10, None]
+
+
+def test_agree_times_out_naming_the_key_when_a_process_never_comes():
+  cluster = FakeCluster(2)
+  coord = cluster.coordinators()[0]
+  aborted = []
+  with pytest.raises(TimeoutError, match="'lonely/done'"):
+    coordinator_lib.agree(coord, "lonely", lambda: 1, timeout_ms=50,
+                          on_timeout=lambda: aborted.append(True))
+  assert aborted == [True]
+
+
+def test_next_round_makes_a_reused_name_fresh():
+  coord = FakeCluster(1).coordinators()[0]
+  assert [coord.next_round("a"), coord.next_round("a"),
+          coord.next_round("b")] == [0, 1, 0]
+
+
+# -- managers over the fake coordinator -----------------------------------------
+
+
+def test_three_processes_save_and_restore(tmp_path):
+  def work(coord):
+    with CheckpointManager(tmp_path, coordinator=coord,
+                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+      mgr.save(1, _state(1))
+      mgr.save(2, _state(2))
+      mgr.wait_until_finished()
+      step, restored = mgr.restore_newest_valid(_state(0))
+      return mgr.name, step, restored
+
+  results = run_threads(3, work)
+  assert all(not isinstance(r, BaseException) for r in results), results
+  names = {name for name, _, _ in results}
+  assert len(names) == 1  # Every process derived the same keys.
+  for _, step, restored in results:
+    assert step == 2 and restored["step"] == 2
+    np.testing.assert_array_equal(restored["w"], _state(2)["w"])
+
+
+def test_a_manager_opened_on_one_process_only_shifts_no_later_keys(tmp_path):
+  """Before: barrier names counted every manager a process opened, so a
+  read-only manager opened on the primary alone (as in a commit hook) made
+  the next writer's barriers differ between processes, and its save timed
+  out."""
+  (tmp_path / "other").mkdir()
+
+  def work(coord):
+    if coord.process_index == 0:
+      CheckpointManager(tmp_path / "other", read_only=True,
+                        coordinator=coord).close()
+    with CheckpointManager(tmp_path / "run", coordinator=coord,
+                           barrier_timeout_secs=5) as mgr:
+      mgr.save(1, _state(1))
+    return "ok"
+
+  assert run_threads(2, work) == ["ok", "ok"]
+
+
+def test_two_managers_of_one_directory_in_turn_use_fresh_keys(tmp_path):
+  cluster = FakeCluster(2)
+
+  def work(coord):
+    names = []
+    for step in (1, 2):
+      with CheckpointManager(tmp_path, coordinator=coord,
+                             barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+        mgr.save(step, _state(step))
+        names.append(mgr.name)
+    return names
+
+  results = run_threads(2, work, cluster=cluster)
+  assert results[0] == results[1]
+  assert results[0][0] != results[0][1]
+  saves = {k for _, k in cluster.barrier_keys if "/save" in k}
+  assert all(results[0][0] in k or results[0][1] in k for k in saves)
+
+
+def test_a_write_failure_on_one_process_fails_the_save_on_all(tmp_path,
+                                                            monkeypatch):
+  """Fault injected: process 1's write raises ENOSPC."""
+  real = storage.write_process_files
+
+  def write(step_dir, leaves, process_index, **kwargs):
+    if process_index == 1:
+      raise OSError(28, "No space left on device")
+    return real(step_dir, leaves, process_index, **kwargs)
+
+  monkeypatch.setattr(storage, "write_process_files", write)
+
+  def work(coord):
+    mgr = CheckpointManager(tmp_path, coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr.save(1, _state(1))
+    try:
+      mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+    finally:
+      mgr._committer.close()  # pylint: disable=protected-access
+    return None
+
+  t0 = time.monotonic()
+  errors = run_threads(2, work)
+  assert time.monotonic() - t0 < TIMEOUT_SECS  # No one waited for a timeout.
+  assert isinstance(errors[1], OSError)
+  assert isinstance(errors[0], SaveFailedError)
+  assert "process 1: OSError" in str(errors[0])
+  assert not list(tmp_path.glob("1*"))  # Nothing of the step is left.
+
+
+def test_a_failed_commit_hook_is_raised_on_every_process(tmp_path):
+  def hook(stats):
+    raise ValueError(f"evaluation of step {stats.step} failed")
+
+  def work(coord):
+    mgr = CheckpointManager(tmp_path, coordinator=coord, commit_hooks=[hook],
+                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr.save(1, _state(1))
+    with pytest.raises(CommitHookError, match="evaluation of step 1"):
+      mgr.wait_until_finished()
+    mgr.close()
+    return mgr.all_steps()
+
+  assert run_threads(2, work) == [[1], [1]]
+
+
+def test_any_restore_error_on_one_process_reaches_all_at_once(tmp_path):
+  """Before: the fallback voted only on damage, so an error of another kind
+  on one process (here a target it cannot restore into) left the others
+  waiting at the vote's barrier for the whole timeout."""
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, _state(1))
+
+  def work(coord):
+    with CheckpointManager(tmp_path, coordinator=coord,
+                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+      target = _state(0)
+      if coord.process_index == 1:
+        target = {"w": object(), "step": 0}  # Cannot be restored into.
+      try:
+        mgr.restore_newest_valid(target)
+      except Exception as e:  # pylint: disable=broad-except
+        return e
+    return None
+
+  t0 = time.monotonic()
+  errors = run_threads(2, work)
+  assert time.monotonic() - t0 < TIMEOUT_SECS / 2
+  assert isinstance(errors[0], RestoreFailedError), errors
+  assert "process 1" in str(errors[0])
+  assert errors[1] is not None and not isinstance(errors[1],
+                                                  RestoreFailedError)
+  # A target error is no damage: the good step was not set aside.
+  assert (tmp_path / "1").is_dir()
+
+
+def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
+  """Fault injected: process 1 reads step 2's data as damaged."""
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+  real = CheckpointManager.restore
+
+  def restore(self, target, step=None, **kwargs):
+    if self.coordinator.process_index == 1 and step == 2:
+      raise storage.CheckpointCorruptedError("checksum mismatch (injected)")
+    return real(self, target, step, **kwargs)
+
+  monkeypatch.setattr(CheckpointManager, "restore", restore)
+
+  def work(coord):
+    with CheckpointManager(tmp_path, coordinator=coord,
+                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+      step, restored = mgr.restore_newest_valid(_state(0))
+      return step, restored["step"], mgr.all_steps()
+
+  assert run_threads(2, work) == [(1, 1, [1]), (1, 1, [1])]
+  assert (tmp_path / "2.damaged").is_dir()
+
+
+# -- every_secs ----------------------------------------------------------------
+
+
+class _Clock:
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_every_secs_agrees_without_asking_at_every_step(tmp_path):
+  """Before: every non-primary process made a blocking call to the
+  coordination service at every step. Now they ask at a few steps per
+  interval, and all processes still save at the same steps."""
+  steps = 400
+
+  def work(coord):
+    clock = _Clock()
+    # Hosts' clocks disagree: the primary decides for all.
+    clock.now = 1000.0 * coord.process_index
+    cb = CheckpointCallback(tmp_path, every_secs=50, clock=clock,
+                            coordinator=coord, max_to_keep=None,
+                            save_on_preemption=False,
+                            barrier_timeout_secs=TIMEOUT_SECS)
+    saved = []
+    for step in range(1, steps + 1):
+      clock.now += 1.0  # One second per step.
+      if cb(step, _state(step)):
+        saved.append(step)
+    cb.close()
+    return saved, cb._every_secs.asks  # pylint: disable=protected-access
+
+  (saved0, asks0), (saved1, asks1) = run_threads(2, work)
+  assert saved0 == saved1
+  assert len(saved0) == steps // 50
+  # About log2(50) asks per interval of 50 steps, not 50.
+  assert asks0 == asks1 <= 10 * len(saved0) < steps / 4
