@@ -323,7 +323,7 @@ class CheckpointManager:
                            is_primary=self.is_primary, staging=self._staging)
     inputs = commit_lib.CommitInputs(
         coordinator=coord, directory=self.directory, step=step,
-        key=f"{self.name}/save{self._saves}",
+        key=f"{self.name}/save{self._saves}/step{step}",
         tmp=atomicity_lib.temporary_path(self.directory, step,
                                          self.atomicity),
         leaves=leaves, extra=extra, metrics=metrics,

@@ -36,7 +36,7 @@ def main(directory: str, mesh_shape: str) -> dict:
       "step": int(state.step),
       "all_steps": mgr.all_steps(),
       "digests": topo.leaf_digests(state),
-      "saved_nbytes": mgr.last_save_stats.nbytes,
+      "saved_nbytes": mgr.last_save_stats.process_bytes,
       "owned_bytes": topo.owned_bytes_by_leaf(state),
       "array_bytes": topo.array_bytes_by_leaf(target),
       "restored": topo.leaf_digests(restored),

@@ -8,7 +8,7 @@ state with the "train" manager and the EMA with the "ema" manager, so both
 managers' background commits (and their barriers) run at the same time.
 Neither manager is given a `name`, so their barrier prefixes come from their
 directories. Every barrier key each manager uses is recorded through the
-injectable `barrier=` (which forwards to the real one). Prints the digests
+injectable `coordinator=` (which forwards to the real one). Prints the digests
 taken at every step, the steps each manager lists, the digests of every step
 restored, and the recorded barrier keys.
 """
@@ -23,21 +23,22 @@ topo.init()
 import jax
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import coordinator
 
 NUM_STEPS = 4
 MESH = (2, 2)
 
 
-class RecordingBarrier:
-  """The real barrier, remembering every key it was called with."""
+class RecordingCoordinator(coordinator.JaxCoordinator):
+  """The real coordinator, remembering every barrier key it met at."""
 
   def __init__(self):
+    super().__init__()
     self.keys = []
 
-  def __call__(self, *, key: str, timeout_ms: int) -> None:
+  def barrier(self, key: str, **kwargs) -> None:
     self.keys.append(key)
-    multihost.barrier(key=key, timeout_ms=timeout_ms)
+    super().barrier(key, **kwargs)
 
 
 def main(train_dir: str, ema_dir: str) -> dict:
@@ -50,13 +51,14 @@ def main(train_dir: str, ema_dir: str) -> dict:
                                        params),
       out_shardings=param_sh, donate_argnums=0)
   ema = jax.tree.map(lambda p: p * 1.0, state.params)
-  barriers = {"train": RecordingBarrier(), "ema": RecordingBarrier()}
+  barriers = {"train": RecordingCoordinator(),
+              "ema": RecordingCoordinator()}
   train = flax_ckpt_plugin.CheckpointManager(
       train_dir, max_to_keep=None, barrier_timeout_secs=60,
-      barrier=barriers["train"])
+      coordinator=barriers["train"])
   ema_mgr = flax_ckpt_plugin.CheckpointManager(
       ema_dir, max_to_keep=None, barrier_timeout_secs=60,
-      barrier=barriers["ema"])
+      coordinator=barriers["ema"])
   saved = {"train": {}, "ema": {}}
   for step in range(1, NUM_STEPS + 1):
     state = train_step(state)

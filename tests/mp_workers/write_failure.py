@@ -26,7 +26,7 @@ _setup.init()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import multihost
+from flax_ckpt_plugin import coordinator
 from flax_ckpt_plugin import storage
 
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "-1"))
@@ -49,39 +49,27 @@ def _inject_fault() -> None:
   storage.write_process_files = failing
 
 
-class _SlowReads:
-  """The coordination-service client, with key-value reads answered late."""
+class _SlowReads(coordinator.JaxCoordinator):
+  """The real coordinator, with key-value reads answered late."""
 
-  def __init__(self, client):
-    self._client = client
-
-  def __getattr__(self, name):
-    return getattr(self._client, name)
-
-  def key_value_dir_get(self, *args, **kwargs):
+  def kv_dir(self, prefix: str) -> dict[str, str]:
     time.sleep(KV_LATENCY_SECS)
-    return self._client.key_value_dir_get(*args, **kwargs)
+    return super().kv_dir(prefix)
 
-  def blocking_key_value_get(self, *args, **kwargs):
+  def kv_get(self, key: str, *, timeout_ms: int) -> str:
     time.sleep(KV_LATENCY_SECS)
-    return self._client.blocking_key_value_get(*args, **kwargs)
-
-
-def _inject_latency() -> None:
-  slow = _SlowReads(multihost.coordination_client())
-  multihost.coordination_client = lambda: slow
+    return super().kv_get(key, timeout_ms=timeout_ms)
 
 
 def main(directory: str) -> dict:
   if FAIL_AT_STEP >= 0:
     _inject_fault()
-  if KV_LATENCY_SECS > 0:
-    _inject_latency()
   state = _train.init_state()
   train_step = _train.make_train_step()
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_steps=2, max_to_keep=None,
-      barrier_timeout_secs=BARRIER_TIMEOUT_SECS)
+      barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
+      coordinator=_SlowReads() if KV_LATENCY_SECS > 0 else None)
   saved = {}
   for step in range(1, 5):
     state = train_step(state)
