@@ -132,3 +132,14 @@ def host_copy_fixture() -> Callable[[Any], Any]:
 def ckpt_dir(tmp_path):
   """A checkpoint directory that does not exist yet (managers create it)."""
   return tmp_path / "ckpt"
+
+
+# Fixtures that start a process (test_object_store's moto server): a test
+# that uses one is in the multiprocess tier, like a test that starts its own.
+_PROCESS_FIXTURES = frozenset({"s3_server"})
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if _PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+      item.add_marker(pytest.mark.multiprocess)

@@ -9,6 +9,8 @@ import pytest
 import flax_ckpt_plugin
 from flax_ckpt_plugin import atomicity
 
+from helpers import entries
+
 
 def _finalized(directory: epath.Path, step_name: str) -> epath.Path:
   """A directory that carries the commit marker, as a finished save leaves."""
@@ -17,11 +19,6 @@ def _finalized(directory: epath.Path, step_name: str) -> epath.Path:
   (step_dir / "manifest.json").write_text("{}")
   (step_dir / atomicity.COMMIT_MARKER).write_text("{}")
   return step_dir
-
-
-def _entries(directory: epath.Path) -> set[str]:
-  # The writer's claim on the directory is not a step (tested on its own).
-  return {p.name for p in directory.iterdir()} - {atomicity.WRITER_FILE}
 
 
 @pytest.mark.parametrize("name, step", [
@@ -109,7 +106,7 @@ def test_remove_unfinished_leaves_unrelated_entries(tmp_path):
   _mixed_directory(directory)
   removed = atomicity.remove_unfinished(directory)
   assert {p.name for p in removed} == {"5.partial", "7", "3.deleting"}
-  assert _entries(directory) == {"1", "2", "notes.txt", "10abc", "007"}
+  assert entries(directory) == {"1", "2", "notes.txt", "10abc", "007"}
   assert (directory / "notes.txt").read_text() == "keep me"
   assert atomicity.finalized_steps(directory) == [1, 2]
 
@@ -119,7 +116,7 @@ def test_manager_open_removes_unfinished_and_keeps_the_rest(tmp_path):
   _mixed_directory(directory)
   manager = flax_ckpt_plugin.CheckpointManager(tmp_path)
   assert manager.all_steps() == [1, 2]
-  assert _entries(directory) == {"1", "2", "notes.txt", "10abc", "007"}
+  assert entries(directory) == {"1", "2", "notes.txt", "10abc", "007"}
   manager.close()
 
 
@@ -134,7 +131,7 @@ def test_delete_step_leaves_nothing_that_looks_finalized(tmp_path):
   _finalized(directory, "4")
   _finalized(directory, "6")
   atomicity.delete_step(directory, 4)
-  assert _entries(directory) == {"6"}
+  assert entries(directory) == {"6"}
   assert atomicity.finalized_steps(directory) == [6]
 
 
@@ -160,10 +157,10 @@ def test_delete_step_interrupted_after_rename_is_not_finalized(
     atomicity.delete_step(directory, 4)
   monkeypatch.setattr(atomicity, "_remove_tree", real_remove)
 
-  assert _entries(directory) == {"4.deleting"}
+  assert entries(directory) == {"4.deleting"}
   assert atomicity.finalized_steps(directory) == []
   assert atomicity.remove_unfinished(directory) == [directory / "4.deleting"]
-  assert _entries(directory) == set()
+  assert entries(directory) == set()
 
 
 def test_delete_step_on_object_store_removes_marker_first(
@@ -216,7 +213,7 @@ def test_finalize_writes_marker_and_makes_step_visible(tmp_path, mode):
   assert atomicity.finalized_steps(directory) == []
   tmp.finalize()
   assert atomicity.finalized_steps(directory) == [8]
-  assert _entries(directory) == {"8"}
+  assert entries(directory) == {"8"}
   marker = json.loads((directory / "8" / atomicity.COMMIT_MARKER).read_text())
   assert marker["step"] == 8
 
@@ -239,4 +236,4 @@ def test_abandon_removes_working_directory(tmp_path):
   (tmp.path / "half.bin").write_bytes(b"x" * 10)
   tmp.abandon()
   assert not os.path.exists(tmp.path)
-  assert _entries(directory) == set()
+  assert entries(directory) == set()

@@ -5,6 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench.py"
 
 

@@ -2,7 +2,6 @@
 
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +10,11 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import storage
 from fake_coordinator import FakeCluster
 from fake_coordinator import ThreadCoordinator
+
+from helpers import disk_on_fire
+from helpers import join_commit
+from helpers import sorted_entries
+from helpers import tiny
 
 TIMEOUT = 60
 
@@ -25,29 +29,9 @@ class FakeClock:
     return self.now
 
 
-def _steps_listed(directory):
-  # The writer's claim on the directory (`_WRITER`) is not a step.
-  return [n for n in os.listdir(directory) if n != "_WRITER"]
-
-
-def _tiny(step: int) -> dict:
-  return {"w": jnp.full((3,), step, jnp.int32)}
-
-
-def _disk_on_fire(step_dir, leaves, process_index, **kwargs):
-  del leaves, process_index
-  raise OSError(f"disk on fire while writing {step_dir}")
-
-
-def _join_commit(callback: CheckpointCallback) -> None:
-  """Waits for the background thread without asking for its error."""
-  # pylint: disable-next=protected-access
-  assert callback.manager._committer.join(TIMEOUT)
-
-
 def _run(callback: CheckpointCallback, steps) -> list[int]:
   """Calls the callback at each step; returns the steps where it saved."""
-  saved = [step for step in steps if callback(step, _tiny(step))]
+  saved = [step for step in steps if callback(step, tiny(step))]
   callback.close()
   return saved
 
@@ -63,7 +47,7 @@ def test_step_triggers(ckpt_dir, kwargs, saved):
   callback = CheckpointCallback(ckpt_dir, max_to_keep=None, **kwargs)
   assert _run(callback, range(10)) == saved
   assert callback.manager.all_steps() == saved
-  assert sorted(_steps_listed(ckpt_dir), key=int) == [str(s) for s in saved]
+  assert sorted(sorted_entries(ckpt_dir), key=int) == [str(s) for s in saved]
 
 
 def test_every_secs_with_fake_clock(ckpt_dir):
@@ -75,7 +59,7 @@ def test_every_secs_with_fake_clock(ckpt_dir):
   for step, elapsed in [(1, 5.0), (2, 10.0), (3, 15.0), (4, 19.9),
                         (5, 20.0), (6, 100.0), (7, 100.0)]:
     clock.now = start + elapsed
-    if callback(step, _tiny(step)):
+    if callback(step, tiny(step)):
       saved.append(step)
   callback.close()
   # Counted from construction, then from the time of the last save.
@@ -85,19 +69,19 @@ def test_every_secs_with_fake_clock(ckpt_dir):
 
 def test_never_resaves_a_finalized_step(ckpt_dir, assert_trees_equal):
   with CheckpointCallback(ckpt_dir, every_steps=5) as first:
-    assert first(5, _tiny(5))
+    assert first(5, tiny(5))
   step_dir = ckpt_dir / "5"
   before = (os.stat(step_dir), os.stat(step_dir / "manifest.json"))
 
   # A restarted job calls its new callback at the step it resumed from.
   restarted = CheckpointCallback(ckpt_dir, every_steps=5)
-  assert not restarted(5, _tiny(55))
+  assert not restarted(5, tiny(55))
   assert not restarted.manager.save_in_progress
   restarted.close()
   after = (os.stat(step_dir), os.stat(step_dir / "manifest.json"))
   for b, a in zip(before, after):
     assert (a.st_ino, a.st_mtime_ns) == (b.st_ino, b.st_mtime_ns)
-  assert_trees_equal(CheckpointManager(ckpt_dir).restore(_tiny(0)),
+  assert_trees_equal(CheckpointManager(ckpt_dir).restore(tiny(0)),
                      {"w": np.full((3,), 5, np.int32)})
 
 
@@ -135,7 +119,7 @@ def test_restore_or_initialize_restores_newest(ckpt_dir, make_state,
 def test_should_stop_stays_false_without_preemption(ckpt_dir):
   callback = CheckpointCallback(ckpt_dir, every_steps=2)
   for step in range(1, 7):
-    callback(step, _tiny(step))
+    callback(step, tiny(step))
     assert not callback.should_stop
   callback.close()
   assert not callback.should_stop
@@ -152,16 +136,16 @@ def test_preemption_sync_point_saves_and_stops(ckpt_dir):
   step 7 (a single process has no preemption sync manager)."""
   callback = CheckpointCallback(ckpt_dir, every_steps=5,
                                 coordinator=_preempted_at(7))
-  assert [s for s in range(1, 7) if callback(s, _tiny(s))] == [5]
+  assert [s for s in range(1, 7) if callback(s, tiny(s))] == [5]
   assert not callback.should_stop
-  assert callback(7, _tiny(7))
+  assert callback(7, tiny(7))
   # Stop only once the preemption checkpoint is durable.
   assert callback.should_stop
   assert not callback.manager.save_in_progress
   assert callback.manager.all_steps() == [5, 7]
-  assert not callback(8, _tiny(8))  # Nothing more after the stop.
+  assert not callback(8, tiny(8))  # Nothing more after the stop.
   callback.close()
-  assert sorted(_steps_listed(ckpt_dir)) == ["5", "7"]
+  assert sorted_entries(ckpt_dir) == ["5", "7"]
 
 
 def test_preemption_at_an_already_saved_step_stops_without_saving(
@@ -169,10 +153,10 @@ def test_preemption_at_an_already_saved_step_stops_without_saving(
   """Fault injected: the preemption sync point is reported at step 5, which a
   previous run already saved."""
   with CheckpointCallback(ckpt_dir, every_steps=5) as first:
-    first(5, _tiny(5))
+    first(5, tiny(5))
   restarted = CheckpointCallback(ckpt_dir, every_steps=5,
                                  coordinator=_preempted_at(5))
-  assert not restarted(5, _tiny(55))
+  assert not restarted(5, tiny(55))
   assert restarted.should_stop
   restarted.close()
 
@@ -182,64 +166,64 @@ def test_preemption_ignored_when_disabled(ckpt_dir):
   coord = _preempted_at(3)
   callback = CheckpointCallback(ckpt_dir, save_on_preemption=False,
                                 coordinator=coord)
-  assert not callback(3, _tiny(3))
+  assert not callback(3, tiny(3))
   assert not callback.should_stop
   callback.close()
-  assert _steps_listed(ckpt_dir) == []
+  assert sorted_entries(ckpt_dir) == []
 
 
 def test_background_error_surfaces_from_next_call(ckpt_dir, monkeypatch):
   """Fault injected: storage.write_process_files raises OSError for step 1."""
   callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3])
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
-  assert callback(1, _tiny(1))  # The save started; it fails in background.
-  _join_commit(callback)
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  assert callback(1, tiny(1))  # The save started; it fails in background.
+  join_commit(callback.manager, TIMEOUT)
   monkeypatch.undo()
 
   with pytest.raises(OSError, match="disk on fire") as excinfo:
-    callback(2, _tiny(2))  # Not a save step: the error still surfaces.
+    callback(2, tiny(2))  # Not a save step: the error still surfaces.
   assert "step 1" in "\n".join(excinfo.value.__notes__)
-  assert not callback(2, _tiny(2))  # Raised once.
-  assert callback(3, _tiny(3))
+  assert not callback(2, tiny(2))  # Raised once.
+  assert callback(3, tiny(3))
   callback.close()
   assert callback.manager.all_steps() == [3]
-  assert _steps_listed(ckpt_dir) == ["3"]
+  assert sorted_entries(ckpt_dir) == ["3"]
 
 
 def test_background_error_surfaces_from_next_saving_call(ckpt_dir,
                                                          monkeypatch):
   """Fault injected: storage.write_process_files raises OSError for step 1."""
   callback = CheckpointCallback(ckpt_dir, every_steps=1)
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
-  assert callback(1, _tiny(1))
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  assert callback(1, tiny(1))
   with pytest.raises(OSError, match="disk on fire"):
-    callback(2, _tiny(2))  # Raised whether or not the commit has ended yet.
+    callback(2, tiny(2))  # Raised whether or not the commit has ended yet.
   monkeypatch.undo()
-  assert callback(3, _tiny(3))
+  assert callback(3, tiny(3))
   callback.close()
   assert callback.manager.all_steps() == [3]
 
 
 def test_context_manager_closes_and_waits(ckpt_dir):
   with CheckpointCallback(ckpt_dir, every_steps=1) as callback:
-    assert callback(1, _tiny(1))
+    assert callback(1, tiny(1))
   assert not callback.manager.save_in_progress
   assert callback.manager.all_steps() == [1]
-  assert _steps_listed(ckpt_dir) == ["1"]
+  assert sorted_entries(ckpt_dir) == ["1"]
   with pytest.raises(RuntimeError, match="closed"):
-    callback(2, _tiny(2))
+    callback(2, tiny(2))
 
 
 def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir,
                                                                monkeypatch):
   """Fault injected: storage.write_process_files raises OSError."""
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
   with pytest.raises(KeyError, match="loop failed") as excinfo:
     with CheckpointCallback(ckpt_dir, every_steps=1) as callback:
-      callback(1, _tiny(1))
+      callback(1, tiny(1))
       raise KeyError("loop failed")
   assert "disk on fire" in "\n".join(excinfo.value.__notes__)
-  assert _steps_listed(ckpt_dir) == []
+  assert sorted_entries(ckpt_dir) == []
 
 
 @pytest.mark.parametrize("kwargs", [{"every_steps": 0}, {"every_secs": 0}])

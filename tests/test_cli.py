@@ -73,6 +73,7 @@ def _rows(stdout: str) -> dict[str, list[str]]:
   return rows
 
 
+@pytest.mark.multiprocess
 def test_list_shows_finalized_and_unfinished_steps(source):
   r = run("list", source, script=True)  # The installed console script.
   assert r.returncode == 0, r.stderr
@@ -100,6 +101,7 @@ def test_list_shows_finalized_and_unfinished_steps(source):
   assert listing["writer"]["pid"] == os.getpid()
 
 
+@pytest.mark.multiprocess
 def test_show_prints_leaves_extra_and_metadata(source):
   r = run("show", source)  # The newest finalized step: 3, not 4 or 5.
   assert r.returncode == 0, r.stderr
@@ -127,6 +129,7 @@ def test_show_prints_leaves_extra_and_metadata(source):
   assert info["total_bytes"] == sum(l.get("nbytes", 0) for l in leaves.values())
 
 
+@pytest.mark.multiprocess
 def test_verify_passes_then_names_the_damaged_step_and_file(ckpt):
   r = run("verify", ckpt)
   assert r.returncode == 0, r.stderr
@@ -163,6 +166,7 @@ def test_verify_passes_then_names_the_damaged_step_and_file(ckpt):
       {"step": 1, "status": "ok", "problems": [], "bytes": 2548}]
 
 
+@pytest.mark.multiprocess
 def test_prune_keeps_newest_without_claiming_the_directory(ckpt):
   # A training job holds the directory: prune must not take it over.
   job = CheckpointManager(ckpt)  # Claims it (and cleans unfinished steps).
@@ -211,6 +215,7 @@ def test_prune_keeps_newest_without_claiming_the_directory(ckpt):
      " invalid int value: 'latest'"),
 ], ids=["no-directory", "unfinished-step", "no-finalized-step", "keep-0",
         "bad-step"])
+@pytest.mark.multiprocess
 def test_errors_are_one_line_with_an_exit_code(source, tmp_path, args, code,
                                                message):
   names = {"dir": source, "missing": tmp_path / "nope",
@@ -253,6 +258,7 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_elsewhere():
                       log.getvalue())
 
 
+@pytest.mark.multiprocess
 def test_prune_beside_a_job_whose_retention_deletes_the_same_steps(ckpt):
   """The job's retention finds the pruned steps gone and goes on."""
   job = CheckpointManager(ckpt, max_to_keep=2)  # Knows steps 1, 2, 3.
@@ -265,6 +271,7 @@ def test_prune_beside_a_job_whose_retention_deletes_the_same_steps(ckpt):
   assert sorted(os.listdir(ckpt)) == ["3", "6", "_WRITER"]
 
 
+@pytest.mark.multiprocess
 def test_list_shows_a_step_set_aside_as_damaged_and_prune_keeps_it(ckpt):
   (ckpt / "3").rename(ckpt / "3.damaged")  # What a fallback restore does.
   r = run("list", ckpt)

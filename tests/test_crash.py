@@ -359,6 +359,7 @@ class Harness:
 
 
 @pytest.mark.timeout(300 + 40 * TRIALS)
+@pytest.mark.multiprocess
 def test_sigkill_anywhere_then_restart(tmp_path, capsys):
   t0 = time.monotonic()
   harness = Harness(tmp_path / "ckpt")

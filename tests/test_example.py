@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 EXAMPLE = (pathlib.Path(__file__).resolve().parent.parent / "examples" /
            "train.py")
 

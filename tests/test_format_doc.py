@@ -155,6 +155,7 @@ def test_reader_returns_every_saved_leaf(tmp_path, state):
   assert_same(load_checkpoint(step_dir), expected_leaves(state))
 
 
+@pytest.mark.multiprocess
 def test_reader_works_without_jax(tmp_path, state):
   """The reader needs numpy and json only (ml_dtypes for bfloat16)."""
   step_dir = save(tmp_path / "ckpt", 1, state)

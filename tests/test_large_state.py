@@ -23,6 +23,8 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 
+pytestmark = pytest.mark.multiprocess
+
 # 8 x 3200 x 3200 float32 = 328 MB of params; with adam's mu and nu, 983 MB.
 LAYERS = 8
 WIDTH = 3200

@@ -18,18 +18,13 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin import storage
 
+from helpers import disk_on_fire
+from helpers import entries
+from helpers import join_commit
+from helpers import tiny
+
 # Long enough never to fire on a loaded machine; the tests never wait it out.
 TIMEOUT = 60
-
-
-def _listing(directory) -> set[str]:
-  # The writer's claim on the directory is not a step; test_atomicity checks it.
-  return set(os.listdir(directory)) - {"_WRITER"}
-
-
-def _disk_on_fire(step_dir, leaves, process_index, **kwargs):
-  del leaves, process_index
-  raise OSError(f"disk on fire while writing {step_dir}")
 
 
 class GatedWrite:
@@ -61,15 +56,6 @@ def gated_write(monkeypatch):
   gate.release.set()  # Never leave a commit thread blocked after a failure.
 
 
-def _join_commit(manager: CheckpointManager) -> None:
-  """Waits for the background thread without asking the manager for errors."""
-  assert manager._committer.join(TIMEOUT)  # pylint: disable=protected-access
-
-
-def _tiny(step: int) -> dict:
-  return {"w": jnp.full((3,), step, jnp.int32)}
-
-
 def test_save_wait_list_restore(ckpt_dir, make_state, train_step,
                                 assert_trees_equal, host_copy):
   manager = CheckpointManager(ckpt_dir)
@@ -82,8 +68,8 @@ def test_save_wait_list_restore(ckpt_dir, make_state, train_step,
   assert not manager.save_in_progress
   assert manager.latest_step() == 1
   assert manager.all_steps() == [1]
-  assert _listing(ckpt_dir) == {"1"}
-  assert _listing(ckpt_dir / "1") == {"_COMMITTED", "manifest.json", "data"}
+  assert entries(ckpt_dir) == {"1"}
+  assert entries(ckpt_dir / "1") == {"_COMMITTED", "manifest.json", "data"}
 
   target = train_step(make_state(seed=1))
   assert_trees_equal(manager.restore(target), expected)
@@ -226,7 +212,7 @@ def test_non_json_extra_raises_type_error_at_save(ckpt_dir, make_state, extra):
   with pytest.raises(TypeError, match="extra must be JSON-serializable"):
     manager.save(1, make_state(), extra=extra)
   assert not manager.save_in_progress
-  assert _listing(ckpt_dir) == set()
+  assert entries(ckpt_dir) == set()
   manager.save(1, make_state())  # Nothing was left half started.
   manager.close()
   assert manager.all_steps() == [1]
@@ -236,7 +222,7 @@ def test_non_number_metric_raises_type_error_at_save(ckpt_dir, make_state):
   manager = CheckpointManager(ckpt_dir)
   with pytest.raises(TypeError, match="metric 'loss'"):
     manager.save(1, make_state(), metrics={"loss": "low"})
-  assert _listing(ckpt_dir) == set()
+  assert entries(ckpt_dir) == set()
 
 
 def test_snapshot_survives_donation(ckpt_dir, make_state, train_step,
@@ -369,7 +355,7 @@ def test_saving_a_donated_state_raises_synchronously(ckpt_dir, make_state,
   with pytest.raises(ValueError, match="was deleted"):
     manager.save(1, state)
   assert not manager.save_in_progress
-  assert _listing(ckpt_dir) == set()
+  assert entries(ckpt_dir) == set()
 
 
 @pytest.mark.parametrize("surface", ["save", "wait_until_finished", "close"])
@@ -383,7 +369,7 @@ def test_background_error_is_raised_once_by_next_call(
   manager.save(1, state)
   manager.wait_until_finished()
 
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
   manager.save(2, state)  # Returns: the failure happens in the background.
   call = getattr(manager, surface)
   args = (3, state) if surface == "save" else ()
@@ -402,7 +388,7 @@ def test_background_error_is_raised_once_by_next_call(
     call()  # Raised once: the same call now succeeds.
     want = [1]
   assert manager.all_steps() == want
-  assert _listing(ckpt_dir) == {str(s) for s in want}  # No "2.partial".
+  assert entries(ckpt_dir) == {str(s) for s in want}  # No "2.partial".
   manager.close()
 
   fresh = CheckpointManager(ckpt_dir)
@@ -416,9 +402,9 @@ def test_background_error_is_raised_by_restore(ckpt_dir, make_state,
   manager = CheckpointManager(ckpt_dir)
   manager.save(1, make_state())
   manager.wait_until_finished()
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
   manager.save(2, make_state())
-  _join_commit(manager)
+  join_commit(manager, TIMEOUT)
   with pytest.raises(OSError, match="disk on fire"):
     manager.restore(make_state())
   assert manager.restore(make_state()).step == 0  # Raised only once.
@@ -434,7 +420,7 @@ def test_save_blocks_only_while_previous_commit_runs(
   assert gated_write.entered.wait(TIMEOUT)
   assert manager.save_in_progress
   assert manager.all_steps() == []
-  assert _listing(ckpt_dir) == {"1.partial"}
+  assert entries(ckpt_dir) == {"1.partial"}
 
   returned = threading.Event()
   errors = []
@@ -467,12 +453,12 @@ def test_save_blocks_only_while_previous_commit_runs(
 def test_retention_keeps_newest_and_every_nth(ckpt_dir):
   manager = CheckpointManager(ckpt_dir, max_to_keep=2, keep_every_n_steps=5)
   for step in range(1, 13):
-    manager.save(step, _tiny(step))
+    manager.save(step, tiny(step))
   manager.wait_until_finished()
   assert manager.all_steps() == [5, 10, 11, 12]
-  assert _listing(ckpt_dir) == {"5", "10", "11", "12"}
+  assert entries(ckpt_dir) == {"5", "10", "11", "12"}
   for step in (5, 10, 11, 12):
-    restored = manager.restore(_tiny(0), step=step)
+    restored = manager.restore(tiny(0), step=step)
     np.testing.assert_array_equal(restored["w"], [step] * 3)
   manager.close()
   assert CheckpointManager(ckpt_dir).all_steps() == [5, 10, 11, 12]
@@ -482,16 +468,16 @@ def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir, monkeypatch):
   """Fault injected: the write of step 4 raises OSError."""
   manager = CheckpointManager(ckpt_dir, max_to_keep=1)
   for step in (1, 2, 3):
-    manager.save(step, _tiny(step))
+    manager.save(step, tiny(step))
     manager.wait_until_finished()
     assert manager.all_steps() == [step]
-    assert _listing(ckpt_dir) == {str(step)}
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
-  manager.save(4, _tiny(4))
+    assert entries(ckpt_dir) == {str(step)}
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  manager.save(4, tiny(4))
   with pytest.raises(OSError, match="disk on fire"):
     manager.wait_until_finished()
-  assert _listing(ckpt_dir) == {"3"}
-  np.testing.assert_array_equal(manager.restore(_tiny(0))["w"], [3] * 3)
+  assert entries(ckpt_dir) == {"3"}
+  np.testing.assert_array_equal(manager.restore(tiny(0))["w"], [3] * 3)
 
 
 def test_old_steps_deleted_only_after_newer_one_is_finalized(
@@ -500,38 +486,38 @@ def test_old_steps_deleted_only_after_newer_one_is_finalized(
   step 4 raises OSError."""
   gated_write.release.set()
   manager = CheckpointManager(ckpt_dir, max_to_keep=2)
-  manager.save(1, _tiny(1))
-  manager.save(2, _tiny(2))
+  manager.save(1, tiny(1))
+  manager.save(2, tiny(2))
   manager.wait_until_finished()
 
   gated_write.release.clear()
   gated_write.entered.clear()
-  manager.save(3, _tiny(3))
+  manager.save(3, tiny(3))
   assert gated_write.entered.wait(TIMEOUT)
-  assert _listing(ckpt_dir) == {"1", "2", "3.partial"}
+  assert entries(ckpt_dir) == {"1", "2", "3.partial"}
   assert manager.all_steps() == [1, 2]
   gated_write.release.set()
   manager.wait_until_finished()
-  assert _listing(ckpt_dir) == {"2", "3"}
+  assert entries(ckpt_dir) == {"2", "3"}
 
-  monkeypatch.setattr(storage, "write_process_files", _disk_on_fire)
-  manager.save(4, _tiny(4))
+  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  manager.save(4, tiny(4))
   with pytest.raises(OSError, match="disk on fire"):
     manager.wait_until_finished()
   assert manager.all_steps() == [2, 3]
-  assert _listing(ckpt_dir) == {"2", "3"}
+  assert entries(ckpt_dir) == {"2", "3"}
 
 
 def test_retention_applies_to_steps_of_an_earlier_run(ckpt_dir):
   with CheckpointManager(ckpt_dir) as earlier:
     for step in (1, 2, 3, 4):
-      earlier.save(step, _tiny(step))
+      earlier.save(step, tiny(step))
   manager = CheckpointManager(ckpt_dir, max_to_keep=2)
   assert manager.latest_step() == 4
-  manager.save(5, _tiny(5))
+  manager.save(5, tiny(5))
   manager.wait_until_finished()
   assert manager.all_steps() == [4, 5]
-  assert _listing(ckpt_dir) == {"4", "5"}
+  assert entries(ckpt_dir) == {"4", "5"}
 
 
 def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
@@ -546,7 +532,7 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
   manager.save(1, state)
   assert gated_write.entered.wait(TIMEOUT)
   assert os.fspath(gated_write.step_dirs[0]) == os.fspath(ckpt_dir / "1")
-  assert _listing(ckpt_dir) == {"1"}
+  assert entries(ckpt_dir) == {"1"}
   assert not (ckpt_dir / "1" / "_COMMITTED").exists()
   # An observer (read-only, as an evaluation job) does not list it.
   assert CheckpointManager(ckpt_dir, atomicity="commit_file",
@@ -554,7 +540,7 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
 
   gated_write.release.set()
   manager.wait_until_finished()
-  assert _listing(ckpt_dir) == {"1"}
+  assert entries(ckpt_dir) == {"1"}
   assert (ckpt_dir / "1" / "_COMMITTED").exists()
   assert_trees_equal(manager.restore(make_state()), expected)
   manager.close()
@@ -573,7 +559,7 @@ def test_stale_temporary_directories_are_removed_on_open(
   os.remove(ckpt_dir / "3" / "_COMMITTED")
 
   manager = CheckpointManager(ckpt_dir)
-  assert _listing(ckpt_dir) == {"1"}
+  assert entries(ckpt_dir) == {"1"}
   assert manager.all_steps() == [1]
   assert manager.latest_step() == 1
   for step in (2, 3):
@@ -599,7 +585,7 @@ def test_context_manager_waits_for_the_save(ckpt_dir, make_state,
     assert manager.all_steps() == []
     gated_write.release.set()
   assert manager.all_steps() == [1]
-  assert _listing(ckpt_dir) == {"1"}
+  assert entries(ckpt_dir) == {"1"}
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -637,7 +623,7 @@ def test_commit_hooks_see_each_finalized_step_in_order(ckpt_dir):
                   ("evaluate", 2, 2.0, True, 12, False), ("notify", 2)]
   assert mgr.last_save_stats.path == ckpt_dir / "2"
   assert mgr.last_save_stats.gbytes_per_sec > 0
-  assert _listing(ckpt_dir) == {"2"}  # Retention ran after the hooks.
+  assert entries(ckpt_dir) == {"2"}  # Retention ran after the hooks.
 
 
 def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
@@ -658,7 +644,7 @@ def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
   assert "notification service unreachable" in message
   assert isinstance(info.value.__cause__, ConnectionError)
   # Step 2 is durable; retention and the later hook were skipped for it.
-  assert mgr.all_steps() == [1, 2] and _listing(ckpt_dir) == {"1", "2"}
+  assert mgr.all_steps() == [1, 2] and entries(ckpt_dir) == {"1", "2"}
   assert [s.step for s in later] == [1]
   mgr.save(3, {"w": np.ones(3)})  # Raised once: saving goes on.
   mgr.close()

@@ -9,13 +9,16 @@ a hung worker fails the test with every worker's output instead of blocking.
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 
 import pytest
 
+from helpers import assert_only_finalized_steps
+from helpers import sorted_entries
 from launcher import WorkerGroup
 from launcher import run_workers
+
+pytestmark = pytest.mark.multiprocess
 
 # Deadlines for one run of the workers: jax starts in ~3 s per process on
 # this 2-core machine; the rest is training, saving and restoring tiny states.
@@ -52,21 +55,6 @@ def test_launcher_kills_hung_workers_and_fails_with_every_log():
   assert "returncode 3" in message and "alive: process 0" in message
 
 
-def _entries(directory: pathlib.Path) -> list[str]:
-  # The writer's claim on the directory (`_WRITER`) is not a step.
-  return sorted(set(os.listdir(directory)) - {"_WRITER"})
-
-
-def _assert_only_finalized_steps(directory: pathlib.Path,
-                                 steps: list[int]) -> None:
-  """`directory` holds exactly `steps`, each finalized, and nothing else."""
-  assert _entries(directory) == sorted(str(s) for s in steps), (
-      "expected only the finalized steps; leftovers such as '.partial' or"
-      " unfinished step directories must not remain")
-  for s in steps:
-    assert (directory / str(s) / "_COMMITTED").is_file(), s
-
-
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
 def test_sharded_train_state_saved_and_restored_bit_exact(tmp_path):
   """A TrainState sharded across 2 processes survives save and restore.
@@ -101,11 +89,11 @@ def test_sharded_train_state_saved_and_restored_bit_exact(tmp_path):
   # On disk: only finalized steps; one data file per process, whose sizes
   # add up to every global array's bytes exactly once (replicated leaves are
   # written by one process only).
-  _assert_only_finalized_steps(ckpt, [4, 6])
+  assert_only_finalized_steps(ckpt, [4, 6])
   total = saving[0]["total_array_bytes"]
   for step in (4, 6):
     data = ckpt / str(step) / "data"
-    assert _entries(data) == ["process_00000.bin", "process_00001.bin"]
+    assert sorted_entries(data) == ["process_00000.bin", "process_00001.bin"]
     sizes = [(data / f"process_{p:05d}.bin").stat().st_size for p in (0, 1)]
     assert sizes == [saving[0]["owned_bytes"], saving[1]["owned_bytes"]]
     assert all(sizes), sizes  # Both processes own shards of this state.
@@ -122,7 +110,7 @@ def test_sharded_train_state_saved_and_restored_bit_exact(tmp_path):
     assert out["alt_on_target_shardings"], p
     assert out["alt_restored"] == latest, p
     assert out["step_after_training"] == 7, p
-  _assert_only_finalized_steps(ckpt, [4, 6])
+  assert_only_finalized_steps(ckpt, [4, 6])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
@@ -168,7 +156,7 @@ def test_write_failure_on_one_process_fails_the_save_everywhere(
     assert out["restored_digests"] == out["saved_digests"]["2"], p
 
   # Step 4 was never finalized and nothing of it is left.
-  _assert_only_finalized_steps(ckpt, [2])
+  assert_only_finalized_steps(ckpt, [2])
 
 
 EVERY_SECS = 3.5  # As in mp_workers/every_secs.py.
@@ -209,7 +197,7 @@ def test_every_secs_is_decided_by_the_primary_host(tmp_path):
                    for p, rate in CLOCK_RATES.items()}))
   assert p0["saved"] == p1["saved"] == primary_steps
   assert p0["all_steps"] == p1["all_steps"] == primary_steps
-  _assert_only_finalized_steps(ckpt, primary_steps)
+  assert_only_finalized_steps(ckpt, primary_steps)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
@@ -237,7 +225,7 @@ def test_barrier_timeout_names_the_barrier_key(tmp_path):
   assert 0.9 * timeout <= p0["error_secs"] < timeout + 5, p0["error_secs"]
   # The step was never finalized, and the primary host removed what it began.
   assert p0["all_steps"] == []
-  assert _entries(ckpt) == []
+  assert sorted_entries(ckpt) == []
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
@@ -258,4 +246,4 @@ def test_commit_hooks_run_on_the_primary_and_their_errors_reach_everyone(
     assert result["all_steps"] == [1, 2]  # The step itself is durable.
     assert result["all_steps_after"] == [1, 2, 3]
   assert p0["calls_after"] == [1, 2, 3] and p1["calls_after"] == []
-  _assert_only_finalized_steps(ckpt, [1, 2, 3])
+  assert_only_finalized_steps(ckpt, [1, 2, 3])

@@ -13,15 +13,18 @@ writer right after it saved.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import signal
 
 import pytest
 
+from helpers import assert_only_finalized_steps
+from helpers import sorted_entries
 from launcher import format_logs
 from launcher import run_workers
+
+pytestmark = pytest.mark.multiprocess
 
 # Deadline of one run: each process imports jax (~3 s) and 4 processes share
 # this machine's 2 cores; the states are tiny.
@@ -29,20 +32,8 @@ RUN_TIMEOUT = 120
 STEP = 2  # The step that `topology_write.py` saves.
 
 
-def _entries(directory: pathlib.Path) -> list[str]:
-  # The writer's claim on the directory (`_WRITER`) is not a step.
-  return sorted(set(os.listdir(directory)) - {"_WRITER"})
-
-
 def _data_file(p: int) -> str:
   return f"data/process_{p:05d}.bin"
-
-
-def _assert_only_finalized_steps(directory: pathlib.Path,
-                                 steps: list[int]) -> None:
-  assert _entries(directory) == sorted(str(s) for s in steps)
-  for s in steps:
-    assert (directory / str(s) / "_COMMITTED").is_file(), s
 
 
 def _write(ckpt: pathlib.Path, num_processes: int, mesh: str) -> list[dict]:
@@ -93,11 +84,11 @@ def test_each_byte_is_written_once_by_its_owner(request, tmp_path,
     assert o["step"] == STEP and o["all_steps"] == [STEP], p
     assert o["digests"] == digests, p  # Every process sees the same values.
 
-  _assert_only_finalized_steps(ckpt, [STEP])
+  assert_only_finalized_steps(ckpt, [STEP])
   step_dir = ckpt / str(STEP)
   files = [_data_file(p) for p in range(num_processes)]
   # One data file per process; the per-process shard tables were merged.
-  assert _entries(step_dir / "data") == [f.split("/")[1] for f in files]
+  assert sorted_entries(step_dir / "data") == [f.split("/")[1] for f in files]
   sizes = [(step_dir / f).stat().st_size for f in files]
   assert sizes == [o["saved_nbytes"] for o in out]
   assert sizes == [sum(o["owned_bytes"].values()) for o in out]
@@ -234,8 +225,8 @@ def test_two_managers_interleave_saves_without_sharing_barriers(tmp_path):
       assert o["all_steps"][m] == steps, (p, m)
       for s in map(str, steps):
         assert o["restored"][m][s] == o["saved"][m][s], (p, m, s)
-  _assert_only_finalized_steps(train_dir, steps)
-  _assert_only_finalized_steps(ema_dir, steps)
+  assert_only_finalized_steps(train_dir, steps)
+  assert_only_finalized_steps(ema_dir, steps)
 
   # Two different trees, and every step's values differ from the last.
   train4, ema4 = p0["saved"]["train"]["4"], p0["saved"]["ema"]["4"]
@@ -286,7 +277,7 @@ def test_primary_host_1_does_the_primary_duties(tmp_path):
     assert o["restored"] == o["saved"]["4"]
     assert o["table_type"] == "ndarray"
   assert p0["saved"] == p1["saved"]
-  _assert_only_finalized_steps(ckpt, [3, 4])
+  assert_only_finalized_steps(ckpt, [3, 4])
   # A host numpy value is written by the primary host only.
   manifest = json.loads((ckpt / "4" / "manifest.json").read_text())
   table = next(l for l in manifest["leaves"] if l["path"] == "table")
@@ -346,8 +337,8 @@ def test_kill_during_save_times_out_then_restart_resumes(tmp_path,
   timeout = p0["barrier_timeout_secs"]
   assert p0["error_secs"] < timeout + 10, f"{p0['error_secs']}{logs}"
   assert p0["all_steps"] == [2]
-  assert "4" not in _entries(ckpt)  # Never finalized.
-  assert ("4.partial" in _entries(ckpt)) == (primary_host == 1), logs
+  assert "4" not in sorted_entries(ckpt)  # Never finalized.
+  assert ("4.partial" in sorted_entries(ckpt)) == (primary_host == 1), logs
 
   restarted = run_workers("kill_during_save", 2, args=["restart", ckpt],
                           timeout=RUN_TIMEOUT, env=env)
@@ -360,4 +351,4 @@ def test_kill_during_save_times_out_then_restart_resumes(tmp_path,
     assert re.search(r"\[process=1\]\[thread=MainThread\] removed unfinished"
                      r" checkpoint \S*/4\.partial",
                      restarted[1].stderr), format_logs(restarted)
-  _assert_only_finalized_steps(ckpt, [2])
+  assert_only_finalized_steps(ckpt, [2])

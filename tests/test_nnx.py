@@ -446,6 +446,7 @@ def test_scalar_variables_and_other_rng_impls(ckpt_dir, host_copy,
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multiprocess
 def test_doc_code_runs_and_prints_what_the_doc_says(tmp_path):
   """The page's ```python blocks, run in order as one script."""
   text = DOC.read_text()
@@ -519,6 +520,7 @@ def assert_same_npz(actual: pathlib.Path, expected: pathlib.Path) -> None:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.multiprocess
 def test_example_resumes_exactly_and_stops_on_sigterm(tmp_path):
   fresh = run_example(tmp_path / "fresh", 30, tmp_path / "fresh.npz")
   assert fresh[0] == "no checkpoint, starting fresh"

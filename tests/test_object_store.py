@@ -24,7 +24,6 @@ from typing import Any
 
 from etils import epath
 import jax
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import storage
+from helpers import two_device_mesh
 from launcher import REPO_ROOT
 from launcher import run_workers
 from launcher import StdoutLines
@@ -113,20 +113,18 @@ def _steps_in_bucket(b: Bucket) -> set[str]:
   return {k.split("/")[1] for k in b.keys()} - {atomicity.WRITER_FILE}
 
 
-def _mesh() -> Mesh:
-  return Mesh(np.array(jax.devices()[:2]), ("x",))
-
-
 def _sharded(state: Any, spec_of) -> Any:
   """`state` with every array leaf placed by `spec_of(leaf)` on 2 devices."""
   return jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(_mesh(), spec_of(x))), state)
+      lambda x: jax.device_put(
+          x, NamedSharding(two_device_mesh(), spec_of(x))), state)
 
 
 def _abstract(state: Any, spec_of) -> Any:
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=NamedSharding(_mesh(), spec_of(x))),
+          x.shape, x.dtype,
+          sharding=NamedSharding(two_device_mesh(), spec_of(x))),
       state)
 
 
@@ -160,6 +158,7 @@ def _wait_for_requests(server: S3Server, method: str, key: str,
   return n
 
 
+@pytest.mark.multiprocess
 def test_server_that_does_not_answer_fails_the_test_instead_of_hanging():
   """The helper's own contract: a deadline, then an error with the log."""
   start = time.monotonic()

@@ -211,6 +211,7 @@ def train_reference(tmp_path_factory) -> tuple[Child, pathlib.Path]:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.multiprocess
 def test_sigterm_at_random_step_saves_exits_75_and_resumes_exactly(
     tmp_path, request, train_reference):
   after = signal_step(request.node.name)
@@ -274,6 +275,7 @@ def multihost_reference(tmp_path_factory) -> pathlib.Path:
 # other one (1); either way its peer learns of the notice only through JAX.
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("target", [0, 1])
+@pytest.mark.multiprocess
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(
     tmp_path, request, multihost_reference, target):
   after = signal_step(request.node.name)

@@ -38,7 +38,6 @@ from hypothesis import HealthCheck
 from hypothesis import settings
 from hypothesis import strategies as st
 import jax
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
@@ -53,6 +52,7 @@ from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin import StructureMismatchError
+from helpers import two_device_mesh
 from launcher import run_workers
 
 DATA = "data/process_00000.bin"
@@ -74,10 +74,6 @@ def _flip_byte(path: pathlib.Path, offset: int) -> None:
     f.write(bytes([byte ^ 0xFF]))
 
 
-def _mesh() -> Mesh:
-  return Mesh(np.array(jax.devices()[:2]), ("x",))
-
-
 def _small_state(seed: int) -> dict[str, Any]:
   """A few leaves of every kind the format stores.
 
@@ -88,7 +84,7 @@ def _small_state(seed: int) -> dict[str, Any]:
   rng = np.random.default_rng(seed)
   w = rng.standard_normal((8, 4), dtype=np.float32)
   return {
-      "w": jax.device_put(w, NamedSharding(_mesh(), P("x"))),
+      "w": jax.device_put(w, NamedSharding(two_device_mesh(), P("x"))),
       "v": jnp.asarray(rng.standard_normal(6), jnp.bfloat16),
       "n": jnp.int32(rng.integers(1000)),
       "lr": float(rng.uniform()),
@@ -99,8 +95,9 @@ def _small_state(seed: int) -> dict[str, Any]:
 def _small_target() -> dict[str, Any]:
   """An abstract restore target for `_small_state`, `w` sharded as saved."""
   return {
-      "w": jax.ShapeDtypeStruct((8, 4), jnp.float32,
-                                sharding=NamedSharding(_mesh(), P("x"))),
+      "w": jax.ShapeDtypeStruct(
+          (8, 4), jnp.float32,
+          sharding=NamedSharding(two_device_mesh(), P("x"))),
       "v": jax.ShapeDtypeStruct((6,), jnp.bfloat16),
       "n": jax.ShapeDtypeStruct((), jnp.int32),
       "lr": 0.0,
@@ -174,6 +171,7 @@ def _fill(path: pathlib.Path, nbytes: int) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.multiprocess
 def test_full_disk_fails_the_save_at_the_next_call_and_the_loop_recovers(
     small_tmpfs, assert_trees_equal, host_copy):
   """A save that runs out of space (a real ENOSPC from an 8 MiB tmpfs).
@@ -554,7 +552,7 @@ def test_flipped_byte_in_a_partially_read_large_shard(ckpt_dir):
   start = manifest["leaves"][0]["shards"][0]["offset"]
   flipped = 7_000_000
   _flip_byte(ckpt_dir / "2" / DATA, start + flipped)
-  sharding = NamedSharding(_mesh(), P("x"))
+  sharding = NamedSharding(two_device_mesh(), P("x"))
   target = {"w": jax.ShapeDtypeStruct(_LARGE_SHAPE, jnp.float32,
                                       sharding=sharding)}
 
@@ -772,6 +770,7 @@ def _job_target() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
+@pytest.mark.multiprocess
 def test_second_job_takes_over_and_the_first_gets_concurrent_writer_error(
     ckpt_dir, assert_trees_equal, host_copy):
   """Job A writes; job B (another process) opens the same directory.
@@ -1065,6 +1064,7 @@ def test_structure_mismatch_is_not_swallowed_by_the_fallback(
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
+@pytest.mark.multiprocess
 def test_processes_agree_on_the_fallback_step(tmp_path):
   """Only process 1 can see that step 2 is damaged; both restore step 1.
 

@@ -4,7 +4,6 @@ import json
 import os
 
 import jax
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
@@ -16,6 +15,8 @@ import flax_ckpt_plugin
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
+
+from helpers import two_device_mesh
 
 DATA_FILE = os.path.join("data", "process_00000.bin")
 
@@ -38,10 +39,6 @@ def _random_bits(dtype, shape, seed):
   raw = np.random.default_rng(seed).integers(
       0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
   return raw.view(dtype).reshape(shape)
-
-
-def _mesh():
-  return Mesh(np.array(jax.devices()[:2]), ("x",))
 
 
 def _zeros_like(tree):
@@ -100,7 +97,7 @@ def test_64_bit_numpy_leaves_round_trip_and_stay_numpy(ckpt_dir,
 
 
 def test_zero_d_jax_arrays_round_trip(ckpt_dir, assert_trees_equal, host_copy):
-  mesh = _mesh()
+  mesh = two_device_mesh()
   tree = {"f32": jnp.float32(-0.0), "i32": jnp.int32(-7),
           "bf16": jnp.asarray(3.5, jnp.bfloat16), "bool": jnp.bool_(True),
           "replicated": jax.device_put(jnp.float32(2.25),
@@ -155,7 +152,7 @@ def test_typed_prng_keys_round_trip(ckpt_dir, assert_trees_equal, host_copy):
 
 def test_sharded_prng_keys_round_trip(ckpt_dir, assert_trees_equal,
                                       host_copy):
-  sharding = NamedSharding(_mesh(), P("x"))
+  sharding = NamedSharding(two_device_mesh(), P("x"))
   keys = jax.device_put(jax.random.split(jax.random.key(5), 4), sharding)
   expected = host_copy({"keys": keys})
   _save(ckpt_dir, 1, {"keys": keys})
@@ -182,7 +179,7 @@ def test_restore_into_abstract_sharded_target(ckpt_dir, make_state,
   expected = host_copy(state)
   _save(ckpt_dir, 2, state)
 
-  mesh = _mesh()
+  mesh = two_device_mesh()
   def place(s):
     spec = P("x") if s.ndim else P()
     return jax.ShapeDtypeStruct(s.shape, s.dtype,
@@ -204,7 +201,7 @@ def test_restore_into_abstract_sharded_target(ckpt_dir, make_state,
 def test_sharded_save_restores_on_one_device(ckpt_dir, assert_trees_equal,
                                              spec):
   values = _random_bits(np.float32, (6, 4), seed=5)
-  sharded = jax.device_put(values, NamedSharding(_mesh(), spec))
+  sharded = jax.device_put(values, NamedSharding(two_device_mesh(), spec))
   assert len(sharded.addressable_shards) == 2
   _save(ckpt_dir, 1, {"w": sharded})
 
@@ -222,7 +219,7 @@ def test_one_device_save_restores_sharded(ckpt_dir, assert_trees_equal,
   values = _random_bits(np.float32, (6, 4), seed=6)
   _save(ckpt_dir, 1, {"w": jax.device_put(values, jax.devices()[0])})
 
-  sharding = NamedSharding(_mesh(), spec)
+  sharding = NamedSharding(two_device_mesh(), spec)
   restored = _restore(ckpt_dir, {"w": jax.device_put(
       np.zeros_like(values), sharding)})
   assert restored["w"].sharding == sharding
@@ -234,7 +231,7 @@ def test_one_device_save_restores_sharded(ckpt_dir, assert_trees_equal,
 def test_sharded_save_restores_with_other_sharding(ckpt_dir,
                                                    assert_trees_equal):
   values = _random_bits(np.int32, (4, 6), seed=7)
-  mesh = _mesh()
+  mesh = two_device_mesh()
   _save(ckpt_dir, 1, {"w": jax.device_put(values,
                                           NamedSharding(mesh, P("x")))})
   target = jax.ShapeDtypeStruct((4, 6), jnp.int32,
@@ -246,7 +243,7 @@ def test_sharded_save_restores_with_other_sharding(ckpt_dir,
 
 def test_replicated_array_is_written_once(ckpt_dir):
   values = np.arange(8, dtype=np.float32)
-  replicated = jax.device_put(values, NamedSharding(_mesh(), P()))
+  replicated = jax.device_put(values, NamedSharding(two_device_mesh(), P()))
   step_dir = _save(ckpt_dir, 1, {"w": replicated})
   assert os.path.getsize(step_dir / DATA_FILE) == values.nbytes
 

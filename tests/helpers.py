@@ -1,0 +1,61 @@
+"""Small helpers that several test modules share.
+
+Plain functions only: fixtures live in `conftest.py`, and starting processes
+is `launcher.py`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import numpy as np
+
+from flax_ckpt_plugin import CheckpointManager
+
+# The writer's claim on a checkpoint directory (docs/format.md); not a step.
+_WRITER = "_WRITER"
+
+
+def entries(directory: str | os.PathLike) -> set[str]:
+  """The names in `directory`, less the writer's claim on it."""
+  return set(os.listdir(directory)) - {_WRITER}
+
+
+def sorted_entries(directory: str | os.PathLike) -> list[str]:
+  """`entries(directory)`, sorted."""
+  return sorted(entries(directory))
+
+
+def assert_only_finalized_steps(directory: pathlib.Path,
+                                steps: list[int]) -> None:
+  """`directory` holds exactly `steps`, each finalized, and nothing else."""
+  assert sorted_entries(directory) == sorted(str(s) for s in steps), (
+      "expected only the finalized steps; leftovers such as '.partial' or"
+      " unfinished step directories must not remain")
+  for s in steps:
+    assert (directory / str(s) / "_COMMITTED").is_file(), s
+
+
+def tiny(step: int) -> dict[str, jax.Array]:
+  """A one-leaf state whose value names the step it was saved at."""
+  return {"w": jnp.full((3,), step, jnp.int32)}
+
+
+def two_device_mesh() -> Mesh:
+  """A 1-D mesh ('x') over the two CPU devices that conftest sets up."""
+  return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def disk_on_fire(step_dir, leaves, process_index, **kwargs):
+  """Stands in for `storage.write_process_files`: every write fails."""
+  del leaves, process_index
+  raise OSError(f"disk on fire while writing {step_dir}")
+
+
+def join_commit(manager: CheckpointManager, timeout: float) -> None:
+  """Waits for the background thread without asking the manager for errors."""
+  assert manager._committer.join(timeout)  # pylint: disable=protected-access
