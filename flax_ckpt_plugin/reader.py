@@ -109,7 +109,7 @@ class ByteReader:
     return fd
 
   def _open_new(self, path: epath.Path) -> tuple[Any, int]:
-    """An fd (local disks) or an `object_store.ObjectFile`, and the file's size."""
+    """An fd (local disks) or an `object_store.ObjectFile`, and its size."""
     if not atomicity.is_local(path):
       f = object_store.ObjectFile(path)
       return f, f.size
