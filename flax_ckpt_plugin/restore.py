@@ -6,6 +6,8 @@ may carry `sharding=`. The result has the target's tree type, so non-array
 parts of a `TrainState` (`apply_fn`, `tx`) come from the target. Each process
 reads only the byte ranges that its addressable target shards need, so a
 checkpoint written by any number of devices can be read by any other.
+Every leaf is matched against the target (paths, shapes, dtypes) before any
+data is read; `reader.LeafReader` then reads the regions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import concurrent.futures
 import ctypes
 import functools
 import os
-from typing import Any, Sequence
+from typing import Any
 
 from etils import epath
 import jax
