@@ -280,7 +280,10 @@ def reexported_from(package: types.ModuleType) -> dict[str, str]:
   """Which module each `from X import name` of the package came from."""
   tree, _, _ = _module_source(package.__name__)
   out = {}
-  for node in tree.body:
+  # Also inside `if TYPE_CHECKING:`: the package imports some names lazily.
+  nodes = [n for top in tree.body
+           for n in (top.body if isinstance(top, ast.If) else [top])]
+  for node in nodes:
     if isinstance(node, ast.ImportFrom) and node.level <= 1:
       module = node.module or ""
       if node.level:  # `from .callback import X` inside the package.

@@ -1,7 +1,11 @@
 """Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops."""
 
-from flax_ckpt_plugin.callback import CheckpointCallback
-from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
+# The names below that need JAX are imported on first use (PEP 562), so that
+# `flax-ckpt`, which reads checkpoints with numpy alone, starts without JAX.
+
+import importlib
+from typing import Any, TYPE_CHECKING
+
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import CheckpointExistsError
@@ -10,10 +14,14 @@ from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
-from flax_ckpt_plugin.manager import CheckpointManager
-from flax_ckpt_plugin.manager import RestoreStats
-from flax_ckpt_plugin.commit import SaveStats
-from flax_ckpt_plugin.manager import StepMetadata
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.callback import CheckpointCallback
+  from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
+  from flax_ckpt_plugin.commit import SaveStats
+  from flax_ckpt_plugin.manager import CheckpointManager
+  from flax_ckpt_plugin.manager import RestoreStats
+  from flax_ckpt_plugin.manager import StepMetadata
 
 __version__ = "0.1.0"
 
@@ -33,3 +41,26 @@ __all__ = [
     "StepMetadata",
     "StructureMismatchError",
 ]
+
+# Public name -> the module that defines it, imported when first asked for.
+_LAZY = {
+    "CheckpointCallback": "flax_ckpt_plugin.callback",
+    "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
+    "CheckpointManager": "flax_ckpt_plugin.manager",
+    "RestoreStats": "flax_ckpt_plugin.manager",
+    "SaveStats": "flax_ckpt_plugin.commit",
+    "StepMetadata": "flax_ckpt_plugin.manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # Later lookups skip this function.
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

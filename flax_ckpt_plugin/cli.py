@@ -9,14 +9,14 @@ Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
 `prune`, which deletes through `atomicity.delete_step` and never claims the
 directory as a writer, so it can run beside a training job. Paths go through
 `etils.epath`, so `gs://` and `s3://` directories work too. See docs/cli.md.
+`inventory` finds the steps; `manifest`, `reader` and `verify` read them
+without JAX, so the command starts quickly.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -25,9 +25,15 @@ from typing import Any, Sequence, TextIO
 from etils import epath
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import object_store
-from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.inventory import committed_unix
+from flax_ckpt_plugin.inventory import human_age
+from flax_ckpt_plugin.inventory import scan
+from flax_ckpt_plugin.inventory import size_and_mtime
+from flax_ckpt_plugin.inventory import table
+from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.verify import Progress
 from flax_ckpt_plugin.verify import human_size
 from flax_ckpt_plugin.verify import verify_step
@@ -50,7 +56,6 @@ exit codes:
 """
 
 
-
 class CliError(Exception):
   """An expected failure: one line on stderr and an exit code."""
 
@@ -60,25 +65,6 @@ class CliError(Exception):
 
 
 # -- formatting ----------------------------------------------------------------
-
-
-def human_age(secs: float | None) -> str:
-  """Seconds since something happened -> '12s ago', '3m ago', '2d ago'."""
-  if secs is None or not math.isfinite(secs):
-    return "?"
-  if secs < 0:
-    return "in the future"  # Clocks of writer and reader disagree.
-  for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
-    if secs < limit:
-      return f"{int(secs // div)}{unit} ago"
-  return f"{int(secs // 86400)}d ago"
-
-
-def _table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  for r in rows:
-    cells = [c.ljust(w) for c, w in zip(r, widths)]
-    out.write(indent + "  ".join(cells).rstrip() + "\n")
 
 
 def _dumps(value: Any) -> str:
@@ -95,71 +81,6 @@ def _existing_dir(name: str) -> epath.Path:
   if not directory.is_dir():
     raise CliError(f"{name} is not a directory", EXIT_NOT_FOUND)
   return directory
-
-
-def _size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
-  """Bytes of the files under `path` and the newest mtime among them.
-
-  Files that vanish meanwhile (a step being deleted) are skipped.
-  """
-  total, newest = 0, None
-  local = atomicity.is_local(path)
-  try:
-    entries = path.walk() if path.is_dir() else [(path.parent, [], [path.name])]
-    for root, _, files in entries:
-      for name in files:
-        try:
-          if local:
-            st = os.lstat(os.fspath(root / name))
-            size, mtime = st.st_size, st.st_mtime
-          else:
-            st = (root / name).stat()
-            size, mtime = st.length, float(st.mtime)
-        except FileNotFoundError:
-          continue
-        total += size
-        newest = mtime if newest is None else max(newest, mtime)
-  except FileNotFoundError:
-    pass
-  return total, newest
-
-
-def _committed_unix(step_dir: epath.Path) -> float | None:
-  """When the step was finalized, from its commit marker (a tiny file)."""
-  try:
-    info = json.loads((step_dir / atomicity.COMMIT_MARKER).read_text())
-    return datetime.datetime.fromisoformat(info["committed_at"]).timestamp()
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-
-
-def scan(directory: epath.Path) -> list[dict[str, Any]]:
-  """Every step-like entry of `directory`, finalized or not, by step."""
-  found = []
-  for entry in directory.iterdir():
-    name, state = entry.name, None
-    step = atomicity.step_from_name(name)
-    if step is not None:
-      finalized = atomicity.is_finalized(entry)
-      state = "finalized" if finalized else "unfinished"
-    else:
-      for suffix, what in ((atomicity.TMP_SUFFIX, "unfinished"),
-                           (atomicity.DELETING_SUFFIX, "deleting")):
-        if name.endswith(suffix):
-          step = atomicity.step_from_name(name[:-len(suffix)])
-          state = what if step is not None else None
-      base, sep, n = name.partition(atomicity.DAMAGED_SUFFIX)
-      if sep and (n == "" or n.isdigit()):
-        # Set aside by a restore that found it damaged: `<step>.damaged[N]`.
-        step = atomicity.step_from_name(base)
-        state = "damaged" if step is not None else None
-    if state is None:
-      continue
-    nbytes, mtime = _size_and_mtime(entry)
-    when = _committed_unix(entry) if state == "finalized" else None
-    found.append({"step": step, "name": name, "state": state,
-                  "bytes": nbytes, "time_unix": when or mtime})
-  return sorted(found, key=lambda e: (e["step"], e["name"]))
 
 
 def _finalized(directory: epath.Path, name: str) -> list[int]:
@@ -181,21 +102,16 @@ def _check_step(directory: epath.Path, name: str, step: int) -> None:
                  f" {atomicity.finalized_steps(directory)}", EXIT_NOT_FOUND)
 
 
-def _manifest(directory: epath.Path, step: int) -> dict:
+def _manifest(directory: epath.Path, step: int) -> manifest_lib.Manifest:
   """The validated manifest of a finalized step."""
   step_dir = directory / str(step)
   try:
-    manifest = storage.read_manifest(step_dir)
+    return manifest_lib.read(step_dir, step)
   except FileNotFoundError as e:
     if not atomicity.is_finalized(step_dir):  # Deleted since it was listed.
       raise CliError(f"step {step} in {directory} was deleted meanwhile"
                      " (retention of a running job?)", EXIT_NOT_FOUND) from e
     raise CheckpointCorruptedError(str(e)) from e  # Finalized: damaged.
-  if manifest["step"] != step:
-    raise CheckpointCorruptedError(
-        f"{step_dir / storage.MANIFEST}: records step {manifest['step']!r},"
-        f" but lives in the directory of step {step}")
-  return manifest
 
 
 # -- list ----------------------------------------------------------------------
@@ -219,7 +135,7 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     rows = [["STEP", "STATE", "SIZE", "AGE", "NAME"]]
     rows += [[str(e["step"]), e["state"], human_size(e["bytes"]),
               human_age(e["age_secs"]), e["name"]] for e in entries]
-    _table(rows, out)
+    table(rows, out)
     counts = {s: sum(e["state"] == s for e in entries)
               for s in ("finalized", "unfinished", "deleting", "damaged")}
     out.write(", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -237,28 +153,26 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
 # -- show ----------------------------------------------------------------------
 
 
-def _leaf_summary(leaf: dict) -> dict[str, Any]:
-  out = {"path": leaf["path"], "kind": leaf["kind"]}
-  if "value" in leaf:
-    out["value"] = leaf["value"]
+def _leaf_summary(leaf: LeafRecord) -> dict[str, Any]:
+  out = {"path": leaf.path, "kind": leaf.kind}
+  if leaf.is_scalar:
+    out["value"] = leaf.value
     return out
-  dtype = storage.parse_dtype(leaf["dtype"], leaf["path"])
-  out.update(dtype=dtype.name, shape=leaf["shape"],
-             nbytes=math.prod(leaf["shape"]) * dtype.itemsize,
-             shards=len(leaf["shards"]))
-  if "key_impl" in leaf:
-    out["key_impl"] = leaf["key_impl"]
+  out.update(dtype=leaf.dtype.name, shape=list(leaf.shape),
+             nbytes=leaf.nbytes, shards=len(leaf.shards))
+  if leaf.key_impl is not None:
+    out["key_impl"] = leaf.key_impl
   return out
 
 
-def _leaf_type(leaf: dict) -> str:
-  if "value" in leaf:
-    return f"{leaf['kind']} = {leaf['value']!r}"
-  desc = f"{leaf['dtype']}[{','.join(str(d) for d in leaf['shape'])}]"
-  if leaf["kind"] == "numpy":
+def _leaf_type(leaf: LeafRecord) -> str:
+  if leaf.is_scalar:
+    return f"{leaf.kind} = {leaf.value!r}"
+  desc = manifest_lib.describe(leaf.dtype, leaf.shape)
+  if leaf.kind == "numpy":
     desc += " (numpy)"
-  if "key_impl" in leaf:
-    desc += f" (PRNG key data, {leaf['key_impl']})"
+  if leaf.key_impl is not None:
+    desc += f" (PRNG key data, {leaf.key_impl})"
   return desc
 
 
@@ -270,45 +184,43 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     step = args.step
     _check_step(directory, args.directory, step)
   m = _manifest(directory, step)
-  leaves = [_leaf_summary(leaf) for leaf in m["leaves"]]
-  array_bytes = sum(leaf.get("nbytes", 0) for leaf in leaves)
-  created = m.get("created_unix")
+  leaves = [_leaf_summary(leaf) for leaf in m.leaves]
+  created = m.created_unix
+  checksum = {"algorithm": m.checksum_algorithm,
+              "block_bytes": m.checksum_block_bytes}
   info = {
       "directory": args.directory, "step": step,
-      "format": m["format"], "format_version": m["format_version"],
-      "created": m.get("created"), "created_unix": created,
-      "committed_unix": _committed_unix(directory / str(step)),
-      "process_count": m.get("process_count"),
-      "byte_order": m.get("byte_order"),
-      "checksum": m["checksum"], "files": m["files"],
-      "total_bytes": array_bytes, "leaves": leaves,
-      "extra": m.get("extra"), "metrics": m.get("metrics"),
+      "format": m.format, "format_version": m.format_version,
+      "created": m.created, "created_unix": created,
+      "committed_unix": committed_unix(directory / str(step)),
+      "process_count": m.process_count, "byte_order": m.byte_order,
+      "checksum": checksum, "files": m.files,
+      "total_bytes": m.total_bytes, "leaves": leaves,
+      "extra": m.extra, "metrics": m.metrics,
   }
   if args.json:
     out.write(json.dumps(info, indent=1) + "\n")
     return EXIT_OK
-  age = (human_age(time.time() - created)
-         if isinstance(created, (int, float)) else "?")
-  count = m.get("process_count")
-  files = m["files"]
+  age = human_age(time.time() - created) if created is not None else "?"
+  count, files = m.process_count, m.files
   out.write(
       f"step {step} in {args.directory}\n"
-      f"created:   {m.get('created', '?')} ({age})\n"
-      f"format:    {m['format']} version {m['format_version']}, written by"
+      f"created:   {'?' if m.created is None else m.created} ({age})\n"
+      f"format:    {m.format} version {m.format_version}, written by"
       f" {count} process{'' if count == 1 else 'es'}\n"
-      f"size:      {human_size(array_bytes)} of array data"
-      f" ({array_bytes} bytes) in {len(files)}"
+      f"size:      {human_size(m.total_bytes)} of array data"
+      f" ({m.total_bytes} bytes) in {len(files)}"
       f" file{'' if len(files) == 1 else 's'}\n"
-      f"checksums: {m['checksum']['algorithm']} per"
-      f" {human_size(m['checksum']['block_bytes'])} block\n"
+      f"checksums: {m.checksum_algorithm} per"
+      f" {human_size(m.checksum_block_bytes)} block\n"
       f"leaves:    {len(leaves)}\n")
   if leaves:
     rows = [["PATH", "TYPE", "BYTES", "SHARDS"]]
-    rows += [[leaf["path"], _leaf_type(raw),
-              human_size(leaf["nbytes"]) if "nbytes" in leaf else "",
-              str(leaf.get("shards", ""))]
-             for leaf, raw in zip(leaves, m["leaves"])]
-    _table(rows, out, indent="  ")
+    rows += [[leaf.path, _leaf_type(leaf),
+              "" if leaf.is_scalar else human_size(leaf.nbytes),
+              "" if leaf.is_scalar else str(len(leaf.shards))]
+             for leaf in m.leaves]
+    table(rows, out, indent="  ")
   for key in ("extra", "metrics"):
     text = _dumps(info[key])
     if len(text) > 70:
@@ -340,8 +252,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     except OSError as e:
       results.append({"step": step, "status": "error",
                       "problems": [f"{directory / str(step)}: {e}"]})
-  total = sum(s["nbytes"] for m in manifests.values()
-              for leaf in m["leaves"] for s in leaf.get("shards", ()))
+  total = sum(s.nbytes for m in manifests.values()
+              for leaf in m.leaves for s in leaf.shards)
   progress = Progress(total, sys.stderr, enabled=not args.quiet)
 
   def report(result: dict) -> None:
@@ -403,7 +315,7 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
   kept = [s for s in steps if s not in doomed]
   verb = "would delete" if args.dry_run else "deleted"
   for step in doomed:
-    nbytes, _ = _size_and_mtime(directory / str(step))
+    nbytes, _ = size_and_mtime(directory / str(step))
     if not args.dry_run:
       try:
         atomicity.delete_step(directory, step)

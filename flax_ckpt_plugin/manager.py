@@ -25,8 +25,8 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
+from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import object_store
-from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.commit import SaveStats
@@ -254,15 +254,10 @@ class CheckpointManager:
           f" (finalized steps: {self.all_steps()})")
     return step, step_dir
 
-  def _manifest(self, step: int | None) -> tuple[int, epath.Path, dict]:
+  def _manifest(self, step: int | None
+                ) -> tuple[int, epath.Path, manifest_lib.Manifest]:
     step, step_dir = self._finalized_dir(step)
-    manifest = storage.read_manifest(step_dir)
-    if manifest.get("step") != step:
-      raise CheckpointCorruptedError(
-          f"{step_dir / storage.MANIFEST}: records step"
-          f" {manifest.get('step')!r}, but lives in the directory of step"
-          f" {step}")
-    return step, step_dir, manifest
+    return step, step_dir, manifest_lib.read(step_dir, step)
 
   def metadata(self, step: int | None = None) -> StepMetadata:
     """`extra`, metrics and timestamps of `step` (default: the newest).
@@ -273,11 +268,12 @@ class CheckpointManager:
     """
     self._check_open()
     step, _, m = self._manifest(step)
-    return StepMetadata(step=step, created=m.get("created", ""),
-                        created_unix=m.get("created_unix", math.nan),
-                        extra=m.get("extra"), metrics=m.get("metrics"),
-                        process_count=m.get("process_count", 1),
-                        total_bytes=sum(m["files"].values()))
+    return StepMetadata(
+        step=step, created="" if m.created is None else m.created,
+        created_unix=math.nan if m.created_unix is None else m.created_unix,
+        extra=m.extra, metrics=m.metrics,
+        process_count=1 if m.process_count is None else m.process_count,
+        total_bytes=m.total_bytes)
 
   # -- save ------------------------------------------------------------------
 

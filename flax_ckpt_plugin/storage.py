@@ -13,7 +13,8 @@ A step directory holds:
 While a step is written, each process also leaves `data/process_NNNNN.json`
 (its shard table); the primary host merges those into the manifest and
 removes them before finalizing. `docs/format.md` describes the format for
-readers with numpy alone. Nothing here unpickles or executes anything.
+readers with numpy alone; `manifest` reads and validates the manifest and
+`reader` the data files. Nothing here unpickles or executes anything.
 """
 
 from __future__ import annotations
@@ -23,22 +24,21 @@ import errno
 import json
 import math
 import os
-import stat
-import threading
 import time
-from typing import Any, Iterable
+import threading
+from typing import Any, Iterable, TYPE_CHECKING
 
 import crc32c
 from etils import epath
-import jax.numpy as jnp
 import numpy as np
 
 from flax_ckpt_plugin import atomicity
 from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import object_store
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
-from flax_ckpt_plugin.snapshot import LeafSnapshot
+
+if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
+  from flax_ckpt_plugin.snapshot import LeafSnapshot
 
 FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
@@ -47,11 +47,6 @@ DATA_DIR = "data"
 # Every shard carries a CRC-32C per block of this many bytes (the last block
 # may be shorter), so a reader of part of a shard verifies whole blocks only.
 CHECKSUM_BLOCK = 4 << 20
-
-
-# Errors that mean a manifest's file name cannot name a data file.
-_NOT_A_DATA_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
-                    errno.ELOOP, errno.ENXIO)
 
 
 def data_file(process_index: int) -> str:
@@ -304,241 +299,3 @@ def write_manifest(step_dir: epath.Path, *, step: int,
   atomicity.fsync_path(step_dir / DATA_DIR)
   atomicity.fsync_path(step_dir)
   return manifest
-
-
-def parse_dtype(name: Any, where: str) -> np.dtype:
-  """A numeric dtype from its manifest name; anything else is corruption."""
-  try:
-    dtype = jnp.dtype(name)
-  except (TypeError, ValueError) as e:
-    raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r}") from e
-  if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
-    raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
-  return dtype
-
-
-def _corrupt(where: str, what: str) -> CheckpointCorruptedError:
-  return CheckpointCorruptedError(f"{where}: {what}")
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
-                       lw: str) -> None:
-  """Shards must tile the array: no element missing, none twice."""
-  total = sum(_volume(i) for i in indices)
-  if total != math.prod(shape):
-    raise _corrupt(lw, f"shards cover {total} elements of"
-                   f" {math.prod(shape)}")
-  if not shape:
-    return  # One element: the count above settles it.
-  boxes = sorted(indices)  # By start along the first axis, then the rest.
-  for a in range(len(boxes)):
-    for b in range(a + 1, len(boxes)):
-      if boxes[b][0][0] >= boxes[a][0][1]:
-        break  # Starts after `a` ends along the first axis, as do the rest.
-      if all(max(r[0], s[0]) < min(r[1], s[1])
-             for r, s in zip(boxes[a], boxes[b])):
-        raise _corrupt(lw, f"shards {boxes[a]} and {boxes[b]} overlap")
-
-
-def _check_leaf(leaf: Any, where: str, files: dict[str, int],
-                block: int) -> None:
-  if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
-    raise _corrupt(where, "a leaf entry has no path")
-  lw = f"{where}, leaf {leaf['path']!r}"
-  kind = leaf.get("kind")
-  if kind in ("int", "float", "bool"):
-    value = leaf.get("value")
-    ok = {"int": _is_int(value), "bool": isinstance(value, bool),
-          "float": _is_int(value) or isinstance(value, float)}[kind]
-    if ok and kind == "float":
-      try:
-        float(value)
-      except OverflowError:
-        ok = False
-    if not ok:
-      raise _corrupt(lw, f"{kind} leaf with value {value!r:.60}")
-    return
-  if kind not in ("array", "numpy"):
-    raise _corrupt(lw, f"unknown kind {kind!r}")
-  dtype = parse_dtype(leaf.get("dtype"), lw)
-  shape = leaf.get("shape")
-  if not (isinstance(shape, list) and len(shape) <= 64 and all(
-      _is_int(d) and 0 <= d < 2**62 for d in shape)):
-    raise _corrupt(lw, f"bad shape {shape!r:.200}")
-  shards = leaf.get("shards")
-  if not isinstance(shards, list):
-    raise _corrupt(lw, "no shard list")
-  for s in shards:
-    if not (isinstance(s, dict) and isinstance(s.get("file"), str)
-            and s["file"] in files):
-      raise _corrupt(lw, f"shard in unknown file {s!r:.200}")
-    index = s.get("index")
-    if not (isinstance(index, list) and len(index) == len(shape) and all(
-        isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r)
-        and 0 <= r[0] <= r[1] <= d for r, d in zip(index, shape))):
-      raise _corrupt(lw, f"shard index {index!r:.200} outside shape {shape}")
-    off, nbytes = s.get("offset"), s.get("nbytes")
-    if not (_is_int(off) and _is_int(nbytes) and off >= 0
-            and nbytes == _volume(index) * dtype.itemsize
-            and off + nbytes <= files[s["file"]]):
-      raise _corrupt(
-          lw, f"shard bytes [{off!r:.40}, +{nbytes!r:.40}) do not fit"
-          f" {s['file']} ({files[s['file']]} bytes) or the shard's size")
-    sums = s.get("crc32c")
-    if not (isinstance(sums, list) and len(sums) == max(1, -(-nbytes // block))
-            and all(_is_int(c) and 0 <= c < 2**32 for c in sums)):
-      raise _corrupt(lw, f"shard at {index} has no valid crc32c list")
-  _check_exact_cover([s["index"] for s in shards], shape, lw)
-
-
-def read_manifest(step_dir: epath.Path) -> dict:
-  """Reads and validates `manifest.json` of a step directory.
-
-  Raises:
-    FileNotFoundError: no manifest.
-    CheckpointCorruptedError: not valid JSON, not our format, an unknown
-      version, or entries that do not fit together; the message names the file.
-  """
-  path = step_dir / MANIFEST
-  try:
-    raw = path.read_bytes()
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
-  where = str(path)
-  try:
-    manifest = json.loads(raw.decode("utf-8"))
-  except (ValueError, RecursionError) as e:  # Also bad UTF-8, deep nesting.
-    raise _corrupt(where, f"not valid JSON ({e!s:.200})") from e
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-    raise _corrupt(where, f"not a {FORMAT_NAME} manifest")
-  version = manifest.get("format_version")
-  if version != FORMAT_VERSION:
-    raise _corrupt(where, f"format_version {version!r} is not supported by"
-                   f" this version of {FORMAT_NAME} (reads {FORMAT_VERSION})")
-  files = manifest.get("files")
-  if not isinstance(files, dict) or not all(
-      isinstance(k, str) and isinstance(v, int) and v >= 0
-      and _safe_relative(k) for k, v in files.items()):
-    raise _corrupt(where, "bad 'files' table")
-  checksum = manifest.get("checksum")
-  if not (isinstance(checksum, dict) and checksum.get("algorithm") == "crc32c"
-          and _is_int(checksum.get("block_bytes"))
-          and checksum["block_bytes"] > 0):
-    raise _corrupt(where, f"bad 'checksum' entry {checksum!r:.200}")
-  leaves = manifest.get("leaves")
-  if not isinstance(leaves, list):
-    raise _corrupt(where, "no 'leaves' list")
-  paths = set()
-  for leaf in leaves:
-    _check_leaf(leaf, where, files, checksum["block_bytes"])
-    if leaf["path"] in paths:
-      raise _corrupt(where, f"leaf {leaf['path']!r} appears twice")
-    paths.add(leaf["path"])
-  return manifest
-
-
-def _safe_relative(name: str) -> bool:
-  """A data file name that cannot leave the step directory."""
-  parts = name.split("/")
-  return (not name.startswith("/") and "\\" not in name and
-          all(p not in ("", ".", "..") for p in parts))
-
-
-class ByteReader:
-  """Reads byte ranges of a step's data files; one open handle per file.
-
-  Safe to use from several threads: local files are read with positional
-  reads of one shared descriptor; files in object stores with one ranged
-  GET per range (`object_store.ObjectFile`).
-  """
-
-  def __init__(self, step_dir: epath.Path, files: dict[str, int]):
-    self._dir = step_dir
-    self._sizes = files
-    self._fds: dict[str, Any] = {}
-    self._lock = threading.Lock()
-    self.bytes_read = 0
-    # Each read costs a request on object stores: readers of a few spread
-    # ranges should rather fetch the span around them in one (see restore).
-    self.prefers_few_reads = not atomicity.is_local(step_dir)
-
-  def _open(self, name: str):
-    with self._lock:
-      return self._open_locked(name)
-
-  def _open_locked(self, name: str):
-    fd = self._fds.get(name)
-    if fd is None:
-      path = self._dir / name
-      try:
-        fd, size = self._open_new(path)
-      except FileNotFoundError as e:
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest is missing") from e
-      except OSError as e:
-        if e.errno not in _NOT_A_DATA_FILE:
-          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest cannot be a data file:"
-            f" {e.strerror}") from e
-      except CheckpointCorruptedError:
-        raise  # A ValueError too, but already says what is wrong.
-      except ValueError as e:  # A NUL byte in the name.
-        raise CheckpointCorruptedError(
-            f"data file name {name!r:.100} is not a valid file name") from e
-      self._fds[name] = fd
-      if size < self._sizes[name]:
-        raise CheckpointCorruptedError(
-            f"data file {path} is truncated: {size} bytes, manifest says"
-            f" {self._sizes[name]}")
-    return fd
-
-  def _open_new(self, path: epath.Path) -> tuple[Any, int]:
-    """An fd (local disks) or an `object_store.ObjectFile`, and the file's size."""
-    if not atomicity.is_local(path):
-      f = object_store.ObjectFile(path)
-      return f, f.size
-    real_dir = os.path.realpath(os.fspath(self._dir))
-    real = os.path.realpath(os.fspath(path))
-    if os.path.commonpath([real_dir, real]) != real_dir:
-      raise CheckpointCorruptedError(
-          f"data file {path} leads outside the step directory")
-    # O_NONBLOCK: opening a named pipe must not wait for a writer.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      os.close(fd)
-      raise CheckpointCorruptedError(
-          f"data file {path} is not a regular file")
-    return fd, st.st_size
-
-  def read_into(self, name: str, offset: int, out: memoryview) -> None:
-    """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
-    fd = self._open(name)
-    done = 0
-    while done < len(out):
-      if isinstance(fd, int):
-        n = os.preadv(fd, [out[done:]], offset + done)
-      else:
-        n = fd.read_into(offset + done, out[done:])
-        if n < len(out) - done:  # Ranged GETs stop only at the end.
-          done, n = done + n, 0
-      if not n:
-        raise CheckpointCorruptedError(
-            f"data file {self._dir / name} ended at byte {offset + done},"
-            f" expected {offset + len(out)}")
-      done += n
-    with self._lock:
-      self.bytes_read += done
-
-  def close(self) -> None:
-    for fd in self._fds.values():
-      if isinstance(fd, int):
-        os.close(fd)
-      else:
-        fd.close()
-    self._fds.clear()

@@ -13,8 +13,12 @@ from typing import TextIO
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.manifest import LeafRecord
+from flax_ckpt_plugin.manifest import Manifest
+from flax_ckpt_plugin.manifest import ShardRecord
+from flax_ckpt_plugin.reader import ByteReader
+from flax_ckpt_plugin.storage import block_checksums
 
 _VERIFY_CHUNK = 16 << 20  # Bytes read per call when verifying.
 _PLAIN_PROGRESS_SECS = 5.0  # Between progress lines when stderr is no TTY.
@@ -88,27 +92,27 @@ class Progress:
     self._stream.flush()
 
 
-def _check_shard(reader: storage.ByteReader, leaf: dict, shard: dict,
+def _check_shard(reader: ByteReader, leaf: LeafRecord, shard: ShardRecord,
                  block: int, file_path: epath.Path, progress: Progress,
                  buf: np.ndarray) -> str | None:
   """Reads one shard in chunks and compares its CRC-32C per block."""
-  sums = shard["crc32c"]
-  start, nbytes = shard["offset"], shard["nbytes"]
+  sums = shard.crc32c
+  start, nbytes = shard.offset, shard.nbytes
   pos = 0
   view = memoryview(buf)
   while True:
     n = min(len(view), nbytes - pos)
     chunk = view[:n]
-    reader.read_into(shard["file"], start + pos, chunk)
+    reader.read_into(shard.file, start + pos, chunk)
     first = pos // block
-    for k, got in enumerate(storage.block_checksums(chunk, block)):
+    for k, got in enumerate(block_checksums(chunk, block)):
       want = sums[first + k]
       if got != want:
         lo = start + (first + k) * block
         hi = min(lo + block, start + nbytes)
         progress.update(nbytes - pos)
         return (f"{file_path}: checksum mismatch at bytes [{lo}, {hi}) in"
-                f" leaf {leaf['path']!r} (shard {shard['index']}): crc32c"
+                f" leaf {leaf.path!r} (shard {shard.index_list}): crc32c"
                 f" {got:#010x}, manifest says {want:#010x}")
     pos += n
     progress.update(n)
@@ -116,16 +120,16 @@ def _check_shard(reader: storage.ByteReader, leaf: dict, shard: dict,
       return None
 
 
-def verify_step(directory: epath.Path, step: int, manifest: dict,
+def verify_step(directory: epath.Path, step: int, manifest: Manifest,
                 progress: Progress) -> tuple[str, list[str]]:
   """Reads every shard of `step`; returns ('ok'|'corrupt'|'error', problems)."""
   step_dir = directory / str(step)
-  block = manifest["checksum"]["block_bytes"]
-  reader = storage.ByteReader(step_dir, manifest["files"])
+  block = manifest.checksum_block_bytes
+  reader = ByteReader(step_dir, manifest.files)
   problems, errors, bad_files = [], [], set()
   buf = np.empty(max(block, _VERIFY_CHUNK // block * block), np.uint8)
   try:
-    for name in manifest["files"]:
+    for name in manifest.files:
       try:  # Opening checks that the file exists, is regular and is whole.
         reader.read_into(name, 0, memoryview(b""))
       except CheckpointCorruptedError as e:
@@ -135,19 +139,19 @@ def verify_step(directory: epath.Path, step: int, manifest: dict,
         errors.append(f"{step_dir / name}: {e.strerror or e}")
         bad_files.add(name)
     progress.update(label=f"step {step}")
-    for leaf in manifest["leaves"]:
-      for shard in leaf.get("shards", ()):
-        if shard["file"] in bad_files:
-          progress.update(shard["nbytes"])
+    for leaf in manifest.leaves:
+      for shard in leaf.shards:
+        if shard.file in bad_files:
+          progress.update(shard.nbytes)
           continue
         try:
           problem = _check_shard(reader, leaf, shard, block,
-                                 step_dir / shard["file"], progress, buf)
+                                 step_dir / shard.file, progress, buf)
         except CheckpointCorruptedError as e:
-          problem = f"leaf {leaf['path']!r}: {e}"
+          problem = f"leaf {leaf.path!r}: {e}"
         except OSError as e:
-          errors.append(f"{step_dir / shard['file']}: {e.strerror or e}")
-          bad_files.add(shard["file"])
+          errors.append(f"{step_dir / shard.file}: {e.strerror or e}")
+          bad_files.add(shard.file)
           continue
         if problem:
           problems.append(problem)

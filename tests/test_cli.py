@@ -1,8 +1,10 @@
 """Tests of the `flax-ckpt` command line, run as a user runs it.
 
-Checkpoints are written by a real CheckpointManager; the CLI runs in a
-subprocess (`python -m flax_ckpt_plugin`, and once the installed `flax-ckpt`
-script) and the tests check its output, its exit code and the disk.
+Checkpoints are written by a real CheckpointManager; the CLI runs in this
+process (`cli.main(argv)`, its output captured by pytest) and, to check the
+entry points and that it starts without JAX, a few times in a subprocess
+(`python -m flax_ckpt_plugin`, the installed `flax-ckpt` script). The tests
+check its output, its exit code and the disk.
 """
 
 import io
@@ -23,8 +25,8 @@ from flax_ckpt_plugin import cli
 KERNEL = "params/params/Dense_0/kernel"  # float32[8,16] in conftest's MLP.
 
 
-def run(*args, script: bool = False) -> subprocess.CompletedProcess:
-  """Runs the CLI with `args`; stdout and stderr are kept apart."""
+def run_process(*args, script: bool = False) -> subprocess.CompletedProcess:
+  """Runs the CLI in a new interpreter; stdout and stderr are kept apart."""
   if script:
     exe = pathlib.Path(sys.executable).parent / "flax-ckpt"
     assert exe.exists(), (
@@ -35,6 +37,21 @@ def run(*args, script: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "flax_ckpt_plugin"]
   return subprocess.run(cmd + [str(a) for a in args], capture_output=True,
                         text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def run(capsys):
+  """`run(*args)` runs `cli.main(args)` here, as `run_process` would."""
+  def call(*args) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in args]
+    capsys.readouterr()  # Only this call's output.
+    try:
+      code = cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors.
+      code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+  return call
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +91,8 @@ def _rows(stdout: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.multiprocess
-def test_list_shows_finalized_and_unfinished_steps(source):
-  r = run("list", source, script=True)  # The installed console script.
+def test_list_shows_finalized_and_unfinished_steps(source, run):
+  r = run_process("list", source, script=True)  # The installed console script.
   assert r.returncode == 0, r.stderr
   assert r.stdout.splitlines()[0].split() == ["STEP", "STATE", "SIZE", "AGE",
                                               "NAME"]
@@ -102,8 +119,8 @@ def test_list_shows_finalized_and_unfinished_steps(source):
 
 
 @pytest.mark.multiprocess
-def test_show_prints_leaves_extra_and_metadata(source):
-  r = run("show", source)  # The newest finalized step: 3, not 4 or 5.
+def test_show_prints_leaves_extra_and_metadata(source, run):
+  r = run_process("show", source)  # The newest: 3, not 4 or 5. python -m.
   assert r.returncode == 0, r.stderr
   out = r.stdout
   assert out.startswith(f"step 3 in {source}\n")
@@ -129,8 +146,7 @@ def test_show_prints_leaves_extra_and_metadata(source):
   assert info["total_bytes"] == sum(l.get("nbytes", 0) for l in leaves.values())
 
 
-@pytest.mark.multiprocess
-def test_verify_passes_then_names_the_damaged_step_and_file(ckpt):
+def test_verify_passes_then_names_the_damaged_step_and_file(ckpt, run):
   r = run("verify", ckpt)
   assert r.returncode == 0, r.stderr
   assert r.stdout.splitlines() == [
@@ -166,8 +182,7 @@ def test_verify_passes_then_names_the_damaged_step_and_file(ckpt):
       {"step": 1, "status": "ok", "problems": [], "bytes": 2548}]
 
 
-@pytest.mark.multiprocess
-def test_prune_keeps_newest_without_claiming_the_directory(ckpt):
+def test_prune_keeps_newest_without_claiming_the_directory(ckpt, run):
   # A training job holds the directory: prune must not take it over.
   job = CheckpointManager(ckpt)  # Claims it (and cleans unfinished steps).
   (ckpt / "4.partial").mkdir()  # The job's next save, in flight.
@@ -215,9 +230,8 @@ def test_prune_keeps_newest_without_claiming_the_directory(ckpt):
      " invalid int value: 'latest'"),
 ], ids=["no-directory", "unfinished-step", "no-finalized-step", "keep-0",
         "bad-step"])
-@pytest.mark.multiprocess
 def test_errors_are_one_line_with_an_exit_code(source, tmp_path, args, code,
-                                               message):
+                                               message, run):
   names = {"dir": source, "missing": tmp_path / "nope",
            "empty": tmp_path / "empty"}
   (tmp_path / "empty").mkdir()
@@ -258,8 +272,8 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_elsewhere():
                       log.getvalue())
 
 
-@pytest.mark.multiprocess
-def test_prune_beside_a_job_whose_retention_deletes_the_same_steps(ckpt):
+def test_prune_beside_a_job_whose_retention_deletes_the_same_steps(ckpt,
+                                                                   run):
   """The job's retention finds the pruned steps gone and goes on."""
   job = CheckpointManager(ckpt, max_to_keep=2)  # Knows steps 1, 2, 3.
   r = run("prune", ckpt, "--keep", 1)
@@ -271,8 +285,8 @@ def test_prune_beside_a_job_whose_retention_deletes_the_same_steps(ckpt):
   assert sorted(os.listdir(ckpt)) == ["3", "6", "_WRITER"]
 
 
-@pytest.mark.multiprocess
-def test_list_shows_a_step_set_aside_as_damaged_and_prune_keeps_it(ckpt):
+def test_list_shows_a_step_set_aside_as_damaged_and_prune_keeps_it(ckpt,
+                                                                  run):
   (ckpt / "3").rename(ckpt / "3.damaged")  # What a fallback restore does.
   r = run("list", ckpt)
   assert r.returncode == 0, r.stderr
@@ -283,3 +297,26 @@ def test_list_shows_a_step_set_aside_as_damaged_and_prune_keeps_it(ckpt):
   assert r.returncode == 0, r.stderr
   assert (ckpt / "3.damaged" / "_COMMITTED").exists()  # For a person.
   assert sorted(os.listdir(ckpt)) == ["2", "3.damaged", "_WRITER"]
+
+
+_WITHOUT_JAX = """
+import sys
+from flax_ckpt_plugin import cli
+assert "jax" not in sys.modules, "importing flax_ckpt_plugin.cli imported jax"
+codes = [cli.main([command, sys.argv[1]]) for command in ("list", "show",
+                                                          "verify")]
+loaded = sorted(m for m in sys.modules if m == "jax" or m.startswith("jax."))
+assert not loaded, f"the commands imported {loaded[:5]}"
+sys.exit(max(codes))
+"""
+
+
+@pytest.mark.multiprocess
+def test_cli_starts_and_reads_without_importing_jax(source):
+  """`flax-ckpt list/show/verify` need numpy alone, so they start quickly."""
+  r = subprocess.run([sys.executable, "-c", _WITHOUT_JAX, str(source)],
+                     capture_output=True, text=True, timeout=120, check=False)
+  assert r.returncode == 0, r.stderr
+  assert "3 finalized, 2 unfinished, 1 deleting" in r.stdout
+  assert f"step 3 in {source}" in r.stdout
+  assert "step 3: ok (2.5 KiB checked)" in r.stdout

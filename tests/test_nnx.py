@@ -383,8 +383,8 @@ def test_structure_mismatch_names_the_leaf(ckpt_dir):
                            " float32[16], target has float32[32]")):
       mngr.restore(nnx.state(MLP(32, rngs=nnx.Rngs(0))))
 
-    # An abstract target with the wider layer says the same (the first
-    # leaf that differs, in key path order).
+    # An abstract target with the wider layer says the same (every leaf
+    # that differs is named, this one among them).
     with pytest.raises(StructureMismatchError,
                        match=re.escape(
                            "leaf 'bn/bias/value': checkpoint has"

@@ -1,0 +1,102 @@
+"""What a checkpoint directory holds, as `flax-ckpt list` shows it.
+
+`scan` finds every step-like entry (finalized, unfinished, being deleted,
+set aside as damaged) with its size and time; `human_age` and `table` turn
+them into text. Reads only, with `etils.epath`: local, `gs://` and `s3://`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from typing import Any, TextIO
+
+from etils import epath
+
+from flax_ckpt_plugin import atomicity
+
+
+def human_age(secs: float | None) -> str:
+  """Seconds since something happened -> '12s ago', '3m ago', '2d ago'."""
+  if secs is None or not math.isfinite(secs):
+    return "?"
+  if secs < 0:
+    return "in the future"  # Clocks of writer and reader disagree.
+  for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
+    if secs < limit:
+      return f"{int(secs // div)}{unit} ago"
+  return f"{int(secs // 86400)}d ago"
+
+
+def table(rows: list[list[str]], out: TextIO, indent: str = "") -> None:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  for r in rows:
+    cells = [c.ljust(w) for c, w in zip(r, widths)]
+    out.write(indent + "  ".join(cells).rstrip() + "\n")
+
+
+def size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
+  """Bytes of the files under `path` and the newest mtime among them.
+
+  Files that vanish meanwhile (a step being deleted) are skipped.
+  """
+  total, newest = 0, None
+  local = atomicity.is_local(path)
+  try:
+    entries = path.walk() if path.is_dir() else [(path.parent, [], [path.name])]
+    for root, _, files in entries:
+      for name in files:
+        try:
+          if local:
+            st = os.lstat(os.fspath(root / name))
+            size, mtime = st.st_size, st.st_mtime
+          else:
+            st = (root / name).stat()
+            size, mtime = st.length, float(st.mtime)
+        except FileNotFoundError:
+          continue
+        total += size
+        newest = mtime if newest is None else max(newest, mtime)
+  except FileNotFoundError:
+    pass
+  return total, newest
+
+
+def committed_unix(step_dir: epath.Path) -> float | None:
+  """When the step was finalized, from its commit marker (a tiny file)."""
+  try:
+    info = json.loads((step_dir / atomicity.COMMIT_MARKER).read_text())
+    return datetime.datetime.fromisoformat(info["committed_at"]).timestamp()
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def scan(directory: epath.Path) -> list[dict[str, Any]]:
+  """Every step-like entry of `directory`, finalized or not, by step."""
+  found = []
+  for entry in directory.iterdir():
+    name, state = entry.name, None
+    step = atomicity.step_from_name(name)
+    if step is not None:
+      finalized = atomicity.is_finalized(entry)
+      state = "finalized" if finalized else "unfinished"
+    else:
+      for suffix, what in ((atomicity.TMP_SUFFIX, "unfinished"),
+                           (atomicity.DELETING_SUFFIX, "deleting")):
+        if name.endswith(suffix):
+          step = atomicity.step_from_name(name[:-len(suffix)])
+          state = what if step is not None else None
+      base, sep, n = name.partition(atomicity.DAMAGED_SUFFIX)
+      if sep and (n == "" or n.isdigit()):
+        # Set aside by a restore that found it damaged: `<step>.damaged[N]`.
+        step = atomicity.step_from_name(base)
+        state = "damaged" if step is not None else None
+    if state is None:
+      continue
+    nbytes, mtime = size_and_mtime(entry)
+    when = committed_unix(entry) if state == "finalized" else None
+    found.append({"step": step, "name": name, "state": state,
+                  "bytes": nbytes, "time_unix": when or mtime})
+  return sorted(found, key=lambda e: (e["step"], e["name"]))

@@ -1,0 +1,380 @@
+"""The manifest of a step, parsed and validated once, as typed records.
+
+`read` turns a step's `manifest.json` (written by `storage.write_manifest`,
+described in docs/format.md) into a `Manifest` of `LeafRecord`s and
+`ShardRecord`s, or raises `CheckpointCorruptedError` naming the file and the
+leaf. Every check happens here, before any data file is opened: readers
+(`reader`, `restore`, `verify`, the CLI) then use attributes and trust them.
+Nothing here imports JAX (dtypes come from numpy and `ml_dtypes`, the dtype
+library JAX itself uses), so the CLI starts quickly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Iterable
+
+from etils import epath
+import ml_dtypes
+import numpy as np
+
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.storage import FORMAT_NAME
+from flax_ckpt_plugin.storage import FORMAT_VERSION
+from flax_ckpt_plugin.storage import MANIFEST
+
+Index = tuple[tuple[int, int], ...]
+SCALAR_KINDS = ("int", "float", "bool")
+ARRAY_KINDS = ("array", "numpy")
+
+
+def _ml_dtypes_by_name() -> dict[str, np.dtype]:
+  """'bfloat16' -> dtype(ml_dtypes.bfloat16), for every type ml_dtypes has."""
+  table = {}
+  for name in dir(ml_dtypes):
+    obj = getattr(ml_dtypes, name)
+    if not isinstance(obj, type) or name.startswith("_"):
+      continue
+    try:
+      dtype = np.dtype(obj)
+    except TypeError:
+      continue  # finfo, iinfo.
+    if dtype.name == name:
+      table[name] = dtype
+  return table
+
+
+_ML_DTYPES = _ml_dtypes_by_name()
+
+
+def parse_dtype(name: Any, where: str) -> np.dtype:
+  """A numeric dtype from its manifest name; anything else is corruption.
+
+  Accepts what the writer writes, `str(dtype)` of a jax or numpy array: the
+  numpy names and those of `ml_dtypes` (`bfloat16`, `float8_e4m3fn`,
+  `int4`, ...).
+
+  Raises:
+    CheckpointCorruptedError: `name` names no dtype, or an object,
+      structured or zero-size one; the message starts with `where`.
+  """
+  dtype = _ML_DTYPES.get(name) if isinstance(name, str) else None
+  if dtype is None:
+    if not isinstance(name, str):  # np.dtype(None) would be float64.
+      raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r:.60}")
+    try:
+      dtype = np.dtype(name)
+    except (TypeError, ValueError) as e:
+      raise CheckpointCorruptedError(
+          f"{where}: unknown dtype {name!r:.60}") from e
+  if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
+    raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
+  return dtype
+
+
+def describe(dtype: np.dtype, shape: Iterable[int]) -> str:
+  """'float32[512,10]': how errors and the CLI show an array's type."""
+  return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+  """One block of an array: `index` of the global array, at `offset` of `file`.
+
+  Attributes:
+    file: the data file's name, relative to the step directory.
+    offset: the block's first byte in `file`.
+    nbytes: the block's size in bytes.
+    index: [start, stop) per axis of the global array.
+    crc32c: the CRC-32C of each `Manifest.checksum_block_bytes` of the block.
+  """
+  file: str
+  offset: int
+  nbytes: int
+  index: Index
+  crc32c: tuple[int, ...]
+
+  @property
+  def index_list(self) -> list[list[int]]:
+    """`index` as the manifest writes it, for messages: [[0, 16], [0, 4]]."""
+    return [list(r) for r in self.index]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+  """One leaf of the saved tree.
+
+  Attributes:
+    path: the key path joined with '/', e.g. 'params/dense_1/kernel'.
+    keys: the exact key path, one single-key dict per level (docs/format.md).
+    kind: 'array', 'numpy' (array kinds) or 'int', 'float', 'bool'.
+    dtype: the array kinds' dtype; None for Python scalars.
+    shape: the global shape; () for Python scalars.
+    shards: where the array kinds' values are, sorted by index.
+    value: a Python scalar's value; None for arrays.
+    key_impl: the PRNG impl of typed key data, e.g. 'threefry2x32', or None.
+  """
+  path: str
+  keys: tuple[Any, ...]
+  kind: str
+  dtype: np.dtype | None
+  shape: tuple[int, ...]
+  shards: tuple[ShardRecord, ...] = ()
+  value: bool | int | float | None = None
+  key_impl: str | None = None
+
+  @property
+  def is_array(self) -> bool:
+    return self.kind in ARRAY_KINDS
+
+  @property
+  def is_scalar(self) -> bool:
+    return self.kind in SCALAR_KINDS
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of array data (0 for Python scalars)."""
+    if self.dtype is None:
+      return 0
+    return math.prod(self.shape) * self.dtype.itemsize
+
+  def describe(self) -> str:
+    """'float32[512,10]', or 'Python int 3', for messages."""
+    if self.is_scalar:
+      return f"Python {self.kind} {self.value!r}"
+    desc = describe(self.dtype, self.shape)
+    if self.key_impl is not None:
+      desc += f" (key data of PRNG impl {self.key_impl})"
+    return desc
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  """A step's validated `manifest.json` (see docs/format.md for each field).
+
+  Informational fields that are absent or of the wrong type (`created`,
+  `created_unix`, `process_count`, `byte_order`) are None: they never stop
+  a restore.
+  """
+  format: str
+  format_version: int
+  step: int
+  created: str | None
+  created_unix: float | None
+  process_count: int | None
+  byte_order: str | None
+  files: dict[str, int]
+  checksum_algorithm: str
+  checksum_block_bytes: int
+  leaves: tuple[LeafRecord, ...]
+  extra: Any = None
+  metrics: Any = None
+
+  @property
+  def total_bytes(self) -> int:
+    """Bytes of array data of the whole checkpoint (all processes)."""
+    return sum(leaf.nbytes for leaf in self.leaves)
+
+  @property
+  def leaf_by_path(self) -> dict[str, LeafRecord]:
+    return {leaf.path: leaf for leaf in self.leaves}
+
+
+def _corrupt(where: str, what: str) -> CheckpointCorruptedError:
+  return CheckpointCorruptedError(f"{where}: {what}")
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _volume(index: Iterable[Iterable[int]]) -> int:
+  return math.prod(stop - start for start, stop in index)
+
+
+def _safe_relative(name: str) -> bool:
+  """A data file name that cannot leave the step directory."""
+  parts = name.split("/")
+  return (not name.startswith("/") and "\\" not in name and
+          all(p not in ("", ".", "..") for p in parts))
+
+
+def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
+                       lw: str) -> None:
+  """Shards must tile the array: no element missing, none twice."""
+  total = sum(_volume(i) for i in indices)
+  if total != math.prod(shape):
+    raise _corrupt(lw, f"shards cover {total} elements of"
+                   f" {math.prod(shape)}")
+  if not shape:
+    return  # One element: the count above settles it.
+  boxes = sorted(indices)  # By start along the first axis, then the rest.
+  for a in range(len(boxes)):
+    for b in range(a + 1, len(boxes)):
+      if boxes[b][0][0] >= boxes[a][0][1]:
+        break  # Starts after `a` ends along the first axis, as do the rest.
+      if all(max(r[0], s[0]) < min(r[1], s[1])
+             for r, s in zip(boxes[a], boxes[b])):
+        raise _corrupt(lw, f"shards {boxes[a]} and {boxes[b]} overlap")
+
+
+def _scalar_leaf(leaf: dict, kind: str, lw: str) -> Any:
+  value = leaf.get("value")
+  ok = {"int": _is_int(value), "bool": isinstance(value, bool),
+        "float": _is_int(value) or isinstance(value, float)}[kind]
+  if ok and kind == "float":
+    try:
+      float(value)
+    except OverflowError:
+      ok = False
+  if not ok:
+    raise _corrupt(lw, f"{kind} leaf with value {value!r:.60}")
+  return value
+
+
+def _shard(s: Any, lw: str, shape: list[int], dtype: np.dtype,
+           files: dict[str, int], block: int) -> ShardRecord:
+  if not (isinstance(s, dict) and isinstance(s.get("file"), str)
+          and s["file"] in files):
+    raise _corrupt(lw, f"shard in unknown file {s!r:.200}")
+  index = s.get("index")
+  if not (isinstance(index, list) and len(index) == len(shape) and all(
+      isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r)
+      and 0 <= r[0] <= r[1] <= d for r, d in zip(index, shape))):
+    raise _corrupt(lw, f"shard index {index!r:.200} outside shape {shape}")
+  off, nbytes = s.get("offset"), s.get("nbytes")
+  if not (_is_int(off) and _is_int(nbytes) and off >= 0
+          and nbytes == _volume(index) * dtype.itemsize
+          and off + nbytes <= files[s["file"]]):
+    raise _corrupt(
+        lw, f"shard bytes [{off!r:.40}, +{nbytes!r:.40}) do not fit"
+        f" {s['file']} ({files[s['file']]} bytes) or the shard's size")
+  sums = s.get("crc32c")
+  if not (isinstance(sums, list) and len(sums) == max(1, -(-nbytes // block))
+          and all(_is_int(c) and 0 <= c < 2**32 for c in sums)):
+    raise _corrupt(lw, f"shard at {index} has no valid crc32c list")
+  return ShardRecord(file=s["file"], offset=off, nbytes=nbytes,
+                     index=tuple((r[0], r[1]) for r in index),
+                     crc32c=tuple(sums))
+
+
+def _leaf(leaf: Any, where: str, files: dict[str, int],
+          block: int) -> LeafRecord:
+  if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
+    raise _corrupt(where, "a leaf entry has no path")
+  lw = f"{where}, leaf {leaf['path']!r}"
+  keys = leaf.get("keys")
+  keys = tuple(keys) if isinstance(keys, list) else ()
+  kind = leaf.get("kind")
+  if kind in SCALAR_KINDS:
+    return LeafRecord(path=leaf["path"], keys=keys, kind=kind, dtype=None,
+                      shape=(), value=_scalar_leaf(leaf, kind, lw))
+  if kind not in ARRAY_KINDS:
+    raise _corrupt(lw, f"unknown kind {kind!r}")
+  dtype = parse_dtype(leaf.get("dtype"), lw)
+  shape = leaf.get("shape")
+  if not (isinstance(shape, list) and len(shape) <= 64 and all(
+      _is_int(d) and 0 <= d < 2**62 for d in shape)):
+    raise _corrupt(lw, f"bad shape {shape!r:.200}")
+  shards = leaf.get("shards")
+  if not isinstance(shards, list):
+    raise _corrupt(lw, "no shard list")
+  records = tuple(_shard(s, lw, shape, dtype, files, block) for s in shards)
+  _check_exact_cover([s["index"] for s in shards], shape, lw)
+  key_impl = leaf.get("key_impl")
+  if "key_impl" in leaf and not isinstance(key_impl, str):
+    raise _corrupt(lw, f"bad key_impl {key_impl!r:.60}")
+  return LeafRecord(path=leaf["path"], keys=keys, kind=kind, dtype=dtype,
+                    shape=tuple(shape), shards=records, key_impl=key_impl)
+
+
+def _optional(value: Any, types: tuple[type, ...]) -> Any:
+  """`value` if it is of `types` (bools are not numbers here), else None."""
+  if isinstance(value, bool) and bool not in types:
+    return None
+  return value if isinstance(value, types) else None
+
+
+def parse(raw: bytes, where: str) -> Manifest:
+  """Parses and validates the bytes of a `manifest.json`.
+
+  Args:
+    raw: the file's contents.
+    where: the file's path, which every error message starts with.
+
+  Raises:
+    CheckpointCorruptedError: not valid JSON, not our format, an unknown
+      version, or entries that do not fit together.
+  """
+  try:
+    manifest = json.loads(raw.decode("utf-8"))
+  except (ValueError, RecursionError) as e:  # Also bad UTF-8, deep nesting.
+    raise _corrupt(where, f"not valid JSON ({e!s:.200})") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+    raise _corrupt(where, f"not a {FORMAT_NAME} manifest")
+  version = manifest.get("format_version")
+  if version != FORMAT_VERSION:
+    raise _corrupt(where, f"format_version {version!r} is not supported by"
+                   f" this version of {FORMAT_NAME} (reads {FORMAT_VERSION})")
+  step = manifest.get("step")
+  if not (_is_int(step) and step >= 0):
+    raise _corrupt(where, f"bad 'step' entry {step!r:.60}")
+  files = manifest.get("files")
+  if not isinstance(files, dict) or not all(
+      isinstance(k, str) and isinstance(v, int) and v >= 0
+      and _safe_relative(k) for k, v in files.items()):
+    raise _corrupt(where, "bad 'files' table")
+  checksum = manifest.get("checksum")
+  if not (isinstance(checksum, dict) and checksum.get("algorithm") == "crc32c"
+          and _is_int(checksum.get("block_bytes"))
+          and checksum["block_bytes"] > 0):
+    raise _corrupt(where, f"bad 'checksum' entry {checksum!r:.200}")
+  leaves = manifest.get("leaves")
+  if not isinstance(leaves, list):
+    raise _corrupt(where, "no 'leaves' list")
+  records, paths = [], set()
+  for leaf in leaves:
+    record = _leaf(leaf, where, files, checksum["block_bytes"])
+    if record.path in paths:
+      raise _corrupt(where, f"leaf {record.path!r} appears twice")
+    paths.add(record.path)
+    records.append(record)
+  return Manifest(
+      format=FORMAT_NAME, format_version=version, step=step,
+      created=_optional(manifest.get("created"), (str,)),
+      created_unix=_optional(manifest.get("created_unix"), (int, float)),
+      process_count=_optional(manifest.get("process_count"), (int,)),
+      byte_order=_optional(manifest.get("byte_order"), (str,)),
+      files=dict(files), checksum_algorithm=checksum["algorithm"],
+      checksum_block_bytes=checksum["block_bytes"], leaves=tuple(records),
+      extra=manifest.get("extra"), metrics=manifest.get("metrics"))
+
+
+def read(step_dir: epath.Path, step: int | None = None) -> Manifest:
+  """Reads and validates `manifest.json` of a step directory.
+
+  Args:
+    step_dir: the step's directory.
+    step: the step the directory is named after, if known: a manifest that
+      records another step (a directory copied or renamed by hand) is then
+      refused rather than restored or reported as that step.
+
+  Raises:
+    FileNotFoundError: no manifest.
+    CheckpointCorruptedError: not valid JSON, not our format, an unknown
+      version, entries that do not fit together, or another step than
+      `step`; the message names the file.
+  """
+  path = step_dir / MANIFEST
+  try:
+    raw = path.read_bytes()
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
+  manifest = parse(raw, str(path))
+  if step is not None and manifest.step != step:
+    raise CheckpointCorruptedError(
+        f"{path}: records step {manifest.step!r}, but lives in the directory"
+        f" of step {step}")
+  return manifest

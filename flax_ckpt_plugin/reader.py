@@ -1,0 +1,350 @@
+"""Reading a step's data: byte ranges of files, and regions of array leaves.
+
+`ByteReader` reads byte ranges of the data files that a manifest names,
+refusing files that are missing, short, not regular or outside the step
+directory. `LeafReader` assembles any region of one saved array from the
+shards that hold it, checking the CRC-32C of every block it reads. Both
+read a `manifest.Manifest`'s records and need no JAX: `restore` puts the
+regions on devices, `verify` checks whole steps.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import math
+import os
+import stat
+import threading
+from typing import Any, Sequence
+
+from etils import epath
+import numpy as np
+
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.manifest import Index
+from flax_ckpt_plugin.manifest import LeafRecord
+from flax_ckpt_plugin.manifest import ShardRecord
+from flax_ckpt_plugin.storage import block_checksums
+
+# Errors that mean a manifest's file name cannot name a data file.
+_NOT_A_DATA_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                    errno.ELOOP, errno.ENXIO)
+# Past this many runs of fewer than this many bytes, one saved shard's part
+# is read as whole rows of its first axis: a few larger reads beat many tiny.
+_MAX_RUNS = 4096
+_SMALL_RUN = 64 << 10
+
+
+def host_buffer(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+  """An uninitialized C-order array whose data starts on a 64-byte boundary.
+
+  The CPU backend adopts such memory in `jax.device_put` without copying it
+  (numpy's own allocations are only 16-byte aligned and would be copied).
+  Restored CPU arrays are not made this way, but by the runtime (see
+  `restore._owned_cpu_buffer`); this is for numpy targets and the other cases.
+  """
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _intersect(a: Index, b: Index) -> Index | None:
+  out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+  if any(lo >= hi for lo, hi in out):
+    return None
+  return out
+
+
+class ByteReader:
+  """Reads byte ranges of a step's data files; one open handle per file.
+
+  Safe to use from several threads: local files are read with positional
+  reads of one shared descriptor; files in object stores with one ranged
+  GET per range (`object_store.ObjectFile`).
+  """
+
+  def __init__(self, step_dir: epath.Path, files: dict[str, int]):
+    self._dir = step_dir
+    self._sizes = files
+    self._fds: dict[str, Any] = {}
+    self._lock = threading.Lock()
+    self.bytes_read = 0
+    # Each read costs a request on object stores: readers of a few spread
+    # ranges should rather fetch the span around them in one (see restore).
+    self.prefers_few_reads = not atomicity.is_local(step_dir)
+
+  def _open(self, name: str):
+    with self._lock:
+      return self._open_locked(name)
+
+  def _open_locked(self, name: str):
+    fd = self._fds.get(name)
+    if fd is None:
+      path = self._dir / name
+      try:
+        fd, size = self._open_new(path)
+      except FileNotFoundError as e:
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest is missing") from e
+      except OSError as e:
+        if e.errno not in _NOT_A_DATA_FILE:
+          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest cannot be a data file:"
+            f" {e.strerror}") from e
+      except CheckpointCorruptedError:
+        raise  # A ValueError too, but already says what is wrong.
+      except ValueError as e:  # A NUL byte in the name.
+        raise CheckpointCorruptedError(
+            f"data file name {name!r:.100} is not a valid file name") from e
+      self._fds[name] = fd
+      if size < self._sizes[name]:
+        raise CheckpointCorruptedError(
+            f"data file {path} is truncated: {size} bytes, manifest says"
+            f" {self._sizes[name]}")
+    return fd
+
+  def _open_new(self, path: epath.Path) -> tuple[Any, int]:
+    """An fd (local disks) or an `object_store.ObjectFile`, and its size."""
+    if not atomicity.is_local(path):
+      f = object_store.ObjectFile(path)
+      return f, f.size
+    real_dir = os.path.realpath(os.fspath(self._dir))
+    real = os.path.realpath(os.fspath(path))
+    if os.path.commonpath([real_dir, real]) != real_dir:
+      raise CheckpointCorruptedError(
+          f"data file {path} leads outside the step directory")
+    # O_NONBLOCK: opening a named pipe must not wait for a writer.
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise CheckpointCorruptedError(
+          f"data file {path} is not a regular file")
+    return fd, st.st_size
+
+  def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
+    fd = self._open(name)
+    done = 0
+    while done < len(out):
+      if isinstance(fd, int):
+        n = os.preadv(fd, [out[done:]], offset + done)
+      else:
+        n = fd.read_into(offset + done, out[done:])
+        if n < len(out) - done:  # Ranged GETs stop only at the end.
+          done, n = done + n, 0
+      if not n:
+        raise CheckpointCorruptedError(
+            f"data file {self._dir / name} ended at byte {offset + done},"
+            f" expected {offset + len(out)}")
+      done += n
+    with self._lock:
+      self.bytes_read += done
+
+  def close(self) -> None:
+    for fd in self._fds.values():
+      if isinstance(fd, int):
+        os.close(fd)
+      else:
+        fd.close()
+    self._fds.clear()
+
+
+class LeafReader:
+  """Assembles regions of one saved array leaf from its shards.
+
+  With `verify`, every byte that reaches the result comes from a checksum
+  block that was read whole and matched its CRC-32C: a shard read whole is
+  checked in place; a part of a shard is read as the span of whole blocks
+  around it. Without `verify`, exactly the needed bytes are read.
+  """
+
+  def __init__(self, *, reader: ByteReader, leaf: LeafRecord, where: str,
+               verify: bool, block: int):
+    self._reader = reader
+    self._where = f"{where}, leaf {leaf.path!r}"
+    self._verify = verify
+    self._block = block
+    self.dtype = leaf.dtype
+    self.shape = leaf.shape
+    self._shards = leaf.shards
+    # Per shard: a buffer of its bytes (pages touched only where read) and the
+    # blocks in it already read and checked, so no block is read twice.
+    self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
+    self._edges: dict[tuple[int, int], memoryview] = {}  # (shard, block).
+
+  def read(self, region: Index, out: np.ndarray | None = None) -> np.ndarray:
+    """The values of `region` of the global array, in `out` or a new array.
+
+    `out`, when given, is a writable C-order array of the region's shape
+    and of this leaf's dtype.
+    """
+    try:
+      return self._read(region, out)
+    except CheckpointCorruptedError as e:
+      if str(e).startswith(self._where):
+        raise
+      raise CheckpointCorruptedError(f"{self._where}: {e}") from e
+
+  def _read(self, region: Index, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+      out = host_buffer([hi - lo for lo, hi in region], self.dtype)
+    filled = 0
+    for n, shard in enumerate(self._shards):
+      inter = _intersect(shard.index, region) if region else ()
+      if inter is None:
+        continue
+      filled += math.prod(hi - lo for lo, hi in inter)
+      self._read_part(n, shard, inter, region, out)
+    if filled != out.size:
+      raise CheckpointCorruptedError(
+          f"{self._where}: shards cover {filled} of the {out.size} elements"
+          f" of region {region}")
+    return out
+
+  def _check(self, shard: ShardRecord, first_block: int,
+             data: memoryview) -> None:
+    """Compares the blocks in `data` (from block `first_block`) to the sums."""
+    expected = shard.crc32c[first_block:]
+    actual = block_checksums(data, self._block)
+    for n, (want, got) in enumerate(zip(expected, actual)):
+      if want != got:
+        lo = (first_block + n) * self._block
+        hi = min(lo + self._block, shard.nbytes)
+        raise CheckpointCorruptedError(
+            f"{self._where}: checksum mismatch in {shard.file} at bytes"
+            f" [{shard.offset + lo}, {shard.offset + hi}) (shard"
+            f" {shard.index_list}): crc32c {got:#010x}, manifest says"
+            f" {want:#010x}. The file was damaged after it was written.")
+
+  def _runs(self, index: Index, inter: Index) -> tuple[list[int], int, Index]:
+    """Byte offsets (in the shard) of the runs that hold `inter`.
+
+    In C order the part `inter` of a shard is a set of runs contiguous in the
+    file, one per combination of the axes before the last axis that `inter`
+    does not span whole. Layouts that would need very many tiny runs take
+    whole rows of the first axis instead.
+
+    Returns:
+      The runs' byte offsets, the bytes per run, and the part of the shard
+      (shard-local [start, stop) per axis) that the runs hold.
+    """
+    shape = [hi - lo for lo, hi in index]
+    local = [(lo - i0, hi - i0) for (lo, hi), (i0, _) in zip(inter, index)]
+    if not shape:
+      return [0], self.dtype.itemsize, ()
+    k = len(shape) - 1
+    while k > 0 and local[k] == (0, shape[k]):
+      k -= 1
+    strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+    run_elems = (local[k][1] - local[k][0]) * strides[k]
+    runs = math.prod(hi - lo for lo, hi in local[:k])
+    if runs > _MAX_RUNS and run_elems * self.dtype.itemsize < _SMALL_RUN:
+      local = [local[0]] + [(0, d) for d in shape[1:]]
+      k, run_elems = 0, (local[0][1] - local[0][0]) * strides[0]
+    first = sum(lo * st for (lo, _), st in zip(local, strides))
+    item = self.dtype.itemsize
+    offsets = [(first + sum(i * st for i, st in zip(idx, strides))) * item
+               for idx in itertools.product(
+                   *(range(hi - lo) for lo, hi in local[:k]))]
+    return offsets, run_elems * item, tuple(local)
+
+  def _read_range_verified(self, n: int, shard: ShardRecord, lo: int,
+                           dest: memoryview) -> None:
+    """Fills `dest` with shard `n`'s bytes from `lo`, checking every block.
+
+    Blocks inside the range are read straight into `dest` and checked
+    there; only the (at most two) blocks at its edges go through scratch,
+    kept for the neighbouring region that needs the rest of them.
+    """
+    hi, block = lo + len(dest), self._block
+    name, base = shard.file, shard.offset
+    # Whole blocks inside [lo, hi); the shard's last block may be short.
+    inner_lo = -(-lo // block) * block
+    inner_hi = hi if hi == shard.nbytes else hi // block * block
+    inner_hi = max(inner_lo, inner_hi)
+    if inner_lo < inner_hi:
+      view = dest[inner_lo - lo:inner_hi - lo]
+      self._reader.read_into(name, base + inner_lo, view)
+      self._check(shard, inner_lo // block, view)
+    for k in {lo // block, (hi - 1) // block}:
+      a, b = k * block, min((k + 1) * block, shard.nbytes)
+      if inner_lo <= a and b <= inner_hi:
+        continue  # Read whole above.
+      scratch = self._edges.get((n, k))
+      if scratch is None:
+        scratch = memoryview(np.empty(b - a, np.uint8))
+        self._reader.read_into(name, base + a, scratch)
+        self._check(shard, k, scratch)
+        self._edges[(n, k)] = scratch
+      s, e = max(a, lo), min(b, hi)
+      dest[s - lo:e - lo] = scratch[s - a:e - a]
+
+  def _verified_bytes(self, n: int, shard: ShardRecord, lo: int,
+                      hi: int) -> memoryview:
+    """Shard `n` as bytes, with at least [lo, hi) read in whole blocks.
+
+    The blocks are checked when `verify` is set. Each block is read once
+    for all the regions of this leaf that need it.
+    """
+    if n not in self._verified:
+      self._verified[n] = (np.empty(shard.nbytes, np.uint8), set())
+    buf, done = self._verified[n]
+    view = memoryview(buf)
+    block, k, end = self._block, lo // self._block, -(-hi // self._block)
+    while k < end:
+      if k in done:
+        k += 1
+        continue
+      j = k
+      while j < end and j not in done:
+        j += 1
+      a, b = k * block, min(j * block, shard.nbytes)
+      self._reader.read_into(shard.file, shard.offset + a, view[a:b])
+      if self._verify:
+        self._check(shard, k, view[a:b])
+      done.update(range(k, j))
+      k = j
+    return view
+
+  def _read_part(self, n: int, shard: ShardRecord, inter: Index,
+                 region: Index, out: np.ndarray) -> None:
+    """Copies the part `inter` of saved shard `n` into `out`."""
+    index = shard.index
+    offsets, run_bytes, local = self._runs(index, inter)
+    part_shape = [hi - lo for lo, hi in local]
+    direct = inter == region and part_shape == list(out.shape)
+    part = out if direct else np.empty(part_shape, dtype=self.dtype)
+    flat = memoryview(part.reshape(-1).view(np.uint8))
+    name, base = shard.file, shard.offset
+    whole = run_bytes * len(offsets) == shard.nbytes
+    # Exactly the runs, one read each; but where a read is a request (object
+    # stores), many runs are fetched as the blocks around them instead.
+    exact = not self._verify and (len(offsets) == 1
+                                  or not self._reader.prefers_few_reads)
+    if exact or whole:
+      for r, off in enumerate(offsets):
+        self._reader.read_into(name, base + off,
+                               flat[r * run_bytes:(r + 1) * run_bytes])
+      if self._verify:  # Read whole: check it where it lies.
+        self._check(shard, 0, flat)
+    elif len(offsets) == 1:
+      self._read_range_verified(n, shard, offsets[0], flat[:run_bytes])
+    else:
+      # Whole (checked) blocks: copy the runs out of them.
+      src = self._verified_bytes(n, shard, offsets[0], offsets[-1] + run_bytes)
+      for r, off in enumerate(offsets):
+        flat[r * run_bytes:(r + 1) * run_bytes] = src[off:off + run_bytes]
+    if direct:
+      return
+    src = tuple(slice(lo - l0, hi - l0) for (lo, hi), (l0, _) in
+                zip([(a - i0, b - i0) for (a, b), (i0, _) in zip(inter, index)],
+                    local))
+    dst = tuple(slice(lo - g0, hi - g0)
+                for (lo, hi), (g0, _) in zip(inter, region))
+    out[dst] = part[src]
