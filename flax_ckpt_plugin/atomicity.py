@@ -31,66 +31,54 @@ from typing import Any, Literal
 
 from etils import epath
 
-COMMIT_MARKER = "_COMMITTED"
-WRITER_FILE = "_WRITER"
-# Object stores: a random token that `CommitFilePath.prepare` writes into the
-# step, standing in for the inode that identifies a local directory.
-ATTEMPT_FILE = "_ATTEMPT"
-TMP_SUFFIX = ".partial"
-DELETING_SUFFIX = ".deleting"
-# A finalized step that failed verification at restore, kept for a person.
-DAMAGED_SUFFIX = ".damaged"
+from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.layout import ATTEMPT_FILE
+from flax_ckpt_plugin.layout import COMMIT_MARKER
+from flax_ckpt_plugin.layout import DAMAGED_SUFFIX
+from flax_ckpt_plugin.layout import DELETING_SUFFIX
+from flax_ckpt_plugin.layout import step_from_name
+from flax_ckpt_plugin.layout import TMP_SUFFIX
+from flax_ckpt_plugin.layout import WRITER_FILE
+
+__all__ = [  # The layout's names are used through this module too.
+    "ATTEMPT_FILE", "COMMIT_MARKER", "DAMAGED_SUFFIX", "DELETING_SUFFIX",
+    "TMP_SUFFIX", "WRITER_FILE", "step_from_name",
+]
 
 Atomicity = Literal["auto", "rename", "commit_file"]
+Backend = backend_lib.Backend
 
 
-def is_local(path: epath.PathLike) -> bool:
-  """True for paths of the local filesystem (no `scheme://`)."""
-  return "://" not in os.fspath(path)
+def _backend(path: epath.PathLike, backend: Backend | None) -> Backend:
+  return backend if backend is not None else backend_lib.for_path(path)
 
 
-def resolve_atomicity(directory: epath.PathLike, atomicity: Atomicity) -> str:
-  """'rename' for local paths, 'commit_file' for object stores, unless set."""
+def resolve_atomicity(directory: epath.PathLike, atomicity: Atomicity,
+                      backend: Backend | None = None) -> str:
+  """'rename' where the storage renames atomically, else 'commit_file'."""
+  backend = _backend(directory, backend)
   if atomicity == "auto":
-    return "rename" if is_local(directory) else "commit_file"
+    return "rename" if backend.rename_is_atomic else "commit_file"
   if atomicity not in ("rename", "commit_file"):
     raise ValueError(
         f"atomicity must be 'auto', 'rename' or 'commit_file', got"
         f" {atomicity!r}")
-  if atomicity == "rename" and not is_local(directory):
+  if atomicity == "rename" and not backend.rename_is_atomic:
     raise ValueError(
         f"atomicity='rename' needs a local filesystem; {directory} is an"
         " object store without atomic rename: use 'commit_file'.")
   return atomicity
 
 
-def fsync_path(path: epath.PathLike) -> None:
+def fsync_path(path: epath.PathLike, backend: Backend | None = None) -> None:
   """fsyncs a local file or directory; a no-op on object stores."""
-  if not is_local(path):
-    return
-  fd = os.open(os.fspath(path), os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+  _backend(path, backend).fsync(path)
 
 
-def write_small_file(path: epath.Path, text: str) -> None:
+def write_small_file(path: epath.Path, text: str,
+                     backend: Backend | None = None) -> None:
   """Writes `text` to `path` durably (fsync on local filesystems)."""
-  if is_local(path):
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-  else:
-    path.write_text(text)
-
-
-def step_from_name(name: str) -> int | None:
-  """The step a directory name stands for, or None if it is not a step."""
-  if name.isascii() and name.isdigit() and str(int(name)) == name:
-    return int(name)
-  return None
+  _backend(path, backend).write_small(path, text)
 
 
 def is_finalized(step_dir: epath.Path) -> bool:
@@ -126,45 +114,28 @@ def unfinished_entries(directory: epath.Path) -> list[epath.Path]:
   return sorted(found)
 
 
-def _remove_tree(path: epath.Path) -> None:
-  if path.is_dir():
-    path.rmtree(missing_ok=True)
-  elif path.exists():
-    path.unlink(missing_ok=True)
-
-
-def remove_unfinished(directory: epath.Path) -> list[epath.Path]:
+def remove_unfinished(directory: epath.Path,
+                      backend: Backend | None = None) -> list[epath.Path]:
   """Removes unfinished steps; called by the primary host only."""
+  backend = _backend(directory, backend)
   removed = unfinished_entries(directory)
   for entry in removed:
-    _remove_tree(entry)
+    backend.remove(entry)
   return removed
 
 
-def delete_step(directory: epath.Path, step: int) -> None:
+def delete_step(directory: epath.Path, step: int,
+                backend: Backend | None = None) -> None:
   """Deletes a finalized step so that a crash half way never looks final.
 
   Local: rename to `<step>.deleting` (atomic), then remove. Object store:
   remove the commit marker first, then the rest. Primary host only.
   """
-  step_dir = directory / str(step)
-  if is_local(directory):
-    doomed = directory / f"{step}{DELETING_SUFFIX}"
-    _remove_tree(doomed)
-    try:
-      step_dir.rename(doomed)
-    except FileNotFoundError:
-      # Already gone: `flax-ckpt prune` (or a person) deleted it first.
-      # Retention wanted it gone, so there is nothing left to do.
-      return
-    fsync_path(directory)
-    _remove_tree(doomed)
-  else:
-    (step_dir / COMMIT_MARKER).unlink(missing_ok=True)
-    _remove_tree(step_dir)
+  _backend(directory, backend).delete_step(directory, step)
 
 
-def set_aside(directory: epath.Path, step: int) -> str:
+def set_aside(directory: epath.Path, step: int,
+              backend: Backend | None = None) -> str:
   """Takes a damaged finalized step out of the list; says where it went.
 
   Local disks keep the files as `<step>.damaged` for a person to look at
@@ -172,21 +143,11 @@ def set_aside(directory: epath.Path, step: int) -> str:
   object stores the commit marker is removed, which makes the step
   unfinished, and the next writer cleans it up. Primary host only.
   """
-  step_dir = directory / str(step)
-  if not is_local(directory):
-    (step_dir / COMMIT_MARKER).unlink(missing_ok=True)
-    return "unfinished (its commit marker was removed)"
-  aside = directory / f"{step}{DAMAGED_SUFFIX}"
-  n = 1
-  while aside.exists():
-    n += 1
-    aside = directory / f"{step}{DAMAGED_SUFFIX}{n}"
-  step_dir.rename(aside)
-  fsync_path(directory)
-  return str(aside)
+  return _backend(directory, backend).set_aside(directory, step)
 
 
-def claim_directory(directory: epath.Path, process_count: int) -> str:
+def claim_directory(directory: epath.Path, process_count: int,
+                    backend: Backend | None = None) -> str:
   """Records this job as the directory's writer; returns its token.
 
   The newest claim wins: a job restarted after a preemption takes over at
@@ -198,18 +159,8 @@ def claim_directory(directory: epath.Path, process_count: int) -> str:
   info = {"token": token, "host": socket.gethostname(), "pid": os.getpid(),
           "process_count": process_count,
           "opened": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-  path = directory / WRITER_FILE
-  text = json.dumps(info) + "\n"
-  if is_local(directory):
-    for entry in directory.iterdir():  # Left by a crash inside a claim.
-      if entry.name.startswith(WRITER_FILE + "."):
-        entry.unlink(missing_ok=True)
-    tmp = directory / f"{WRITER_FILE}.{token}"
-    write_small_file(tmp, text)
-    os.replace(os.fspath(tmp), os.fspath(path))
-    fsync_path(directory)
-  else:
-    path.write_text(text)
+  _backend(directory, backend).replace_small(directory / WRITER_FILE,
+                                             json.dumps(info) + "\n")
   return token
 
 
@@ -235,41 +186,37 @@ class TemporaryPath(abc.ABC):
   `abandon` (after a failed save).
   """
 
-  def __init__(self, final: epath.Path, step: int):
+  def __init__(self, final: epath.Path, step: int,
+               backend: Backend | None = None):
     self.final = final
     self.step = step
+    self.backend = _backend(final, backend)
     self.prepared = False  # Set once `prepare` made `path` ours.
-    # (st_dev, st_ino) of the directory `prepare` made, on local disks. An
-    # open descriptor keeps the inode from being reused, so a directory of
-    # the same name made by another writer is never taken for ours.
-    self.identity: tuple[int, int] | None = None
-    self._dir_fd: int | None = None
+    # The identity of the directory `prepare` made, where the storage has
+    # one (inodes). A held handle keeps it from being reused, so a directory
+    # of the same name made by another writer is never taken for ours.
+    self.identity: backend_lib.Identity | None = None
+    self._handle: int | None = None
 
   def _hold(self) -> None:
-    """Records the identity of the freshly made `path` (local disks)."""
+    """Records the identity of the freshly made `path`."""
     self.prepared = True
-    if is_local(self.path):
-      self._dir_fd = os.open(os.fspath(self.path),
-                             os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-      st = os.fstat(self._dir_fd)
-      self.identity = (st.st_dev, st.st_ino)
+    self._handle, self.identity = self.backend.hold(self.path)
 
   def _release(self) -> None:
-    if self._dir_fd is not None:
-      os.close(self._dir_fd)
-      self._dir_fd = None
+    self.backend.release(self._handle)
+    self._handle = None
 
   def is_ours(self) -> bool:
     """Whether `path` is still the directory that `prepare` made."""
     if not self.prepared:
       return False
     if self.identity is None:
-      return True  # Object stores have no identity to compare.
+      return True  # No identity to compare.
     try:
-      st = os.stat(os.fspath(self.path))
+      return self.backend.identity(self.path) == self.identity
     except FileNotFoundError:
       return False
-    return (st.st_dev, st.st_ino) == self.identity
 
   @property
   @abc.abstractmethod
@@ -282,7 +229,7 @@ class TemporaryPath(abc.ABC):
       raise FileExistsError(
           f"step {self.step} is already finalized at {self.final}; refusing"
           " to overwrite it.")
-    _remove_tree(self.path)
+    self.backend.remove(self.path)
     self.path.mkdir(parents=True, exist_ok=False)
     self._hold()
 
@@ -299,7 +246,7 @@ class TemporaryPath(abc.ABC):
     """
     try:
       if self.is_ours() and not is_finalized(self.path):
-        _remove_tree(self.path)
+        self.backend.remove(self.path)
     except OSError:
       pass
     finally:
@@ -314,8 +261,9 @@ class AtomicRenamePath(TemporaryPath):
     return self.final.parent / (self.final.name + TMP_SUFFIX)
 
   def finalize(self) -> None:
-    write_small_file(self.path / COMMIT_MARKER, _marker_text(self.step))
-    fsync_path(self.path)
+    self.backend.write_small(self.path / COMMIT_MARKER,
+                             _marker_text(self.step))
+    self.backend.fsync(self.path)
     if self.final.exists():
       raise FileExistsError(
           f"cannot finalize step {self.step}: {self.final} appeared while it"
@@ -325,21 +273,21 @@ class AtomicRenamePath(TemporaryPath):
           f"cannot finalize step {self.step}: {self.path} was replaced while"
           " it was being written (another writer on this directory?).")
     os.rename(os.fspath(self.path), os.fspath(self.final))
-    fsync_path(self.final.parent)
+    self.backend.fsync(self.final.parent)
     self._release()
 
 
 class CommitFilePath(TemporaryPath):
   """Write into `<step>`, then write `<step>/_COMMITTED` last.
 
-  On object stores a prefix has no identity, so `prepare` writes a random
-  token to `<step>/_ATTEMPT`: if another writer prepares the same step
-  meanwhile (replacing the prefix and the token), this attempt neither
+  Where a directory has no identity (object stores), `prepare` writes a
+  random token to `<step>/_ATTEMPT`: if another writer prepares the same
+  step meanwhile (replacing the prefix and the token), this attempt neither
   finalizes nor, when abandoned, deletes the other's files. The token is
   removed once the marker is written.
   """
 
-  _attempt: str | None = None  # The token in `_ATTEMPT` (object stores).
+  _attempt: str | None = None  # The token in `_ATTEMPT`.
 
   @property
   def path(self) -> epath.Path:
@@ -352,14 +300,14 @@ class CommitFilePath(TemporaryPath):
       raise FileExistsError(
           f"step {self.step} is already finalized at {self.final}; refusing"
           " to overwrite it.")
-    _remove_tree(self.final)
+    self.backend.remove(self.final)
     self.final.mkdir(parents=True, exist_ok=True)
-    fsync_path(self.final.parent)
-    if not is_local(self.final):
-      attempt = uuid.uuid4().hex
-      write_small_file(self.final / ATTEMPT_FILE, attempt)
-      self._attempt = attempt
+    self.backend.fsync(self.final.parent)
     self._hold()
+    if self.identity is None:
+      attempt = uuid.uuid4().hex
+      self.backend.write_small(self.final / ATTEMPT_FILE, attempt)
+      self._attempt = attempt
 
   def is_ours(self) -> bool:
     if self._attempt is None:
@@ -374,8 +322,9 @@ class CommitFilePath(TemporaryPath):
       raise FileExistsError(
           f"cannot finalize step {self.step}: {self.final} was replaced while"
           " it was being written (another writer on this directory?).")
-    write_small_file(self.final / COMMIT_MARKER, _marker_text(self.step))
-    fsync_path(self.final)  # The marker's directory entry, too.
+    self.backend.write_small(self.final / COMMIT_MARKER,
+                             _marker_text(self.step))
+    self.backend.fsync(self.final)  # The marker's directory entry, too.
     if self._attempt is not None:
       # Finalized steps look the same on every store; a crash before this
       # leaves a harmless extra object.
@@ -383,12 +332,12 @@ class CommitFilePath(TemporaryPath):
     self._release()
 
 
-def temporary_path(directory: epath.Path, step: int,
-                   atomicity: str) -> TemporaryPath:
+def temporary_path(directory: epath.Path, step: int, atomicity: str,
+                   backend: Backend | None = None) -> TemporaryPath:
   """The temporary path for `step` under the resolved `atomicity` mode."""
   final = directory / str(step)
   if atomicity == "rename":
-    return AtomicRenamePath(final, step)
+    return AtomicRenamePath(final, step, backend)
   if atomicity == "commit_file":
-    return CommitFilePath(final, step)
+    return CommitFilePath(final, step, backend)
   raise ValueError(f"unknown atomicity {atomicity!r}")

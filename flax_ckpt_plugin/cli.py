@@ -25,8 +25,8 @@ from typing import Any, Sequence, TextIO
 from etils import epath
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend
 from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.inventory import committed_unix
 from flax_ckpt_plugin.inventory import human_age
@@ -75,7 +75,8 @@ def _dumps(value: Any) -> str:
 
 
 def _existing_dir(name: str) -> epath.Path:
-  directory = object_store.as_path(name)  # Object stores go through fsspec.
+  # Object stores go through fsspec (see object_store).
+  directory, _ = backend.make_path(name)
   if not directory.exists():
     raise CliError(f"directory {name} does not exist", EXIT_NOT_FOUND)
   if not directory.is_dir():

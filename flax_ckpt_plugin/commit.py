@@ -27,6 +27,7 @@ from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CommitHookError
@@ -59,6 +60,7 @@ class CommitInputs(NamedTuple):
   """Everything one background commit reads; it touches nothing else."""
   coordinator: coordinator_lib.Coordinator
   directory: epath.Path  # The checkpoint directory.
+  backend: backend_lib.Backend  # Its storage.
   step: int
   key: str  # Unique prefix of this save's barrier and key-value keys.
   tmp: atomicity_lib.TemporaryPath  # Where the step is written.
@@ -137,14 +139,15 @@ def commit(inputs: CommitInputs) -> SaveStats:
   nbytes = _phase(
       inputs, "written",
       lambda: storage.write_process_files(tmp.path, inputs.leaves, pid,
-                                          identity=identity))
+                                          identity=identity,
+                                          backend=inputs.backend))
 
   def finalize():
     if inputs.is_primary:
       inputs.check_still_writer(f"step {step} was not finalized")
       storage.write_manifest(tmp.path, step=step, leaves=inputs.leaves,
                              process_count=count, extra=inputs.extra,
-                             metrics=inputs.metrics)
+                             metrics=inputs.metrics, backend=inputs.backend)
       tmp.finalize()
 
   _phase(inputs, "committed", finalize)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 from typing import Any, TextIO
 
 from etils import epath
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 
 
 def human_age(secs: float | None) -> str:
@@ -43,18 +43,13 @@ def size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
   Files that vanish meanwhile (a step being deleted) are skipped.
   """
   total, newest = 0, None
-  local = atomicity.is_local(path)
+  backend = backend_lib.for_path(path)
   try:
     entries = path.walk() if path.is_dir() else [(path.parent, [], [path.name])]
     for root, _, files in entries:
       for name in files:
         try:
-          if local:
-            st = os.lstat(os.fspath(root / name))
-            size, mtime = st.st_size, st.st_mtime
-          else:
-            st = (root / name).stat()
-            size, mtime = st.length, float(st.mtime)
+          size, mtime = backend.size_and_mtime(root / name)
         except FileNotFoundError:
           continue
         total += size

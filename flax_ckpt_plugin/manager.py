@@ -22,17 +22,16 @@ from typing import Any, Sequence
 from etils import epath
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.commit import SaveStats
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore import restore_tree
@@ -149,12 +148,13 @@ class CheckpointManager:
       raise ValueError(f"primary_host={primary_host} is not a process index"
                        f" (process count {count})")
     given = os.fspath(directory)
-    # Object stores go through fsspec, never tf.io.gfile (see object_store).
-    self.directory = object_store.as_path(
-        os.path.abspath(given) if atomicity_lib.is_local(given) else given)
+    # The storage backend is chosen once, by the path's scheme; object
+    # stores go through fsspec, never tf.io.gfile (see object_store).
+    self.directory, self.backend = backend_lib.make_path(given)
     self.max_to_keep = max_to_keep
     self.keep_every_n_steps = keep_every_n_steps
-    self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity)
+    self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity,
+                                                     self.backend)
     self.primary_host = primary_host
     self.read_only = read_only
     self.is_primary = self.coordinator.process_index == primary_host
@@ -191,11 +191,12 @@ class CheckpointManager:
       self.directory.mkdir(parents=True, exist_ok=True)
       previous = atomicity_lib.current_writer(self.directory)
       self._writer_token = atomicity_lib.claim_directory(
-          self.directory, coord.process_count)
+          self.directory, coord.process_count, self.backend)
       if previous:
         log.info("took over %s from its previous writer %s", self.directory,
                  previous)
-      for entry in atomicity_lib.remove_unfinished(self.directory):
+      for entry in atomicity_lib.remove_unfinished(self.directory,
+                                                   self.backend):
         log.warning("removed unfinished checkpoint %s", entry)
       if coord.process_count > 1:
         coord.kv_set(f"{self._base}/writer", self._writer_token)
@@ -318,10 +319,11 @@ class CheckpointManager:
     leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging)
     inputs = commit_lib.CommitInputs(
-        coordinator=coord, directory=self.directory, step=step,
+        coordinator=coord, directory=self.directory, backend=self.backend,
+        step=step,
         key=f"{self.name}/save{self._saves}/step{step}",
         tmp=atomicity_lib.temporary_path(self.directory, step,
-                                         self.atomicity),
+                                         self.atomicity, self.backend),
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
@@ -349,7 +351,7 @@ class CheckpointManager:
     if self.is_primary and doomed:
       self._check_still_writer(f"steps {doomed} were not deleted")
       for s in doomed:
-        atomicity_lib.delete_step(self.directory, s)
+        atomicity_lib.delete_step(self.directory, s, self.backend)
         log.info("retention deleted step %d from %s", s, self.directory)
 
   def _check_still_writer(self, consequence: str) -> None:
@@ -475,7 +477,7 @@ class CheckpointManager:
       return
     for step in steps:
       try:
-        aside = atomicity_lib.set_aside(self.directory, step)
+        aside = atomicity_lib.set_aside(self.directory, step, self.backend)
         log.warning("damaged step %d of %s set aside: %s", step,
                     self.directory, aside)
       except OSError as e:

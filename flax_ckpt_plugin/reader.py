@@ -13,16 +13,13 @@ from __future__ import annotations
 import errno
 import itertools
 import math
-import os
-import stat
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.manifest import Index
 from flax_ckpt_plugin.manifest import LeafRecord
@@ -62,31 +59,33 @@ def _intersect(a: Index, b: Index) -> Index | None:
 class ByteReader:
   """Reads byte ranges of a step's data files; one open handle per file.
 
-  Safe to use from several threads: local files are read with positional
-  reads of one shared descriptor; files in object stores with one ranged
-  GET per range (`object_store.ObjectFile`).
+  Safe to use from several threads: each file is a `backend.RangedFile`
+  (positional reads of one descriptor on local disks, one ranged GET per
+  range on object stores).
   """
 
-  def __init__(self, step_dir: epath.Path, files: dict[str, int]):
+  def __init__(self, step_dir: epath.Path, files: dict[str, int],
+               backend: backend_lib.Backend | None = None):
     self._dir = step_dir
     self._sizes = files
-    self._fds: dict[str, Any] = {}
+    self._backend = backend or backend_lib.for_path(step_dir)
+    self._files: dict[str, backend_lib.RangedFile] = {}
     self._lock = threading.Lock()
     self.bytes_read = 0
     # Each read costs a request on object stores: readers of a few spread
     # ranges should rather fetch the span around them in one (see restore).
-    self.prefers_few_reads = not atomicity.is_local(step_dir)
+    self.prefers_few_reads = self._backend.reads_are_requests
 
-  def _open(self, name: str):
+  def _open(self, name: str) -> backend_lib.RangedFile:
     with self._lock:
       return self._open_locked(name)
 
-  def _open_locked(self, name: str):
-    fd = self._fds.get(name)
-    if fd is None:
+  def _open_locked(self, name: str) -> backend_lib.RangedFile:
+    f = self._files.get(name)
+    if f is None:
       path = self._dir / name
       try:
-        fd, size = self._open_new(path)
+        f = self._backend.open_ranged(path, within=self._dir)
       except FileNotFoundError as e:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e
@@ -101,58 +100,27 @@ class ByteReader:
       except ValueError as e:  # A NUL byte in the name.
         raise CheckpointCorruptedError(
             f"data file name {name!r:.100} is not a valid file name") from e
-      self._fds[name] = fd
-      if size < self._sizes[name]:
+      self._files[name] = f
+      if f.size < self._sizes[name]:
         raise CheckpointCorruptedError(
-            f"data file {path} is truncated: {size} bytes, manifest says"
+            f"data file {path} is truncated: {f.size} bytes, manifest says"
             f" {self._sizes[name]}")
-    return fd
-
-  def _open_new(self, path: epath.Path) -> tuple[Any, int]:
-    """An fd (local disks) or an `object_store.ObjectFile`, and its size."""
-    if not atomicity.is_local(path):
-      f = object_store.ObjectFile(path)
-      return f, f.size
-    real_dir = os.path.realpath(os.fspath(self._dir))
-    real = os.path.realpath(os.fspath(path))
-    if os.path.commonpath([real_dir, real]) != real_dir:
-      raise CheckpointCorruptedError(
-          f"data file {path} leads outside the step directory")
-    # O_NONBLOCK: opening a named pipe must not wait for a writer.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      os.close(fd)
-      raise CheckpointCorruptedError(
-          f"data file {path} is not a regular file")
-    return fd, st.st_size
+    return f
 
   def read_into(self, name: str, offset: int, out: memoryview) -> None:
     """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
-    fd = self._open(name)
-    done = 0
-    while done < len(out):
-      if isinstance(fd, int):
-        n = os.preadv(fd, [out[done:]], offset + done)
-      else:
-        n = fd.read_into(offset + done, out[done:])
-        if n < len(out) - done:  # Ranged GETs stop only at the end.
-          done, n = done + n, 0
-      if not n:
-        raise CheckpointCorruptedError(
-            f"data file {self._dir / name} ended at byte {offset + done},"
-            f" expected {offset + len(out)}")
-      done += n
+    done = self._open(name).read_into(offset, out)
+    if done < len(out):
+      raise CheckpointCorruptedError(
+          f"data file {self._dir / name} ended at byte {offset + done},"
+          f" expected {offset + len(out)}")
     with self._lock:
       self.bytes_read += done
 
   def close(self) -> None:
-    for fd in self._fds.values():
-      if isinstance(fd, int):
-        os.close(fd)
-      else:
-        fd.close()
-    self._fds.clear()
+    for f in self._files.values():
+      f.close()
+    self._files.clear()
 
 
 class LeafReader:

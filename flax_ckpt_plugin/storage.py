@@ -20,10 +20,8 @@ readers with numpy alone; `manifest` reads and validates the manifest and
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import math
-import os
 import time
 import threading
 from typing import Any, Iterable, TYPE_CHECKING
@@ -32,10 +30,8 @@ import crc32c
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
-from flax_ckpt_plugin import object_store
-from flax_ckpt_plugin.errors import ConcurrentWriterError
 
 if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
   from flax_ckpt_plugin.snapshot import LeafSnapshot
@@ -78,82 +74,10 @@ def _as_bytes(arr: np.ndarray) -> np.ndarray:
   return np.asarray(arr, order="C").reshape(-1).view(np.uint8)
 
 
-class _StepDirWriter:
-  """Creates this process's files in one step directory.
-
-  On local disks the directory is opened once and checked against the
-  identity the primary host recorded when it made it; files are then
-  created relative to that descriptor, so if another writer replaces the
-  directory by name, this process never writes into the replacement.
-  """
-
-  def __init__(self, step_dir: epath.Path,
-               identity: tuple[int, int] | None):
-    self._dir = step_dir
-    self._fd = self._data_fd = None
-    if not atomicity.is_local(step_dir):
-      # Object stores: no directory to make or to hold (a prefix exists
-      # once an object under it does); each file is one object, uploaded
-      # when it is closed.
-      self._dir = object_store.as_path(step_dir)
-      return
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-    self._fd = os.open(os.fspath(step_dir), flags)
-    st = os.fstat(self._fd)
-    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
-      self.close()
-      raise ConcurrentWriterError(
-          f"{step_dir} is no longer the directory this save was started in:"
-          " another writer replaced it. This save is abandoned.")
-    try:
-      os.mkdir(DATA_DIR, dir_fd=self._fd)
-    except FileExistsError:
-      pass
-    self._data_fd = os.open(DATA_DIR, flags, dir_fd=self._fd)
-
-  @property
-  def local(self) -> bool:
-    return self._data_fd is not None
-
-  def open(self, name: str):
-    """A binary file for writing at `name` (relative to the step dir)."""
-    if self._data_fd is None:
-      return (self._dir / name).open("wb")
-    base = name.split("/", 1)[1]  # Every file here lives in DATA_DIR.
-    fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                 0o644, dir_fd=self._data_fd)
-    return open(fd, "wb", buffering=0)
-
-  def open_direct(self, name: str) -> int | None:
-    """A second, O_DIRECT descriptor of `name` (opened by `open` first).
-
-    None on object stores, or where the file system refuses direct I/O.
-    """
-    if self._data_fd is None:
-      return None
-    base = name.split("/", 1)[1]
-    try:
-      return os.open(base, os.O_WRONLY | datafile.O_DIRECT | os.O_CLOEXEC,
-                     dir_fd=self._data_fd)
-    except OSError as e:
-      if e.errno != errno.EINVAL:
-        raise
-      return None
-
-  def sync(self, f) -> None:
-    if self._data_fd is not None:
-      os.fsync(f.fileno())
-
-  def close(self) -> None:
-    for fd in (self._data_fd, self._fd):
-      if fd is not None:
-        os.close(fd)
-    self._fd = self._data_fd = None
-
-
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
                         process_index: int, *,
-                        identity: tuple[int, int] | None = None) -> int:
+                        identity: backend_lib.Identity | None = None,
+                        backend: backend_lib.Backend | None = None) -> int:
   """Writes this process's shards and shard table; returns the shards' bytes.
 
   Called on every process, each into the same temporary step directory. The
@@ -163,19 +87,21 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
     step_dir: the step's temporary directory.
     leaves: this process's snapshot.
     process_index: names the files.
-    identity: (st_dev, st_ino) of `step_dir` when the primary host made it
+    identity: the identity of `step_dir` when the primary host made it
       (local disks); a different directory there raises
       `ConcurrentWriterError`.
+    backend: the directory's storage backend (default: by its scheme).
   """
-  out = _StepDirWriter(step_dir, identity)
+  backend = backend or backend_lib.for_path(step_dir)
+  out = backend.step_writer(step_dir, identity, DATA_DIR)
   try:
     entries = []
     offset = 0  # The data file's size.
     name = data_file(process_index)
     shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
     if shards:
-      if out.local:
-        offset = _write_local(out, name, shards, entries)
+      if out.positional:
+        offset = _write_by_offset(out, name, shards, entries)
       else:
         with out.open(name) as f:
           for leaf, shard in shards:
@@ -200,9 +126,9 @@ def _entry(leaf: LeafSnapshot, shard: Any, name: str, offset: int,
           "crc32c": block_checksums(memoryview(buf)) if sums is None else sums}
 
 
-def _write_local(out: "_StepDirWriter", name: str, shards: list[Any],
-                 entries: list[dict]) -> int:
-  """Writes the data file on a local disk; returns its size.
+def _write_by_offset(out: backend_lib.StepWriter, name: str,
+                     shards: list[Any], entries: list[dict]) -> int:
+  """Writes the data file by offset (local disks); returns its size.
 
   The checksums are computed by a second thread while this one writes
   (both release the GIL), so a save costs about its slower half.
@@ -240,7 +166,8 @@ def _volume(index: Iterable[Iterable[int]]) -> int:
 
 def write_manifest(step_dir: epath.Path, *, step: int,
                    leaves: list[LeafSnapshot], process_count: int,
-                   extra: Any, metrics: dict[str, Any] | None) -> dict:
+                   extra: Any, metrics: dict[str, Any] | None,
+                   backend: backend_lib.Backend | None = None) -> dict:
   """Merges every process's shard table into `manifest.json`.
 
   Primary host only, after all processes wrote. Checks that the shards
@@ -292,10 +219,10 @@ def write_manifest(step_dir: epath.Path, *, step: int,
       "extra": extra,
       "metrics": metrics,
   }
-  atomicity.write_small_file(step_dir / MANIFEST,
-                             json.dumps(manifest, indent=1))
+  backend = backend or backend_lib.for_path(step_dir)
+  backend.write_small(step_dir / MANIFEST, json.dumps(manifest, indent=1))
   for p in range(process_count):
     (step_dir / index_file(p)).unlink(missing_ok=True)
-  atomicity.fsync_path(step_dir / DATA_DIR)
-  atomicity.fsync_path(step_dir)
+  backend.fsync(step_dir / DATA_DIR)
+  backend.fsync(step_dir)
   return manifest

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import manager as manager_lib
 from flax_ckpt_plugin import storage
@@ -234,13 +235,13 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
       return hooked
     wrap(storage, "write_manifest", write_manifest)
   elif moment == "finalize_marker":
-    def write_small_file(real):
-      def hooked(path, text):
-        real(path, text)
+    def write_small(real):
+      def hooked(self, path, text):
+        real(self, path, text)
         if path.name == atomicity.COMMIT_MARKER and due():
           _die(moment, _step_of(path))
       return hooked
-    wrap(atomicity, "write_small_file", write_small_file)
+    wrap(backend_lib.LocalBackend, "write_small", write_small)
   elif moment == "finalize_renamed":
     def finalize(real):
       def hooked(self):
@@ -254,18 +255,18 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
     # delete_step removes `<step>.deleting` twice: a leftover before the
     # rename (normally absent), then the renamed step; the hook takes the
     # second, i.e. the first call that finds the directory there.
-    def remove_tree(real):
-      def hooked(path):
+    def remove(real):
+      def hooked(self, path):
         if (path.name.endswith(atomicity.DELETING_SUFFIX) and path.exists()
             and due()):
           if moment == "retention_partial":
             # As if rmtree got part of the way: the data, then the manifest.
-            real(path / storage.DATA_DIR)
+            real(self, path / storage.DATA_DIR)
             (path / storage.MANIFEST).unlink()
           _die(moment, _step_of(path))
-        real(path)
+        real(self, path)
       return hooked
-    wrap(atomicity, "_remove_tree", remove_tree)
+    wrap(backend_lib.Backend, "remove", remove)
   else:
     raise ValueError(f"unknown CRASH_KILL_AT {moment!r}; one of"
                      f" {sorted(MOMENTS)}")

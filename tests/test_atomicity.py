@@ -8,6 +8,7 @@ import pytest
 
 import flax_ckpt_plugin
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 
 from helpers import entries
 
@@ -135,27 +136,25 @@ def test_delete_step_leaves_nothing_that_looks_finalized(tmp_path):
   assert atomicity.finalized_steps(directory) == [6]
 
 
-def test_delete_step_interrupted_after_rename_is_not_finalized(
-    tmp_path, monkeypatch):
+def test_delete_step_interrupted_after_rename_is_not_finalized(tmp_path):
   """Fault injected: the recursive removal after the rename fails.
 
   That is the state a crash half way through a deletion leaves.
   """
   directory = epath.Path(tmp_path)
   _finalized(directory, "4")
-  real_remove = atomicity._remove_tree
   calls = []
 
-  def remove_then_crash(path):
-    calls.append(path.name)
-    if len(calls) == 2:  # The first call clears a stale '.deleting'.
-      raise OSError("crash during rmtree")
-    real_remove(path)
+  class CrashingRemove(backend_lib.LocalBackend):
 
-  monkeypatch.setattr(atomicity, "_remove_tree", remove_then_crash)
+    def remove(self, path):
+      calls.append(path.name)
+      if len(calls) == 2:  # The first call clears a stale '.deleting'.
+        raise OSError("crash during rmtree")
+      super().remove(path)
+
   with pytest.raises(OSError, match="crash during rmtree"):
-    atomicity.delete_step(directory, 4)
-  monkeypatch.setattr(atomicity, "_remove_tree", real_remove)
+    atomicity.delete_step(directory, 4, CrashingRemove())
 
   assert entries(directory) == {"4.deleting"}
   assert atomicity.finalized_steps(directory) == []
@@ -163,20 +162,19 @@ def test_delete_step_interrupted_after_rename_is_not_finalized(
   assert entries(directory) == set()
 
 
-def test_delete_step_on_object_store_removes_marker_first(
-    tmp_path, monkeypatch):
-  """Fault injected: the local directory is treated as an object store, and
+def test_delete_step_on_object_store_removes_marker_first(tmp_path):
+  """Fault injected: the object-store backend works on a local directory, and
   the removal of the step's files fails after the marker is gone."""
   directory = epath.Path(tmp_path)
   step_dir = _finalized(directory, "4")
 
-  def unavailable(path):
-    raise OSError(f"503 while removing {path}")
+  class Unavailable(backend_lib.ObjectStoreBackend):
 
-  monkeypatch.setattr(atomicity, "is_local", lambda path: False)
-  monkeypatch.setattr(atomicity, "_remove_tree", unavailable)
+    def remove(self, path):
+      raise OSError(f"503 while removing {path}")
+
   with pytest.raises(OSError, match="503"):
-    atomicity.delete_step(directory, 4)
+    atomicity.delete_step(directory, 4, Unavailable())
   assert not (step_dir / atomicity.COMMIT_MARKER).exists()
   assert atomicity.finalized_steps(directory) == []
 

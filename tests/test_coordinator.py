@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import RestoreFailedError
@@ -208,7 +209,7 @@ def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
 
   def restore(self, target, step=None, **kwargs):
     if self.coordinator.process_index == 1 and step == 2:
-      raise storage.CheckpointCorruptedError("checksum mismatch (injected)")
+      raise CheckpointCorruptedError("checksum mismatch (injected)")
     return real(self, target, step, **kwargs)
 
   monkeypatch.setattr(CheckpointManager, "restore", restore)

@@ -48,6 +48,7 @@ from typing import Any
 import pytest
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
@@ -450,20 +451,20 @@ def _fail_manifest(step_dir, **kwargs):
                 f" {step_dir}")
 
 
-_write_small_file = atomicity.write_small_file
+_write_small = backend_lib.LocalBackend.write_small
 
 
-def _fail_marker(path, text):
+def _fail_marker(self, path, text):
   if path.name == atomicity.COMMIT_MARKER:
     raise OSError(f"injected: disk full while writing {path}")
-  _write_small_file(path, text)
+  _write_small(self, path, text)
 
 
 @pytest.mark.parametrize("atomicity_mode", ["rename", "commit_file"])
 @pytest.mark.parametrize("patch", [
     (storage, "write_process_files", _fail_write),
     (storage, "write_manifest", _fail_manifest),
-    (atomicity, "write_small_file", _fail_marker),
+    (backend_lib.LocalBackend, "write_small", _fail_marker),
 ], ids=["write", "manifest", "marker"])
 def test_only_step_survives_a_failing_newer_save_with_max_to_keep_1(
     ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,

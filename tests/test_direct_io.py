@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.snapshot import LeafSnapshot
@@ -77,9 +78,11 @@ def _leaves(bufs: list[np.ndarray]) -> list[LeafSnapshot]:
           for i, b in enumerate(bufs)]
 
 
-def _write(step_dir: pathlib.Path, bufs: list[np.ndarray]) -> dict:
+def _write(step_dir: pathlib.Path, bufs: list[np.ndarray],
+           backend: backend_lib.Backend | None = None) -> dict:
   step_dir.mkdir()
-  storage.write_process_files(epath.Path(step_dir), _leaves(bufs), 0)
+  storage.write_process_files(epath.Path(step_dir), _leaves(bufs), 0,
+                              backend=backend)
   return json.loads((step_dir / storage.index_file(0)).read_text())
 
 
@@ -147,26 +150,34 @@ def test_direct_write_refused_falls_back_to_the_page_cache(direct_dir,
   writes with EINVAL (as some FUSE mounts do). A real file system that does
   this cannot be had here, so `os.pwrite` on the direct descriptor is faked."""
   direct_fds = set()
-  real_open = storage._StepDirWriter.open_direct  # pylint: disable=protected-access
 
-  def open_direct(self, name):
-    fd = real_open(self, name)
-    direct_fds.add(fd)
-    return fd
+  class RecordingDirect(backend_lib.LocalBackend):
+    """Notes the direct descriptors its step writers open."""
+
+    def step_writer(self, step_dir, identity, data_dir):
+      writer = super().step_writer(step_dir, identity, data_dir)
+      real_open = writer.open_direct
+
+      def open_direct(name):
+        fd = real_open(name)
+        direct_fds.add(fd)
+        return fd
+      writer.open_direct = open_direct
+      return writer
+
   real_pwrite = os.pwrite
 
   def pwrite(fd, data, offset):
     if fd in direct_fds:
       raise OSError(errno.EINVAL, "Invalid argument")
     return real_pwrite(fd, data, offset)
-  monkeypatch.setattr(storage._StepDirWriter, "open_direct", open_direct)  # pylint: disable=protected-access
-  monkeypatch.setattr(storage.os, "pwrite", pwrite)
+  monkeypatch.setattr(os, "pwrite", pwrite)
   calls = _spy_direct(monkeypatch)
 
   rng = np.random.default_rng(1)
   bufs = [rng.integers(0, 256, 2 * MIB + 3, dtype=np.uint8),
           rng.integers(0, 256, 3 * MIB, dtype=np.uint8)]
-  table = _write(direct_dir / "1", bufs)
+  table = _write(direct_dir / "1", bufs, RecordingDirect())
   assert direct_fds and None not in direct_fds
   # The first shard met the refusal; the second went to the page cache.
   assert [d for _, d in calls] == [True, False]

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
@@ -516,11 +517,11 @@ def test_interrupted_deletion_never_leaves_a_finalized_looking_step(
       manager.wait_until_finished()
   directory = object_store.as_path(bucket.url)
 
-  def crash(path):
+  def crash(self, path):
     raise OSError(f"connection lost while removing {path}")
 
   with monkeypatch.context() as m:
-    m.setattr(atomicity, "_remove_tree", crash)
+    m.setattr(backend_lib.ObjectStoreBackend, "remove", crash)
     with pytest.raises(OSError, match="connection lost"):
       atomicity.delete_step(directory, 1)
   assert "run/1/_COMMITTED" not in bucket.keys()

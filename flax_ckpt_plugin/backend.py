@@ -1,0 +1,430 @@
+"""Storage backends: what a local file system and an object store each do.
+
+One `Backend` per kind of storage, picked once per directory from a table by
+the path's scheme (`for_path`), as etils' `epath` picks its backends: callers
+ask the backend, and no module asks "is this path local?". A backend does the
+few things checkpoints need: write small files durably, fsync, hold a
+directory's identity, create a step's data files, read byte ranges, remove,
+delete a step so that a crash never leaves it looking final, and set a
+damaged step aside. Tests inject faults by wrapping a backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import stat
+import uuid
+from typing import BinaryIO
+
+from etils import epath
+
+from flax_ckpt_plugin import datafile
+from flax_ckpt_plugin import layout
+from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import ConcurrentWriterError
+
+Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
+
+
+class RangedFile(abc.ABC):
+  """An open data file that threads read by offset at once."""
+
+  size: int
+
+  @abc.abstractmethod
+  def read_into(self, offset: int, out: memoryview) -> int:
+    """Reads into `out` from `offset`; the bytes read (short only at the end)."""
+
+  @abc.abstractmethod
+  def close(self) -> None:
+    ...
+
+
+class StepWriter(abc.ABC):
+  """Creates one process's files in a step directory (see `Backend`)."""
+
+  # Whether files from `open` have descriptors written by offset (pwrite);
+  # otherwise they are streams, written front to back.
+  positional = False
+
+  @abc.abstractmethod
+  def open(self, name: str) -> BinaryIO:
+    """A binary file for writing at `name` (relative to the step directory)."""
+
+  def open_direct(self, name: str) -> int | None:
+    """A second, O_DIRECT descriptor of `name` (opened by `open` first).
+
+    None where the storage has no direct I/O.
+    """
+    del name
+    return None
+
+  def sync(self, f: BinaryIO) -> None:
+    """Makes what was written to `f` durable (before it is closed)."""
+    del f
+
+  def close(self) -> None:
+    pass
+
+
+class Backend(abc.ABC):
+  """One kind of storage. Stateless: one instance serves every directory."""
+
+  # Whether a directory can be renamed atomically ('auto' atomicity then
+  # writes `<step>.partial` and renames it; otherwise a commit file).
+  rename_is_atomic: bool
+  # Whether each read is a request (restore then fetches the span of blocks
+  # around many small ranges in one read).
+  reads_are_requests: bool
+
+  @abc.abstractmethod
+  def as_path(self, given: str) -> epath.Path:
+    """The `epath.Path` this package reads and writes `given` through."""
+
+  @abc.abstractmethod
+  def write_small(self, path: epath.Path, text: str) -> None:
+    """Writes a small file durably."""
+
+  @abc.abstractmethod
+  def replace_small(self, path: epath.Path, text: str) -> None:
+    """Replaces a small file all at once: a reader sees old or new, whole."""
+
+  def fsync(self, path: epath.Path) -> None:
+    """Makes a file's or a directory's entries durable."""
+    del path
+
+  def hold(self, path: epath.Path) -> tuple[int | None, Identity | None]:
+    """An open handle that pins directory `path`, and its identity.
+
+    Where storage has identities (inodes), a directory made anew under the
+    same name by another writer is never taken for this one.
+    """
+    del path
+    return None, None
+
+  def identity(self, path: epath.Path) -> Identity | None:
+    """The identity of directory `path` now (FileNotFoundError if gone)."""
+    del path
+    return None
+
+  def release(self, handle: int | None) -> None:
+    """Closes a handle from `hold`."""
+    del handle
+
+  @abc.abstractmethod
+  def step_writer(self, step_dir: epath.Path, identity: Identity | None,
+                  data_dir: str) -> StepWriter:
+    """This process's writer of files under `step_dir/data_dir`.
+
+    Raises:
+      ConcurrentWriterError: `step_dir` is no longer the directory with
+        `identity` (another writer replaced it).
+    """
+
+  @abc.abstractmethod
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
+    """Opens a data file for ranged reads.
+
+    Raises:
+      FileNotFoundError: no such file.
+      CheckpointCorruptedError: it is no regular file, or it leads outside
+        `within` (the step directory).
+      OSError: it cannot be read (permissions, I/O).
+    """
+
+  def remove(self, path: epath.Path) -> None:
+    """Removes a file or a directory tree, if it exists."""
+    if path.is_dir():
+      path.rmtree(missing_ok=True)
+    elif path.exists():
+      path.unlink(missing_ok=True)
+
+  @abc.abstractmethod
+  def delete_step(self, directory: epath.Path, step: int) -> None:
+    """Deletes a finalized step so that a crash half way never looks final.
+
+    A step already gone (pruned by a person or `flax-ckpt prune`) is fine.
+    """
+
+  @abc.abstractmethod
+  def set_aside(self, directory: epath.Path, step: int) -> str:
+    """Takes a damaged finalized step out of the list; says where it went."""
+
+  @abc.abstractmethod
+  def size_and_mtime(self, path: epath.Path) -> tuple[int, float]:
+    """Bytes and modification time of one file (FileNotFoundError if gone)."""
+
+
+# -- local file systems ----------------------------------------------------------
+
+
+class _LocalFile(RangedFile):
+
+  def __init__(self, fd: int, size: int):
+    self._fd, self.size = fd, size
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    done = 0
+    while done < len(out):
+      n = os.preadv(self._fd, [out[done:]], offset + done)
+      if not n:
+        break
+      done += n
+    return done
+
+  def close(self) -> None:
+    os.close(self._fd)
+
+
+class _LocalStepWriter(StepWriter):
+  """Creates files relative to the step directory's descriptor.
+
+  The directory is opened once and checked against the identity the primary
+  host recorded when it made it; if another writer replaces the directory by
+  name, this process never writes into the replacement.
+  """
+
+  positional = True
+
+  def __init__(self, step_dir: epath.Path, identity: Identity | None,
+               data_dir: str):
+    self._fd = self._data_fd = None
+    self._data_dir = data_dir
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    self._fd = os.open(os.fspath(step_dir), flags)
+    st = os.fstat(self._fd)
+    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+      self.close()
+      raise ConcurrentWriterError(
+          f"{step_dir} is no longer the directory this save was started in:"
+          " another writer replaced it. This save is abandoned.")
+    try:
+      os.mkdir(data_dir, dir_fd=self._fd)
+    except FileExistsError:
+      pass
+    self._data_fd = os.open(data_dir, flags, dir_fd=self._fd)
+
+  def _base(self, name: str) -> str:
+    head, _, base = name.partition("/")
+    assert head == self._data_dir, name  # Every file lives in data_dir.
+    return base
+
+  def open(self, name: str) -> BinaryIO:
+    fd = os.open(self._base(name),
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
+                 dir_fd=self._data_fd)
+    return open(fd, "wb", buffering=0)
+
+  def open_direct(self, name: str) -> int | None:
+    if not datafile.O_DIRECT:
+      return None
+    try:
+      return os.open(self._base(name),
+                     os.O_WRONLY | datafile.O_DIRECT | os.O_CLOEXEC,
+                     dir_fd=self._data_fd)
+    except OSError as e:
+      if e.errno != errno.EINVAL:
+        raise
+      return None  # The file system refuses direct I/O (tmpfs).
+
+  def sync(self, f: BinaryIO) -> None:
+    os.fsync(f.fileno())
+
+  def close(self) -> None:
+    for fd in (self._data_fd, self._fd):
+      if fd is not None:
+        os.close(fd)
+    self._fd = self._data_fd = None
+
+
+class LocalBackend(Backend):
+  """POSIX file systems: fsync, atomic rename, inodes as identities."""
+
+  rename_is_atomic = True
+  reads_are_requests = False
+
+  def as_path(self, given: str) -> epath.Path:
+    return epath.Path(os.path.abspath(given))
+
+  def write_small(self, path: epath.Path, text: str) -> None:
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+
+  def replace_small(self, path: epath.Path, text: str) -> None:
+    prefix = path.name + "."
+    for entry in path.parent.iterdir():  # Left by a crash inside a replace.
+      if entry.name.startswith(prefix):
+        entry.unlink(missing_ok=True)
+    tmp = path.parent / f"{prefix}{uuid.uuid4().hex}"
+    self.write_small(tmp, text)
+    os.replace(os.fspath(tmp), os.fspath(path))
+    self.fsync(path.parent)
+
+  def fsync(self, path: epath.Path) -> None:
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+  def hold(self, path: epath.Path) -> tuple[int | None, Identity | None]:
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    return fd, (st.st_dev, st.st_ino)
+
+  def identity(self, path: epath.Path) -> Identity | None:
+    st = os.stat(os.fspath(path))
+    return st.st_dev, st.st_ino
+
+  def release(self, handle: int | None) -> None:
+    if handle is not None:
+      os.close(handle)
+
+  def step_writer(self, step_dir: epath.Path, identity: Identity | None,
+                  data_dir: str) -> StepWriter:
+    return _LocalStepWriter(step_dir, identity, data_dir)
+
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
+    real_dir = os.path.realpath(os.fspath(within))
+    real = os.path.realpath(os.fspath(path))
+    if os.path.commonpath([real_dir, real]) != real_dir:
+      raise CheckpointCorruptedError(
+          f"data file {path} leads outside the step directory")
+    # O_NONBLOCK: opening a named pipe must not wait for a writer.
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise CheckpointCorruptedError(
+          f"data file {path} is not a regular file")
+    return _LocalFile(fd, st.st_size)
+
+  def delete_step(self, directory: epath.Path, step: int) -> None:
+    # Renamed first (atomic), so a crash leaves `<step>.deleting`, which is
+    # unfinished, never a half-deleted step that still looks final.
+    doomed = directory / f"{step}{layout.DELETING_SUFFIX}"
+    self.remove(doomed)
+    try:
+      (directory / str(step)).rename(doomed)
+    except FileNotFoundError:
+      return  # Already gone: retention wanted that too.
+    self.fsync(directory)
+    self.remove(doomed)
+
+  def set_aside(self, directory: epath.Path, step: int) -> str:
+    # Kept for a person to look at: neither a step nor unfinished, so never
+    # listed and never removed.
+    aside = directory / f"{step}{layout.DAMAGED_SUFFIX}"
+    n = 1
+    while aside.exists():
+      n += 1
+      aside = directory / f"{step}{layout.DAMAGED_SUFFIX}{n}"
+    (directory / str(step)).rename(aside)
+    self.fsync(directory)
+    return str(aside)
+
+  def size_and_mtime(self, path: epath.Path) -> tuple[int, float]:
+    st = os.lstat(os.fspath(path))
+    return st.st_size, st.st_mtime
+
+
+# -- object stores -----------------------------------------------------------------
+
+
+class _ObjectStepWriter(StepWriter):
+  """No directory to make or to hold: a prefix exists once an object under
+  it does; each file is one object, uploaded when it is closed."""
+
+  def __init__(self, step_dir: epath.Path):
+    self._dir = object_store.as_path(step_dir)
+
+  def open(self, name: str) -> BinaryIO:
+    return (self._dir / name).open("wb")
+
+
+class _ObjectFile(RangedFile):
+
+  def __init__(self, path: epath.Path):
+    self._file = object_store.ObjectFile(path)
+    self.size = self._file.size
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    done = 0
+    while done < len(out):  # A ranged GET stops short only at the end.
+      n = self._file.read_into(offset + done, out[done:])
+      if not n:
+        break
+      done += n
+    return done
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class ObjectStoreBackend(Backend):
+  """`gs://`, `s3://`... through fsspec: no rename, no fsync, no inodes.
+
+  A PUT is atomic and durable once it returns, so small files need no more;
+  a step is deleted commit marker first, so what is left of a crash half
+  way is unfinished.
+  """
+
+  rename_is_atomic = False
+  reads_are_requests = True
+
+  def as_path(self, given: str) -> epath.Path:
+    return object_store.as_path(given)
+
+  def write_small(self, path: epath.Path, text: str) -> None:
+    path.write_text(text)
+
+  def replace_small(self, path: epath.Path, text: str) -> None:
+    path.write_text(text)
+
+  def step_writer(self, step_dir: epath.Path, identity: Identity | None,
+                  data_dir: str) -> StepWriter:
+    del identity, data_dir
+    return _ObjectStepWriter(step_dir)
+
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
+    del within  # Object names cannot leave a prefix.
+    return _ObjectFile(path)
+
+  def delete_step(self, directory: epath.Path, step: int) -> None:
+    step_dir = directory / str(step)
+    (step_dir / layout.COMMIT_MARKER).unlink(missing_ok=True)
+    self.remove(step_dir)
+
+  def set_aside(self, directory: epath.Path, step: int) -> str:
+    # Without its marker the step is unfinished; the next writer cleans up.
+    (directory / str(step) / layout.COMMIT_MARKER).unlink(missing_ok=True)
+    return "unfinished (its commit marker was removed)"
+
+  def size_and_mtime(self, path: epath.Path) -> tuple[int, float]:
+    st = path.stat()
+    return st.length, float(st.mtime)
+
+
+LOCAL = LocalBackend()
+OBJECT_STORE = ObjectStoreBackend()
+
+# By scheme (None: no `scheme://`). Other schemes go to whatever `epath`
+# makes of them, as object stores.
+_BACKENDS: dict[str | None, Backend] = {None: LOCAL}
+
+
+def for_path(path: epath.PathLike) -> Backend:
+  """The backend of the storage that `path` names."""
+  return _BACKENDS.get(object_store.scheme(path), OBJECT_STORE)
+
+
+def make_path(given: epath.PathLike) -> tuple[epath.Path, Backend]:
+  """`given` as the path this package uses, and its backend."""
+  backend = for_path(given)
+  return backend.as_path(os.fspath(given)), backend
+
