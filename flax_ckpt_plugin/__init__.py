@@ -14,14 +14,14 @@ from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
+from flax_ckpt_plugin.stats import RestoreStats
+from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.stats import StepMetadata
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.callback import CheckpointCallback
   from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
-  from flax_ckpt_plugin.commit import SaveStats
   from flax_ckpt_plugin.manager import CheckpointManager
-  from flax_ckpt_plugin.manager import RestoreStats
-  from flax_ckpt_plugin.manager import StepMetadata
 
 __version__ = "0.1.0"
 
@@ -34,8 +34,8 @@ __all__ = [
     "CommitHookError",
     "ConcurrentWriterError",
     "PREEMPTED_EXIT_CODE",
-    "RestoreStats",
     "RestoreFailedError",
+    "RestoreStats",
     "SaveFailedError",
     "SaveStats",
     "StepMetadata",
@@ -47,9 +47,6 @@ _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
     "CheckpointManager": "flax_ckpt_plugin.manager",
-    "RestoreStats": "flax_ckpt_plugin.manager",
-    "SaveStats": "flax_ckpt_plugin.commit",
-    "StepMetadata": "flax_ckpt_plugin.manager",
 }
 
 

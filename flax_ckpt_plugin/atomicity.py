@@ -32,6 +32,7 @@ from typing import Any, Literal
 from etils import epath
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.layout import ATTEMPT_FILE
 from flax_ckpt_plugin.layout import COMMIT_MARKER
 from flax_ckpt_plugin.layout import DAMAGED_SUFFIX
@@ -171,6 +172,23 @@ def current_writer(directory: epath.Path) -> dict[str, Any] | None:
   except (FileNotFoundError, ValueError):
     return None
   return info if isinstance(info, dict) else None
+
+
+def check_still_writer(directory: epath.Path, token: str | None,
+                       consequence: str) -> None:
+  """Raises ConcurrentWriterError if another job claimed the directory.
+
+  Args:
+    directory: the checkpoint directory.
+    token: this job's claim (from `claim_directory`).
+    consequence: what was not done, for the message.
+  """
+  writer = current_writer(directory)
+  if writer is None or writer.get("token") != token:
+    raise ConcurrentWriterError(
+        f"another job opened {directory} for writing after this one"
+        f" (its claim: {writer}); {consequence}. Two jobs must not write"
+        " one directory: stop this one, or give it another directory.")
 
 
 def _marker_text(step: int) -> str:

@@ -31,7 +31,7 @@ from etils import epath
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.commit import CommitHook
-from flax_ckpt_plugin.commit import SaveStats
+from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.preemption import SignalFlag

@@ -17,7 +17,6 @@ retention with the result.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -34,23 +33,7 @@ from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.snapshot import LeafSnapshot
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveStats:
-  """One finalized save: what commit hooks receive, and `last_save_stats`."""
-  step: int  # The step saved.
-  blocking_secs: float  # Time the caller of `save` waited.
-  commit_secs: float  # From the end of the snapshot until finalized.
-  process_bytes: int  # Bytes of array data this process wrote.
-  total_bytes: int = 0  # Bytes of array data of the whole checkpoint.
-  path: epath.Path | None = None  # The finalized step directory.
-  finalized_at: float = 0.0  # time.time() when it became durable.
-
-  @property
-  def gbytes_per_sec(self) -> float:
-    """The checkpoint's size over the commit time."""
-    return self.total_bytes / 1e9 / self.commit_secs if self.commit_secs else 0.0
+from flax_ckpt_plugin.stats import SaveStats
 
 
 CommitHook = Callable[[SaveStats], None]

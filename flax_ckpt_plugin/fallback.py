@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from etils import epath
+
+from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import RestoreFailedError
@@ -89,3 +93,20 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
     raise CheckpointCorruptedError(
         f"no finalized step in {where} restores: " + "; ".join(why))
   return None, []
+
+
+def set_aside(directory: epath.Path, steps: list[int],
+              backend: backend_lib.Backend) -> None:
+  """Primary host: sets damaged steps aside (see `atomicity.set_aside`).
+
+  A step that cannot be set aside is left where it is, with a warning: the
+  restore it was skipped by still succeeded.
+  """
+  for step in steps:
+    try:
+      aside = atomicity.set_aside(directory, step, backend)
+      log.warning("damaged step %d of %s set aside: %s", step, directory,
+                  aside)
+    except OSError as e:
+      log.warning("could not set damaged step %d of %s aside: %r", step,
+                  directory, e)

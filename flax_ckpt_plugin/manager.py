@@ -8,10 +8,8 @@ primary host creates, finalizes and deletes step directories.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-import json
 import math
 import operator
 import os
@@ -27,56 +25,18 @@ from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
-from flax_ckpt_plugin.commit import SaveStats
+from flax_ckpt_plugin.stats import RestoreStats
+from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.stats import StepMetadata
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
-from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore import restore_tree
-from flax_ckpt_plugin.snapshot import HostStaging
+from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.snapshot import take_snapshot
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMetadata:
-  """What a finalized step records besides its arrays."""
-  step: int  # The step number.
-  created: str  # ISO 8601, UTC.
-  created_unix: float  # Seconds since the epoch; NaN if not recorded.
-  extra: Any  # The JSON-serializable `extra` given to `save`.
-  metrics: dict[str, Any] | None  # The `metrics` given to `save`.
-  process_count: int  # Processes that wrote it.
-  total_bytes: int  # Bytes of array data of the whole checkpoint.
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreStats:
-  """What one restore cost this process."""
-  step: int  # The step restored.
-  secs: float  # Wall-clock seconds of the whole `restore` call.
-  nbytes_read: int  # Bytes this process read from data files.
-
-
-def _to_json(value: Any, what: str) -> Any:
-  try:
-    return json.loads(json.dumps(value, allow_nan=False))
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{what} must be JSON-serializable (dicts, lists, str,"
-                    f" int, finite float, bool, None): {e}") from e
-
-
-def _metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-  if metrics is None:
-    return None
-  out = {}
-  for k, v in metrics.items():
-    try:
-      out[str(k)] = float(v)  # jax and numpy scalars too.
-    except (TypeError, ValueError) as e:
-      raise TypeError(f"metric {k!r} is not a number: {v!r}") from e
-  return out
 
 
 class CheckpointManager:
@@ -95,14 +55,11 @@ class CheckpointManager:
     primary_host: the process that creates, finalizes and deletes.
     barrier_timeout_secs: how long a process waits at a barrier for the
       others before raising `TimeoutError`.
-    name: the part of this manager's barrier keys shared by every manager of
-      the directory; defaults to a digest of `directory` as given (which
-      must then be the same string on every process). The writer's identity
-      (a token drawn when the directory is opened) completes the keys, so
-      two managers, or one directory opened twice, never share a barrier.
+    name: the start of this manager's barrier keys; defaults to a digest of
+      `directory` as given (the same string on every process). A token drawn
+      by the writer at open completes the keys.
     coordinator: how processes meet (`coordinator.Coordinator`); defaults
-      to JAX's coordination service. Tests pass one that runs "processes"
-      as threads.
+      to JAX's coordination service.
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
       evaluation job that reads a training job's directory). It lists the
@@ -308,8 +265,8 @@ class CheckpointManager:
     step = operator.index(step)
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}")
-    extra = _to_json(extra, "extra")
-    metrics = _metrics_to_json(metrics)
+    extra = storage.extra_to_json(extra)
+    metrics = storage.metrics_to_json(metrics)
     t0 = time.perf_counter()
     self._committer.wait()  # Only blocks if the previous commit still runs.
     if step in self.all_steps():
@@ -355,13 +312,8 @@ class CheckpointManager:
         log.info("retention deleted step %d from %s", s, self.directory)
 
   def _check_still_writer(self, consequence: str) -> None:
-    """Raises ConcurrentWriterError if another job claimed the directory."""
-    writer = atomicity_lib.current_writer(self.directory)
-    if writer is None or writer.get("token") != self._writer_token:
-      raise ConcurrentWriterError(
-          f"another job opened {self.directory} for writing after this one"
-          f" (its claim: {writer}); {consequence}. Two jobs must not write"
-          " one directory: stop this one, or give it another directory.")
+    atomicity_lib.check_still_writer(self.directory, self._writer_token,
+                                     consequence)
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -421,18 +373,15 @@ class CheckpointManager:
                            verify: bool = True) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
 
-    Called on every process. The primary host lists the steps and the
-    others use its list; after each try all processes learn together how
-    it went on each of them (`coordinator.agree`), so they never restore
-    different steps and never wait for a timeout to hear of an error.
+    Called on every process; see `fallback`. A step whose files fail
+    verification or are missing on any process is skipped with a warning
+    naming it and why, and the next older one is tried. All processes
+    learn together how each try went, so they never restore different
+    steps and never wait for a timeout to hear of an error.
 
     Args:
       target: what to restore into, as for `restore`.
       verify: check checksums, as for `restore`.
-
-    A step whose files fail verification or are missing on any process is
-    skipped with a warning naming it and why, and the next older one is
-    tried.
 
     Returns:
       (step, restored tree), or None when the directory has no finalized
@@ -442,9 +391,8 @@ class CheckpointManager:
       CheckpointCorruptedError: every finalized step failed; names them.
       StructureMismatchError: the target does not match (not skipped: an
         older step would not match either).
-      RestoreFailedError: a restore failed on another process for another
-        reason than damage (raised by every process that did not fail
-        itself; the one that failed raises its own error).
+      RestoreFailedError: another process failed for another reason than
+        damage (that process raises its own error).
     """
     self._check_open()
     self._committer.check()
@@ -466,23 +414,15 @@ class CheckpointManager:
 
     Otherwise the resumed run would never save those step numbers again (a
     finalized step is never overwritten), and a preemption at one of them
-    would stop the job on the damaged copy. See `atomicity.set_aside`. A
-    read-only manager changes nothing.
+    would stop the job on the damaged copy. A read-only manager changes
+    nothing.
     """
     if self.read_only:
       return
     with self._lock:
       self._steps = [s for s in self._steps if s not in steps]
-    if not self.is_primary:
-      return
-    for step in steps:
-      try:
-        aside = atomicity_lib.set_aside(self.directory, step, self.backend)
-        log.warning("damaged step %d of %s set aside: %s", step,
-                    self.directory, aside)
-      except OSError as e:
-        log.warning("could not set damaged step %d of %s aside: %r", step,
-                    self.directory, e)
+    if self.is_primary:
+      fallback.set_aside(self.directory, steps, self.backend)
 
   # -- lifetime --------------------------------------------------------------
 

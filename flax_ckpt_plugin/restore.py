@@ -32,9 +32,9 @@ from flax_ckpt_plugin.manifest import Manifest
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import host_buffer
 from flax_ckpt_plugin.reader import LeafReader
-from flax_ckpt_plugin.snapshot import bits_dtype
-from flax_ckpt_plugin.snapshot import leaf_paths
-from flax_ckpt_plugin.snapshot import normalize_index
+from flax_ckpt_plugin.staging import bits_dtype
+from flax_ckpt_plugin.treepaths import leaf_paths
+from flax_ckpt_plugin.treepaths import normalize_index
 
 # Leaves restored at once: reads and checksums release the GIL.
 _THREADS = min(8, os.cpu_count() or 1)

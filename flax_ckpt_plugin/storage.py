@@ -164,6 +164,28 @@ def _volume(index: Iterable[Iterable[int]]) -> int:
   return math.prod(stop - start for start, stop in index)
 
 
+def extra_to_json(value: Any, what: str = "extra") -> Any:
+  """`extra` as the JSON it is stored as; TypeError if it cannot be."""
+  try:
+    return json.loads(json.dumps(value, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{what} must be JSON-serializable (dicts, lists, str,"
+                    f" int, finite float, bool, None): {e}") from e
+
+
+def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+  """Metrics as stored: str keys, float values; TypeError otherwise."""
+  if metrics is None:
+    return None
+  out = {}
+  for k, v in metrics.items():
+    try:
+      out[str(k)] = float(v)  # jax and numpy scalars too.
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"metric {k!r} is not a number: {v!r}") from e
+  return out
+
+
 def write_manifest(step_dir: epath.Path, *, step: int,
                    leaves: list[LeafSnapshot], process_count: int,
                    extra: Any, metrics: dict[str, Any] | None,

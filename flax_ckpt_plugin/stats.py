@@ -1,0 +1,45 @@
+"""What a save, a restore and a finalized step report to the user."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from etils import epath
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+  """One finalized save: what commit hooks receive, and `last_save_stats`."""
+  step: int  # The step saved.
+  blocking_secs: float  # Time the caller of `save` waited.
+  commit_secs: float  # From the end of the snapshot until finalized.
+  process_bytes: int  # Bytes of array data this process wrote.
+  total_bytes: int = 0  # Bytes of array data of the whole checkpoint.
+  path: epath.Path | None = None  # The finalized step directory.
+  finalized_at: float = 0.0  # time.time() when it became durable.
+
+  @property
+  def gbytes_per_sec(self) -> float:
+    """The checkpoint's size over the commit time."""
+    return self.total_bytes / 1e9 / self.commit_secs if self.commit_secs else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """What a finalized step records besides its arrays."""
+  step: int  # The step number.
+  created: str  # ISO 8601, UTC.
+  created_unix: float  # Seconds since the epoch; NaN if not recorded.
+  extra: Any  # The JSON-serializable `extra` given to `save`.
+  metrics: dict[str, Any] | None  # The `metrics` given to `save`.
+  process_count: int  # Processes that wrote it.
+  total_bytes: int  # Bytes of array data of the whole checkpoint.
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStats:
+  """What one restore cost this process."""
+  step: int  # The step restored.
+  secs: float  # Wall-clock seconds of the whole `restore` call.
+  nbytes_read: int  # Bytes this process read from data files.
