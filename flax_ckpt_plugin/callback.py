@@ -167,6 +167,7 @@ class CheckpointCallback:
         is_primary=self.manager.is_primary,
         timeout_ms=self.manager.barrier_timeout_ms)
     self.should_stop = False
+    self._preempted_at: int | None = None  # The step to stop after.
     self.restored_step: int | None = None
     self.restored_extra: Any = None
     self._signals = SignalFlag(
@@ -204,6 +205,8 @@ class CheckpointCallback:
                metrics: dict[str, Any] | None = None) -> bool:
     """Saves `state` as `step` if a trigger fires; call every step.
 
+    The same as `if cb.should_save(step): cb.save(step, state, ...)`.
+
     Args:
       step: the step number of `state` (e.g. the number of updates applied).
       state: the train state; its buffers may be donated right after.
@@ -217,6 +220,21 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
+    if not self.should_save(step):
+      return False
+    self.save(step, state, extra=extra, metrics=metrics)
+    return True
+
+  def should_save(self, step: int) -> bool:
+    """Whether a trigger fires at `step`; call it at every step.
+
+    Called on every process at every step (the `every_secs` and preemption
+    decisions are taken together). When it returns True, call `save` for
+    the same step before the next call.
+
+    Raises:
+      Exception: the error of an earlier background save (once).
+    """
     self._write_metrics()
     self.manager.check_for_errors()
     if self.should_stop:
@@ -225,21 +243,30 @@ class CheckpointCallback:
     preempted = self.save_on_preemption and (
         self.manager.coordinator.reached_preemption_sync_point(step)
         or self._signals.triggered)
-    due = self._due(step) or preempted
-    if not due:
+    if not (self._due(step) or preempted):
       return False
     if step in self.manager.all_steps():
       self.should_stop = preempted  # That step is already durable.
       return False
+    self._preempted_at = step if preempted else None
+    return True
+
+  def save(self, step: int, state: Any, *, extra: Any = None,
+           metrics: dict[str, Any] | None = None) -> None:
+    """Saves `state` as `step` now (after `should_save(step)` said so).
+
+    At a preemption step it waits until the step is durable and sets
+    `should_stop`. Arguments as for `__call__`.
+    """
+    step = operator.index(step)
     self.manager.save(step, state, extra=extra, metrics=metrics)
     if self._every_secs is not None:
       self._every_secs.saved(self.manager.name)
-    if preempted:
+    if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True
       log.warning("preemption checkpoint of step %d is durable in %s; the"
                   " loop should stop", step, self.directory)
-    return True
 
   def restore_or_initialize(self, state: Any) -> Any:
     """The newest good finalized step restored like `state`, else `state`.

@@ -27,7 +27,6 @@ imports tensorflow from `clu.periodic_actions`.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from clu import periodic_actions
@@ -40,10 +39,12 @@ from flax_ckpt_plugin.manager import CheckpointManager
 class CheckpointAction(periodic_actions.PeriodicAction):
   """A clu `PeriodicAction` that runs a `CheckpointCallback` at every step.
 
-  clu's own schedule is not used: the callback decides when to save (every N
-  steps or seconds, listed steps, the last step, a preemption notice), the
-  same way on every process, so this action must be called at every step on
-  every process, as clu's hooks are. It returns True when a save started.
+  Built on clu's extension points: `_should_trigger` is the callback's
+  decision (every N steps or seconds, listed steps, the last step, a
+  preemption notice), taken the same way on every process, and `_apply`
+  starts the save. clu's own schedule is not used, so this action must be
+  called at every step on every process, as clu's hooks are. Calling it
+  returns True when a save started.
 
   Args:
     callback: the callback that saves.
@@ -69,24 +70,14 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     return cls(CheckpointCallback(directory, **callback_kwargs), state_fn,
                extra_fn)
 
-  def __call__(self, step: int, t: float | None = None) -> bool:
-    """Runs the callback at `step`; True when a save started."""
-    if t is None:
-      t = time.monotonic()
-    self._init_and_check(step, t)
-    saved = self._save(step)
-    if saved:
-      self._after_apply(step, t)
-    return saved
-
-  def _save(self, step: int) -> bool:
-    extra = self._extra_fn() if self._extra_fn is not None else None
-    return self.callback(step, self._state_fn(), extra=extra)
+  def _should_trigger(self, step: int, t: float) -> bool:
+    del t  # The callback keeps its own clock, agreed across processes.
+    return self.callback.should_save(step)
 
   def _apply(self, step: int, t: float) -> None:
-    # clu's abstract hook; `__call__` above never defers to clu's schedule.
     del t
-    self._save(step)
+    extra = self._extra_fn() if self._extra_fn is not None else None
+    self.callback.save(step, self._state_fn(), extra=extra)
 
   @property
   def should_stop(self) -> bool:
