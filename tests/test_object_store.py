@@ -319,7 +319,7 @@ def test_train_state_round_trip_and_the_objects_a_user_sees(
     restored = manager.restore(train_step(make_state(seed=5)))
     assert manager.metadata().extra == {"data_position": 17}
     assert manager.metadata().metrics == {"loss": 0.5}
-    assert manager.last_restore_stats.process_bytes_read == stats.process_bytes
+    assert manager.last_restore_stats.nbytes_read == stats.process_bytes
   assert_trees_equal(restored, expected)
   assert_trees_equal(host_copy(train_step(restored)),
                      host_copy(train_step(train_step(make_state()))))
