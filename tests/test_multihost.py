@@ -247,3 +247,47 @@ def test_commit_hooks_run_on_the_primary_and_their_errors_reach_everyone(
     assert result["all_steps_after"] == [1, 2, 3]
   assert p0["calls_after"] == [1, 2, 3] and p1["calls_after"] == []
   assert_only_finalized_steps(ckpt, [1, 2, 3])
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
+def test_a_manager_opened_on_one_process_only_breaks_no_later_save(tmp_path):
+  """Before: barrier names counted the managers each process opened, read-only
+  ones included, so a read-only manager opened in a commit hook (on the
+  primary host alone) made the next manager's barriers differ between the
+  processes, and its save timed out."""
+  p0, p1 = (r.json for r in run_workers(
+      "lifecycle", 2, args=["one_sided", tmp_path], timeout=RUN_TIMEOUT))
+  assert p0["all_steps"] == p1["all_steps"] == [1, 2]
+  assert (p0["hook_saw"], p1["hook_saw"]) == ([1, 2], [])
+  assert_only_finalized_steps(tmp_path / "run", [1, 2])
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
+def test_any_restore_error_on_one_process_reaches_the_other_at_once(tmp_path):
+  """Before: the restore fallback voted only on damage, so a permission error
+  on process 1 left process 0 waiting at the vote for the whole barrier
+  timeout. Now both raise at once, and the good steps stay."""
+  run_workers("lifecycle", 2, args=["one_sided", tmp_path],
+              timeout=RUN_TIMEOUT)
+  p0, p1 = (r.json for r in run_workers(
+      "lifecycle", 2, args=["restore_error", tmp_path], timeout=RUN_TIMEOUT))
+  assert p1["error"].startswith("PermissionError")
+  assert p0["error"].startswith("RestoreFailedError")
+  assert "process 1: PermissionError" in p0["error"]
+  for o in (p0, p1):
+    assert o["secs"] < o["barrier_timeout_secs"] / 3, o
+    # Not set aside as damaged.
+    assert o["steps_left"] == ["1", "2", "_WRITER"]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_every_secs_does_not_make_a_blocking_call_at_every_step(tmp_path):
+  """Before: every non-primary process read the primary's decision with a
+  blocking call to the coordination service at every one of the 200 steps.
+  Now it asks at a few steps per interval (saves still at the same steps)."""
+  p0, p1 = (r.json for r in run_workers(
+      "lifecycle", 2, args=["every_secs_calls", tmp_path],
+      timeout=RUN_TIMEOUT))
+  assert p0["saved"] == p1["saved"] == [50, 100, 150, 200]
+  # Saves read a few keys of their own (identity, writer token).
+  assert p1["blocking_gets"] < 200 / 4, p1
