@@ -249,28 +249,38 @@ def test_commit_hooks_run_on_the_primary_and_their_errors_reach_everyone(
   assert_only_finalized_steps(ckpt, [1, 2, 3])
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
-def test_a_manager_opened_on_one_process_only_breaks_no_later_save(tmp_path):
+@pytest.fixture(scope="module")
+def one_sided_run(tmp_path_factory):
+  """Two saves, each by a new manager whose commit hook (on the primary host
+  alone) opens a read-only manager of the same directory."""
+  directory = tmp_path_factory.mktemp("one_sided")
+  out = [r.json for r in run_workers(
+      "lifecycle", 2, args=["one_sided", directory], timeout=RUN_TIMEOUT)]
+  return directory, out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_a_manager_opened_on_one_process_only_breaks_no_later_save(
+    one_sided_run):
   """Before: barrier names counted the managers each process opened, read-only
   ones included, so a read-only manager opened in a commit hook (on the
   primary host alone) made the next manager's barriers differ between the
   processes, and its save timed out."""
-  p0, p1 = (r.json for r in run_workers(
-      "lifecycle", 2, args=["one_sided", tmp_path], timeout=RUN_TIMEOUT))
+  directory, (p0, p1) = one_sided_run
   assert p0["all_steps"] == p1["all_steps"] == [1, 2]
   assert (p0["hook_saw"], p1["hook_saw"]) == ([1, 2], [])
-  assert_only_finalized_steps(tmp_path / "run", [1, 2])
+  assert_only_finalized_steps(directory / "run", [1, 2])
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
-def test_any_restore_error_on_one_process_reaches_the_other_at_once(tmp_path):
+def test_any_restore_error_on_one_process_reaches_the_other_at_once(
+    one_sided_run):
   """Before: the restore fallback voted only on damage, so a permission error
   on process 1 left process 0 waiting at the vote for the whole barrier
   timeout. Now both raise at once, and the good steps stay."""
-  run_workers("lifecycle", 2, args=["one_sided", tmp_path],
-              timeout=RUN_TIMEOUT)
+  directory, _ = one_sided_run
   p0, p1 = (r.json for r in run_workers(
-      "lifecycle", 2, args=["restore_error", tmp_path], timeout=RUN_TIMEOUT))
+      "lifecycle", 2, args=["restore_error", directory], timeout=RUN_TIMEOUT))
   assert p1["error"].startswith("PermissionError")
   assert p0["error"].startswith("RestoreFailedError")
   assert "process 1: PermissionError" in p0["error"]
