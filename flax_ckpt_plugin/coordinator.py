@@ -88,8 +88,8 @@ def _is_deadline(exc: BaseException) -> bool:
                                  "UNAVAILABLE")) or "timed out" in text.lower()
 
 
-class _Rounds:
-  """`Coordinator.next_round`, shared by the implementations."""
+class Rounds:
+  """`Coordinator.next_round` for implementations to inherit."""
 
   def __init__(self):
     self._rounds: collections.Counter[str] = collections.Counter()
@@ -102,7 +102,7 @@ class _Rounds:
       return n
 
 
-class JaxCoordinator(_Rounds):
+class JaxCoordinator(Rounds):
   """The coordination service of `jax.distributed`, looked up at each call.
 
   Nothing runs at import, and the client is found anew on every call, so a

@@ -36,7 +36,7 @@ class FakeCluster:
     return [ThreadCoordinator(self, i) for i in range(self.process_count)]
 
 
-class ThreadCoordinator(coordinator_lib._Rounds):  # pylint: disable=protected-access
+class ThreadCoordinator(coordinator_lib.Rounds):
   """One fake process's view of a `FakeCluster`."""
 
   def __init__(self, cluster: FakeCluster, index: int):
@@ -121,8 +121,8 @@ def run_threads(n: int, fn: Callable[[ThreadCoordinator], Any], *,
     except BaseException as e:  # pylint: disable=broad-except
       results[coord.process_index] = e
 
-  threads = [threading.Thread(target=body, args=(c,), name=f"fake-process-{c.process_index}",
-                              daemon=True)
+  threads = [threading.Thread(target=body, args=(c,), daemon=True,
+                              name=f"fake-process-{c.process_index}")
              for c in cluster.coordinators()]
   for t in threads:
     t.start()
