@@ -423,8 +423,10 @@ def for_path(path: epath.PathLike) -> Backend:
   return _BACKENDS.get(object_store.scheme(path), OBJECT_STORE)
 
 
-def make_path(given: epath.PathLike) -> tuple[epath.Path, Backend]:
-  """`given` as the path this package uses, and its backend."""
-  backend = for_path(given)
+def make_path(given: epath.PathLike, backend: Backend | None = None
+              ) -> tuple[epath.Path, Backend]:
+  """`given` as the path this package uses, and its backend (by default,
+  the one its scheme names)."""
+  backend = backend or for_path(given)
   return backend.as_path(os.fspath(given)), backend
 

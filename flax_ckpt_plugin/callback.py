@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 from etils import epath
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import SaveStats
@@ -107,6 +108,7 @@ class CheckpointCallback:
     barrier_timeout_secs: see `CheckpointManager`.
     name: see `CheckpointManager`.
     coordinator: see `CheckpointManager`.
+    backend: see `CheckpointManager`.
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -137,7 +139,8 @@ class CheckpointCallback:
                primary_host: int = 0,
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
-               coordinator: coordinator_lib.Coordinator | None = None):
+               coordinator: coordinator_lib.Coordinator | None = None,
+               backend: backend_lib.Backend | None = None):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
     if every_secs is not None and not every_secs > 0:
@@ -152,7 +155,7 @@ class CheckpointCallback:
         directory, max_to_keep=max_to_keep,
         keep_every_n_steps=keep_every_n_steps, atomicity=atomicity,
         primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
-        name=name, coordinator=coordinator)
+        name=name, coordinator=coordinator, backend=backend)
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (

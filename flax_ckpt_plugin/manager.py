@@ -60,6 +60,8 @@ class CheckpointManager:
       by the writer at open completes the keys.
     coordinator: how processes meet (`coordinator.Coordinator`); defaults
       to JAX's coordination service.
+    backend: the directory's storage (`backend.Backend`); defaults to the
+      one its scheme names (local file system, or an object store).
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
       evaluation job that reads a training job's directory). It lists the
@@ -92,6 +94,7 @@ class CheckpointManager:
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
                coordinator: coordinator_lib.Coordinator | None = None,
+               backend: backend_lib.Backend | None = None,
                read_only: bool = False,
                commit_hooks: Sequence[CommitHook] = ()):
     if max_to_keep is not None and max_to_keep < 1:
@@ -107,7 +110,7 @@ class CheckpointManager:
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
-    self.directory, self.backend = backend_lib.make_path(given)
+    self.directory, self.backend = backend_lib.make_path(given, backend)
     self.max_to_keep = max_to_keep
     self.keep_every_n_steps = keep_every_n_steps
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity,

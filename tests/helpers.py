@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import backend as backend_lib
 
 # The writer's claim on a checkpoint directory (docs/format.md); not a step.
 _WRITER = "_WRITER"
@@ -50,10 +51,20 @@ def two_device_mesh() -> Mesh:
   return Mesh(np.array(jax.devices()[:2]), ("x",))
 
 
-def disk_on_fire(step_dir, leaves, process_index, **kwargs):
-  """Stands in for `storage.write_process_files`: every write fails."""
-  del leaves, process_index
-  raise OSError(f"disk on fire while writing {step_dir}")
+class FlakyDisk(backend_lib.LocalBackend):
+  """A local disk whose step writes fail while `on_fire` is set.
+
+  Passed to a manager as `backend=`: the fault goes through the storage
+  seam, not through a patched module.
+  """
+
+  def __init__(self, on_fire: bool = False):
+    self.on_fire = on_fire
+
+  def step_writer(self, step_dir, identity, data_dir):
+    if self.on_fire:
+      raise OSError(f"disk on fire while writing {step_dir}")
+    return super().step_writer(step_dir, identity, data_dir)
 
 
 def join_commit(manager: CheckpointManager, timeout: float) -> None:

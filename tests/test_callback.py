@@ -7,11 +7,10 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import storage
 from fake_coordinator import FakeCluster
 from fake_coordinator import ThreadCoordinator
 
-from helpers import disk_on_fire
+from helpers import FlakyDisk
 from helpers import join_commit
 from helpers import sorted_entries
 from helpers import tiny
@@ -172,13 +171,13 @@ def test_preemption_ignored_when_disabled(ckpt_dir):
   assert sorted_entries(ckpt_dir) == []
 
 
-def test_background_error_surfaces_from_next_call(ckpt_dir, monkeypatch):
-  """Fault injected: storage.write_process_files raises OSError for step 1."""
-  callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3])
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+def test_background_error_surfaces_from_next_call(ckpt_dir):
+  """Fault injected: the storage backend's writes fail for step 1."""
+  disk = FlakyDisk(on_fire=True)
+  callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3], backend=disk)
   assert callback(1, tiny(1))  # The save started; it fails in background.
   join_commit(callback.manager, TIMEOUT)
-  monkeypatch.undo()
+  disk.on_fire = False
 
   with pytest.raises(OSError, match="disk on fire") as excinfo:
     callback(2, tiny(2))  # Not a save step: the error still surfaces.
@@ -190,15 +189,14 @@ def test_background_error_surfaces_from_next_call(ckpt_dir, monkeypatch):
   assert sorted_entries(ckpt_dir) == ["3"]
 
 
-def test_background_error_surfaces_from_next_saving_call(ckpt_dir,
-                                                         monkeypatch):
-  """Fault injected: storage.write_process_files raises OSError for step 1."""
-  callback = CheckpointCallback(ckpt_dir, every_steps=1)
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+def test_background_error_surfaces_from_next_saving_call(ckpt_dir):
+  """Fault injected: the storage backend's writes fail for step 1."""
+  disk = FlakyDisk(on_fire=True)
+  callback = CheckpointCallback(ckpt_dir, every_steps=1, backend=disk)
   assert callback(1, tiny(1))
   with pytest.raises(OSError, match="disk on fire"):
     callback(2, tiny(2))  # Raised whether or not the commit has ended yet.
-  monkeypatch.undo()
+  disk.on_fire = False
   assert callback(3, tiny(3))
   callback.close()
   assert callback.manager.all_steps() == [3]
@@ -214,12 +212,11 @@ def test_context_manager_closes_and_waits(ckpt_dir):
     callback(2, tiny(2))
 
 
-def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir,
-                                                               monkeypatch):
-  """Fault injected: storage.write_process_files raises OSError."""
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir):
+  """Fault injected: the storage backend's writes fail."""
   with pytest.raises(KeyError, match="loop failed") as excinfo:
-    with CheckpointCallback(ckpt_dir, every_steps=1) as callback:
+    with CheckpointCallback(ckpt_dir, every_steps=1,
+                            backend=FlakyDisk(on_fire=True)) as callback:
       callback(1, tiny(1))
       raise KeyError("loop failed")
   assert "disk on fire" in "\n".join(excinfo.value.__notes__)

@@ -18,7 +18,7 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin import storage
 
-from helpers import disk_on_fire
+from helpers import FlakyDisk
 from helpers import entries
 from helpers import join_commit
 from helpers import tiny
@@ -360,16 +360,16 @@ def test_saving_a_donated_state_raises_synchronously(ckpt_dir, make_state,
 
 @pytest.mark.parametrize("surface", ["save", "wait_until_finished", "close"])
 def test_background_error_is_raised_once_by_next_call(
-    surface, ckpt_dir, make_state, train_step, monkeypatch,
-    assert_trees_equal, host_copy):
-  """Fault injected: storage.write_process_files raises OSError for step 2."""
-  manager = CheckpointManager(ckpt_dir)
+    surface, ckpt_dir, make_state, train_step, assert_trees_equal, host_copy):
+  """Fault injected: the storage backend's writes fail for step 2."""
+  disk = FlakyDisk()
+  manager = CheckpointManager(ckpt_dir, backend=disk)
   state = train_step(make_state())
   expected = host_copy(state)
   manager.save(1, state)
   manager.wait_until_finished()
 
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  disk.on_fire = True
   manager.save(2, state)  # Returns: the failure happens in the background.
   call = getattr(manager, surface)
   args = (3, state) if surface == "save" else ()
@@ -379,7 +379,7 @@ def test_background_error_is_raised_once_by_next_call(
   assert "ASYNCHRONOUSLY" in notes
   assert f"step 2 in {ckpt_dir}" in notes
 
-  monkeypatch.undo()
+  disk.on_fire = False
   if surface == "save":
     manager.save(3, state)  # Raised once: the next save goes ahead.
     manager.wait_until_finished()
@@ -396,13 +396,13 @@ def test_background_error_is_raised_once_by_next_call(
   assert_trees_equal(fresh.restore(state, step=1), expected)
 
 
-def test_background_error_is_raised_by_restore(ckpt_dir, make_state,
-                                               monkeypatch):
-  """Fault injected: storage.write_process_files raises OSError."""
-  manager = CheckpointManager(ckpt_dir)
+def test_background_error_is_raised_by_restore(ckpt_dir, make_state):
+  """Fault injected: the storage backend's writes fail for step 2."""
+  disk = FlakyDisk()
+  manager = CheckpointManager(ckpt_dir, backend=disk)
   manager.save(1, make_state())
   manager.wait_until_finished()
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  disk.on_fire = True
   manager.save(2, make_state())
   join_commit(manager, TIMEOUT)
   with pytest.raises(OSError, match="disk on fire"):
@@ -464,15 +464,16 @@ def test_retention_keeps_newest_and_every_nth(ckpt_dir):
   assert CheckpointManager(ckpt_dir).all_steps() == [5, 10, 11, 12]
 
 
-def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir, monkeypatch):
+def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir):
   """Fault injected: the write of step 4 raises OSError."""
-  manager = CheckpointManager(ckpt_dir, max_to_keep=1)
+  disk = FlakyDisk()
+  manager = CheckpointManager(ckpt_dir, max_to_keep=1, backend=disk)
   for step in (1, 2, 3):
     manager.save(step, tiny(step))
     manager.wait_until_finished()
     assert manager.all_steps() == [step]
     assert entries(ckpt_dir) == {str(step)}
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  disk.on_fire = True
   manager.save(4, tiny(4))
   with pytest.raises(OSError, match="disk on fire"):
     manager.wait_until_finished()
@@ -481,11 +482,12 @@ def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir, monkeypatch):
 
 
 def test_old_steps_deleted_only_after_newer_one_is_finalized(
-    ckpt_dir, gated_write, monkeypatch):
+    ckpt_dir, gated_write):
   """Fault injected: the write of step 3 is held on an Event, the write of
   step 4 raises OSError."""
   gated_write.release.set()
-  manager = CheckpointManager(ckpt_dir, max_to_keep=2)
+  disk = FlakyDisk()
+  manager = CheckpointManager(ckpt_dir, max_to_keep=2, backend=disk)
   manager.save(1, tiny(1))
   manager.save(2, tiny(2))
   manager.wait_until_finished()
@@ -500,7 +502,7 @@ def test_old_steps_deleted_only_after_newer_one_is_finalized(
   manager.wait_until_finished()
   assert entries(ckpt_dir) == {"2", "3"}
 
-  monkeypatch.setattr(storage, "write_process_files", disk_on_fire)
+  disk.on_fire = True
   manager.save(4, tiny(4))
   with pytest.raises(OSError, match="disk on fire"):
     manager.wait_until_finished()
