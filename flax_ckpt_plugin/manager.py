@@ -123,7 +123,7 @@ class CheckpointManager:
     self._base = f"flax_ckpt_plugin/{base}"
     self.name = self._base
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
-    # Host copies of CPU shards, reused by each save (see snapshot.py).
+    # Host copies of CPU shards, reused by each save (see staging.py).
     self._staging = HostStaging()
     self._saves = 0
     self._closed = False
@@ -140,12 +140,8 @@ class CheckpointManager:
       self._steps = atomicity_lib.finalized_steps(self.directory)
 
   def _open_for_writing(self) -> None:
-    """Primary: claims the directory; all: learn the writer's token.
-
-    The token names every later key of this manager (`name`), so keys
-    derive from what all processes share (the directory and this writer),
-    not from how many managers each process opened.
-    """
+    """Primary: claims the directory; all: learn the writer's token, which
+    names every later key (`name`), not how many managers a process opened."""
     coord = self.coordinator
     if self.is_primary:
       self.directory.mkdir(parents=True, exist_ok=True)
@@ -171,13 +167,11 @@ class CheckpointManager:
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
 
-    Hooks run on the primary host only, in the background commit thread,
-    once the step is durable and before retention deletes older steps, in
-    the order added. Register them on every process (only the primary runs
-    them). A slow hook delays the next save only if that save comes before
-    the hook returns. If a hook raises, the remaining hooks and retention
-    are skipped for that step, and every process raises `CommitHookError`
-    on its next call into the manager; the step stays finalized.
+    Hooks run on the primary host only (register them on every process),
+    in the commit thread, once the step is durable and before retention, in
+    the order added. If a hook raises, the remaining hooks and retention are
+    skipped for that step, and every process raises `CommitHookError` on
+    its next call into the manager; the step stays finalized.
     """
     if not callable(hook):
       raise TypeError(f"commit hook {hook!r} is not callable")
@@ -415,10 +409,9 @@ class CheckpointManager:
   def _set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
 
-    Otherwise the resumed run would never save those step numbers again (a
-    finalized step is never overwritten), and a preemption at one of them
-    would stop the job on the damaged copy. A read-only manager changes
-    nothing.
+    Otherwise the resumed run would never save those step numbers again,
+    and a preemption at one would stop on the damaged copy. A read-only
+    manager changes nothing.
     """
     if self.read_only:
       return
