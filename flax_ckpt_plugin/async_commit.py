@@ -15,6 +15,7 @@ and exits with status 1 instead of 0.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -56,6 +57,9 @@ def _finish_at_exit() -> None:
     print(f"flax_ckpt_plugin: a background commit failed and the program"
           f" exited without calling close() or wait_until_finished():"
           f" {type(error).__name__}: {error}{notes}", file=sys.stderr)
+  # No way but `_exit` sets the status from here; it skips the `atexit`
+  # handlers, so the logs are flushed first.
+  logging.shutdown()
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(UNSEEN_FAILURE_EXIT_CODE)  # pylint: disable=protected-access

@@ -33,6 +33,7 @@ from etils import epath
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin.errors import ConcurrentWriterError
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.layout import ATTEMPT_FILE
 from flax_ckpt_plugin.layout import COMMIT_MARKER
 from flax_ckpt_plugin.layout import DAMAGED_SUFFIX
@@ -69,17 +70,6 @@ def resolve_atomicity(directory: epath.PathLike, atomicity: Atomicity,
         f"atomicity='rename' needs a local filesystem; {directory} is an"
         " object store without atomic rename: use 'commit_file'.")
   return atomicity
-
-
-def fsync_path(path: epath.PathLike, backend: Backend | None = None) -> None:
-  """fsyncs a local file or directory; a no-op on object stores."""
-  _backend(path, backend).fsync(path)
-
-
-def write_small_file(path: epath.Path, text: str,
-                     backend: Backend | None = None) -> None:
-  """Writes `text` to `path` durably (fsync on local filesystems)."""
-  _backend(path, backend).write_small(path, text)
 
 
 def is_finalized(step_dir: epath.Path) -> bool:
@@ -133,6 +123,15 @@ def delete_step(directory: epath.Path, step: int,
   remove the commit marker first, then the rest. Primary host only.
   """
   _backend(directory, backend).delete_step(directory, step)
+
+
+def delete_steps(directory: epath.Path, steps: list[int], token: str | None,
+                 backend: Backend) -> None:
+  """Retention on the primary host: deletes `steps`, if still the writer."""
+  check_still_writer(directory, token, f"steps {steps} were not deleted")
+  for step in steps:
+    backend.delete_step(directory, step)
+    log.info("retention deleted step %d from %s", step, directory)
 
 
 def set_aside(directory: epath.Path, step: int,

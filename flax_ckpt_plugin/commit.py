@@ -144,6 +144,26 @@ def commit(inputs: CommitInputs) -> SaveStats:
                    finalized_at=time.time())
 
 
+def run_retention(coord: coordinator_lib.Coordinator, key: str,
+                  stats: SaveStats, *, delete: Callable[[], Any],
+                  timeout_ms: int) -> None:
+  """All: `delete` (the primary deletes), then learn together how it went.
+
+  Raises:
+    Exception: this process's own error; or RuntimeError naming the process
+      that failed (the step itself is finalized either way).
+  """
+  outcome = coordinator_lib.agree(coord, f"{key}/retention", delete,
+                                  timeout_ms=timeout_ms)
+  if outcome.error is not None:
+    raise outcome.error
+  if outcome.failures:
+    raise RuntimeError(
+        f"retention after step {stats.step} failed on another process (the"
+        " step is finalized; older steps may be left):"
+        f" {coordinator_lib.describe_failures(outcome.failures)}")
+
+
 def run_hooks(coord: coordinator_lib.Coordinator, key: str,
               hooks: Sequence[CommitHook], stats: SaveStats, *,
               is_primary: bool, timeout_ms: int) -> None:

@@ -102,17 +102,22 @@ class Rounds:
       return n
 
 
-class JaxCoordinator(Rounds):
+class JaxCoordinator:
   """The coordination service of `jax.distributed`, looked up at each call.
 
   Nothing runs at import, and the client is found anew on every call, so a
   user may call `jax.distributed.initialize()` after making a manager.
   """
 
-  def __init__(self):
-    super().__init__()
-    self._local: dict[str, str] = {}
-    self._lock = threading.Lock()
+  # One process, one coordination service: every instance shares the rounds
+  # and the single-process store, so a coordinator made anew (per manager,
+  # say) never reuses a key an earlier one used.
+  _shared_rounds = Rounds()
+  _local: dict[str, str] = {}
+  _lock = threading.Lock()
+
+  def next_round(self, name: str) -> int:
+    return JaxCoordinator._shared_rounds.next_round(name)
 
   @staticmethod
   def _client() -> Any | None:

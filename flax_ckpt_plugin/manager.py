@@ -125,15 +125,13 @@ class CheckpointManager:
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
     # Host copies of CPU shards, reused by each save (see staging.py).
     self._staging = HostStaging()
-    self._saves = 0
-    self._closed = False
-    self._lock = threading.Lock()
+    self._saves, self._closed, self._lock = 0, False, threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
     self._commit_hooks: list[CommitHook] = []
     for hook in commit_hooks:
       self.add_commit_hook(hook)
-    self._writer_token = None
+    self._writer_token: str | None = None
     self._steps: list[int] = []
     if not read_only:
       self._open_for_writing()
@@ -281,14 +279,19 @@ class CheckpointManager:
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
-        check_still_writer=self._check_still_writer)
+        check_still_writer=functools.partial(
+            atomicity_lib.check_still_writer, self.directory,
+            self._writer_token))
     self._saves += 1
-    del leaves  # The commit holds the snapshot, and drops it when done.
-    self._committer.start(functools.partial(self._commit, inputs),
+    del leaves
+    # The commit takes the inputs out of the box, so that the snapshot is
+    # freed when the commit returns, before hooks and retention run.
+    self._committer.start(functools.partial(self._commit, [inputs]),
                           description=f"step {step} in {self.directory}")
 
-  def _commit(self, inputs: commit_lib.CommitInputs) -> None:
+  def _commit(self, box: list[commit_lib.CommitInputs]) -> None:
     """The commit thread's job: commit, record, hooks, retention."""
+    inputs = box.pop()
     key = inputs.key
     stats = commit_lib.commit(inputs)
     del inputs  # The snapshot's buffers go back to the staging area.
@@ -302,15 +305,11 @@ class CheckpointManager:
       doomed = commit_lib.steps_to_delete(self._steps, self.max_to_keep,
                                           self.keep_every_n_steps)
       self._steps = [s for s in self._steps if s not in doomed]
-    if self.is_primary and doomed:
-      self._check_still_writer(f"steps {doomed} were not deleted")
-      for s in doomed:
-        atomicity_lib.delete_step(self.directory, s, self.backend)
-        log.info("retention deleted step %d from %s", s, self.directory)
-
-  def _check_still_writer(self, consequence: str) -> None:
-    atomicity_lib.check_still_writer(self.directory, self._writer_token,
-                                     consequence)
+    if doomed:  # The same on every process: all meet, or none.
+      commit_lib.run_retention(
+          self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
+          delete=lambda: self.is_primary and atomicity_lib.delete_steps(
+              self.directory, doomed, self._writer_token, self.backend))
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -361,7 +360,8 @@ class CheckpointManager:
     self._staging.clear()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
-    tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify)
+    tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
+                                backend=self.backend)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     return tree

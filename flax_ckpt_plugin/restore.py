@@ -23,6 +23,7 @@ import jax
 from jax import lax
 import numpy as np
 
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manifest import describe
@@ -245,7 +246,9 @@ def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
 
 
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
-                 verify: bool = True) -> tuple[Any, int]:
+                 verify: bool = True,
+                 backend: backend_lib.Backend | None = None
+                 ) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
 
   Args:
@@ -253,6 +256,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
     manifest: its manifest, from `manifest.read`.
     target: the concrete or abstract pytree to restore like.
     verify: check the CRC-32C of every block of data read.
+    backend: the directory's storage (default: by the path's scheme).
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
@@ -267,7 +271,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   targets, treedef = leaf_paths(target)
   _match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
   targets = [(p, _on_context_mesh(p, leaf)) for p, _, leaf in targets]
-  reader = ByteReader(step_dir, manifest.files)
+  reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes,
              "where": f"step {manifest.step} in {step_dir}"}

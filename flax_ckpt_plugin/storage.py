@@ -137,10 +137,15 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
   # A plain thread, not a pool: a commit that finishes while the interpreter
   # exits (see async_commit) may no longer start pool work.
   sums: list[list[int]] = []
-  summer = threading.Thread(
-      target=lambda: sums.extend(block_checksums(memoryview(b))
-                                 for b in bufs),
-      name="flax_ckpt_plugin-checksum")
+  failed: list[BaseException] = []
+
+  def checksum() -> None:
+    try:
+      sums.extend(block_checksums(memoryview(b)) for b in bufs)
+    except BaseException as e:  # pylint: disable=broad-except
+      failed.append(e)
+
+  summer = threading.Thread(target=checksum, name="flax_ckpt_plugin-checksum")
   summer.start()
   try:
     data = datafile.DataFile(out, name)
@@ -153,8 +158,8 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
       data.close()
   finally:
     summer.join()
-  if len(sums) != len(bufs):
-    raise RuntimeError("computing the checksums of the shards failed")
+  if failed:
+    raise failed[0]
   for (leaf, shard), buf, offset, crcs in zip(shards, bufs, offsets, sums):
     entries.append(_entry(leaf, shard, name, offset, buf, crcs))
   return data.end

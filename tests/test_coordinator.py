@@ -15,6 +15,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import storage
 from fake_coordinator import FakeCluster
@@ -263,3 +264,39 @@ def test_every_secs_agrees_without_asking_at_every_step(tmp_path):
   assert len(saved0) == steps // 50
   # About log2(50) asks per interval of 50 steps, not 50.
   assert asks0 == asks1 <= 10 * len(saved0) < steps / 4
+
+
+def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
+    tmp_path):
+  """Fault injected: the primary's backend cannot delete an old step. Before,
+  only the primary raised; the others went on to the next save's barriers
+  and waited there for the whole timeout."""
+
+  class Undeletable(backend_lib.LocalBackend):
+
+    def delete_step(self, directory, step):
+      raise OSError(f"cannot delete step {step} (injected)")
+
+  def work(coord):
+    backend = Undeletable() if coord.process_index == 0 else None
+    mgr = CheckpointManager(tmp_path, coordinator=coord, max_to_keep=1,
+                            backend=backend,
+                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    try:
+      mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+    finally:
+      mgr.close()
+    return None
+
+  t0 = time.monotonic()
+  errors = run_threads(2, work)
+  assert time.monotonic() - t0 < TIMEOUT_SECS / 2
+  assert isinstance(errors[0], OSError) and "injected" in str(errors[0])
+  assert isinstance(errors[1], RuntimeError)
+  assert "retention after step 2 failed" in str(errors[1])
+  assert "process 0: OSError" in str(errors[1])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "_WRITER"]

@@ -67,7 +67,7 @@ def test_each_byte_is_written_once_by_its_owner(request, tmp_path,
   A TrainState (3 Dense layers, adam) trained 2 steps on a ('data', 'model')
   mesh, with kernels split on both axes, on one, and replicated leaves
   (biases, step, count), is saved by every process. Each process writes one
-  file whose size is its `last_save_stats.nbytes`; the files add up to the
+  file whose size is its `last_save_stats.process_bytes`; the files add up to the
   bytes of all global arrays, and per leaf the manifest places each process's
   bytes in its own file only if that process owns replica 0 of a shard.
   """
