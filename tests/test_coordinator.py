@@ -17,7 +17,6 @@ from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
-from flax_ckpt_plugin import storage
 from fake_coordinator import FakeCluster
 from fake_coordinator import run_threads
 
@@ -122,29 +121,33 @@ def test_two_managers_of_one_directory_in_turn_use_fresh_keys(tmp_path):
   assert all(results[0][0] in k or results[0][1] in k for k in saves)
 
 
-def test_a_write_failure_on_one_process_fails_the_save_on_all(tmp_path,
-                                                            monkeypatch):
-  """Fault injected: process 1's write raises ENOSPC."""
-  real = storage.write_process_files
+def _error_of_wait(mgr: CheckpointManager) -> Exception | None:
+  """What `wait_until_finished` raised (None if nothing); closes `mgr`."""
+  try:
+    mgr.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  finally:
+    mgr.close()
+  return None
 
-  def write(step_dir, leaves, process_index, **kwargs):
-    if process_index == 1:
-      raise OSError(28, "No space left on device")
-    return real(step_dir, leaves, process_index, **kwargs)
 
-  monkeypatch.setattr(storage, "write_process_files", write)
+class _FullDisk(backend_lib.LocalBackend):
+  """A local disk on which every step write fails with ENOSPC."""
+
+  def step_writer(self, step_dir, identity, data_dir):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_write_failure_on_one_process_fails_the_save_on_all(tmp_path):
+  """Fault injected: process 1's disk is full (its backend)."""
 
   def work(coord):
-    mgr = CheckpointManager(tmp_path, coordinator=coord,
-                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr = CheckpointManager(
+        tmp_path, coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS,
+        backend=_FullDisk() if coord.process_index == 1 else None)
     mgr.save(1, _state(1))
-    try:
-      mgr.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
-      return e
-    finally:
-      mgr._committer.close()  # pylint: disable=protected-access
-    return None
+    return _error_of_wait(mgr)
 
   t0 = time.monotonic()
   errors = run_threads(2, work)
@@ -284,13 +287,7 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
                             barrier_timeout_secs=TIMEOUT_SECS)
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
-    try:
-      mgr.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
-      return e
-    finally:
-      mgr.close()
-    return None
+    return _error_of_wait(mgr)
 
   t0 = time.monotonic()
   errors = run_threads(2, work)
