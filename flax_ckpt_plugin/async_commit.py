@@ -22,7 +22,6 @@ import threading
 from typing import Callable
 import weakref
 
-from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.logs import log
 
 # Exit status of a process whose last background commit failed unseen.
@@ -159,13 +158,11 @@ class AsyncCommitter:
     try:
       fn()
     except BaseException as e:  # pylint: disable=broad-except
-      # A commit hook fails after its step was finalized.
-      outcome = ("That step is finalized." if isinstance(e, CommitHookError)
-                 else "That step was not finalized.")
+      # The job's own notes say whether its step was finalized.
       e.add_note(
           f"This error occurred ASYNCHRONOUSLY in the background commit of"
           f" {description}; it is raised on the next call into"
-          f" flax_ckpt_plugin. {outcome}")
+          " flax_ckpt_plugin.")
       log.error("background commit of %s failed: %r", description, e)
       with self._cond:
         self._error = e

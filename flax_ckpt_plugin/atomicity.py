@@ -27,7 +27,7 @@ import json
 import os
 import socket
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from etils import epath
 
@@ -76,12 +76,33 @@ def is_finalized(step_dir: epath.Path) -> bool:
   return (step_dir / COMMIT_MARKER).exists()
 
 
-def finalized_steps(directory: epath.Path) -> list[int]:
-  """Sorted steps under `directory` that carry the commit marker."""
+_warned_links: set[str] = set()
+
+
+def _entries(directory: epath.Path) -> list[epath.Path]:
+  """The entries of `directory`, but symbolic links (warned about once).
+
+  A link named like a step is not one of ours: listing it would make
+  retention delete, or a writer clean up, what it points to.
+  """
   if not directory.exists():
     return []
-  steps = []
+  entries = []
   for entry in directory.iterdir():
+    name = os.fspath(entry)
+    if not os.path.islink(name):  # False for object stores' paths.
+      entries.append(entry)
+    elif name not in _warned_links and (step_from_name(entry.name) is not None
+                                        or entry.name[:1].isdigit()):
+      _warned_links.add(name)
+      log.warning("ignoring %s: a symbolic link, never a step of ours", name)
+  return entries
+
+
+def finalized_steps(directory: epath.Path) -> list[int]:
+  """Sorted steps under `directory` that carry the commit marker."""
+  steps = []
+  for entry in _entries(directory):
     step = step_from_name(entry.name)
     if step is not None and is_finalized(entry):
       steps.append(step)
@@ -90,10 +111,8 @@ def finalized_steps(directory: epath.Path) -> list[int]:
 
 def unfinished_entries(directory: epath.Path) -> list[epath.Path]:
   """Entries that look like ours but are not finalized steps."""
-  if not directory.exists():
-    return []
   found = []
-  for entry in directory.iterdir():
+  for entry in _entries(directory):
     name = entry.name
     for suffix in (TMP_SUFFIX, DELETING_SUFFIX):
       if name.endswith(suffix) and step_from_name(name[:-len(suffix)]) is not None:
@@ -125,10 +144,13 @@ def delete_step(directory: epath.Path, step: int,
   _backend(directory, backend).delete_step(directory, step)
 
 
-def delete_steps(directory: epath.Path, steps: list[int], token: str | None,
-                 backend: Backend) -> None:
-  """Retention on the primary host: deletes `steps`, if still the writer."""
-  check_still_writer(directory, token, f"steps {steps} were not deleted")
+def delete_steps(directory: epath.Path, steps: list[int],
+                 still_writer: Callable[[str], None], backend: Backend) -> None:
+  """Retention on the primary host: deletes `steps`, if still the writer.
+
+  `still_writer(consequence)` is `check_still_writer` of this job's claim.
+  """
+  still_writer(f"steps {steps} were not deleted")
   for step in steps:
     backend.delete_step(directory, step)
     log.info("retention deleted step %d from %s", step, directory)
@@ -147,7 +169,8 @@ def set_aside(directory: epath.Path, step: int,
 
 
 def claim_directory(directory: epath.Path, process_count: int,
-                    backend: Backend | None = None) -> str:
+                    backend: Backend | None = None,
+                    token: str | None = None) -> str:
   """Records this job as the directory's writer; returns its token.
 
   The newest claim wins: a job restarted after a preemption takes over at
@@ -155,7 +178,7 @@ def claim_directory(directory: epath.Path, process_count: int,
   started by mistake, or a restart while the old one still runs) sees that
   before it finalizes or deletes anything (`current_writer`).
   """
-  token = uuid.uuid4().hex
+  token = token or uuid.uuid4().hex
   info = {"token": token, "host": socket.gethostname(), "pid": os.getpid(),
           "process_count": process_count,
           "opened": datetime.datetime.now(datetime.timezone.utc).isoformat()}
@@ -174,15 +197,28 @@ def current_writer(directory: epath.Path) -> dict[str, Any] | None:
 
 
 def check_still_writer(directory: epath.Path, token: str | None,
-                       consequence: str) -> None:
+                       consequence: str, *, writer_count: int = 1,
+                       backend: Backend | None = None) -> None:
   """Raises ConcurrentWriterError if another job claimed the directory.
+
+  A directory without any claim (deleted and made anew) is claimed again.
 
   Args:
     directory: the checkpoint directory.
     token: this job's claim (from `claim_directory`).
     consequence: what was not done, for the message.
+    writer_count: the job's process count, for a new claim.
+    backend: the directory's storage.
   """
   writer = current_writer(directory)
+  if writer is None and token is not None:
+    # No claim at all: the directory was deleted (and maybe made anew) under
+    # this job, and no other job opened it since. It is this job's again.
+    log.warning("%s lost its writer's claim (deleted and made anew?);"
+                " claiming it again", directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    claim_directory(directory, writer_count, backend, token)
+    return
   if writer is None or writer.get("token") != token:
     raise ConcurrentWriterError(
         f"another job opened {directory} for writing after this one"

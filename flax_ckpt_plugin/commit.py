@@ -28,6 +28,7 @@ import numpy as np
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import SaveFailedError
@@ -59,11 +60,15 @@ class CommitInputs(NamedTuple):
 
 
 def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
-                    keep_every_n_steps: int | None) -> list[int]:
-  """The finalized steps that retention removes (never the newest)."""
+                    keep_every_n_steps: int | None,
+                    protect: int | None = None) -> list[int]:
+  """The finalized steps that retention removes.
+
+  Never the newest, nor `protect` (the newest step known to restore).
+  """
   if max_to_keep is None:
     return []
-  keep = set(sorted(steps)[-max_to_keep:])
+  keep = set(sorted(steps)[-max_to_keep:]) | {protect}
   if keep_every_n_steps:
     keep |= {s for s in steps if s % keep_every_n_steps == 0}
   return sorted(s for s in steps if s not in keep)
@@ -128,9 +133,14 @@ def commit(inputs: CommitInputs) -> SaveStats:
   def finalize():
     if inputs.is_primary:
       inputs.check_still_writer(f"step {step} was not finalized")
-      storage.write_manifest(tmp.path, step=step, leaves=inputs.leaves,
-                             process_count=count, extra=inputs.extra,
-                             metrics=inputs.metrics, backend=inputs.backend)
+      merged, origins = storage.merge_tables(
+          tmp.path, step=step, leaves=inputs.leaves, process_count=count,
+          primary=pid, extra=inputs.extra, metrics=inputs.metrics,
+          backend=inputs.backend)
+      text = manifest_lib.checked_text(
+          merged, origins, f"step {step} in {inputs.directory}")
+      storage.write_manifest(tmp.path, step=step, text=text,
+                             process_count=count, backend=inputs.backend)
       tmp.finalize()
 
   _phase(inputs, "committed", finalize)
@@ -142,6 +152,17 @@ def commit(inputs: CommitInputs) -> SaveStats:
                    total_bytes=checkpoint_bytes(inputs.leaves),
                    path=inputs.directory / str(step),
                    finalized_at=time.time())
+
+
+def step_state(directory: epath.Path, step: int) -> str:
+  """Whether a failed save's step is finalized, as a note for its error."""
+  try:
+    done = atomicity_lib.is_finalized(directory / str(step))
+  except OSError as e:
+    return f"Whether step {step} was finalized is unknown: {e}."
+  if done:
+    return f"Step {step} is finalized in {directory}."
+  return f"Step {step} was not finalized."
 
 
 def run_retention(coord: coordinator_lib.Coordinator, key: str,

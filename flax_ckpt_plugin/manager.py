@@ -133,6 +133,8 @@ class CheckpointManager:
       self.add_commit_hook(hook)
     self._writer_token: str | None = None
     self._steps: list[int] = []
+    # The newest step known to restore: retention never deletes it.
+    self._known_good: int | None = None
     if not read_only:
       self._open_for_writing()
       self._steps = atomicity_lib.finalized_steps(self.directory)
@@ -161,6 +163,9 @@ class CheckpointManager:
       self._writer_token = coord.kv_get(f"{self._base}/writer",
                                         timeout_ms=self.barrier_timeout_ms)
     self.name = f"{self._base}/{self._writer_token}"
+    self._still_writer = functools.partial(
+        atomicity_lib.check_still_writer, self.directory, self._writer_token,
+        writer_count=coord.process_count, backend=self.backend)
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
@@ -279,9 +284,7 @@ class CheckpointManager:
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
-        check_still_writer=functools.partial(
-            atomicity_lib.check_still_writer, self.directory,
-            self._writer_token))
+        check_still_writer=self._still_writer)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -292,24 +295,37 @@ class CheckpointManager:
   def _commit(self, box: list[commit_lib.CommitInputs]) -> None:
     """The commit thread's job: commit, record, hooks, retention."""
     inputs = box.pop()
-    key = inputs.key
-    stats = commit_lib.commit(inputs)
+    key, step = inputs.key, inputs.step
+    try:
+      stats = commit_lib.commit(inputs)
+    except BaseException as e:
+      e.add_note(commit_lib.step_state(self.directory, step))
+      raise
     del inputs  # The snapshot's buffers go back to the staging area.
     self.last_save_stats = stats
     with self._lock:
-      self._steps = sorted(set(self._steps) | {stats.step})
-    commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
-                         is_primary=self.is_primary,
-                         timeout_ms=self.barrier_timeout_ms)
+      self._steps = sorted(set(self._steps) | {step})
+      self._known_good = step  # The reader accepted it before finalize.
+    try:
+      commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
+                           is_primary=self.is_primary,
+                           timeout_ms=self.barrier_timeout_ms)
+      self._retention(key, stats)
+    except BaseException as e:
+      e.add_note(f"Step {step} is finalized in {self.directory}.")
+      raise
+
+  def _retention(self, key: str, stats: SaveStats) -> None:
     with self._lock:
-      doomed = commit_lib.steps_to_delete(self._steps, self.max_to_keep,
-                                          self.keep_every_n_steps)
+      doomed = commit_lib.steps_to_delete(
+          self._steps, self.max_to_keep, self.keep_every_n_steps,
+          protect=self._known_good)
       self._steps = [s for s in self._steps if s not in doomed]
     if doomed:  # The same on every process: all meet, or none.
       commit_lib.run_retention(
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
           delete=lambda: self.is_primary and atomicity_lib.delete_steps(
-              self.directory, doomed, self._writer_token, self.backend))
+              self.directory, doomed, self._still_writer, self.backend))
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is finalized; raises its error."""
@@ -400,6 +416,9 @@ class CheckpointManager:
         restore=lambda step: self.restore(target, step, verify=verify),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
+    if found is not None:  # Every process restored it.
+      with self._lock:
+        self._known_good = max(found[0], self._known_good or found[0])
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.storage import FORMAT_NAME
 from flax_ckpt_plugin.storage import FORMAT_VERSION
 from flax_ckpt_plugin.storage import MANIFEST
@@ -76,7 +77,9 @@ def parse_dtype(name: Any, where: str) -> np.dtype:
 
 def describe(dtype: np.dtype, shape: Iterable[int]) -> str:
   """'float32[512,10]': how errors and the CLI show an array's type."""
-  return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+  dtype = np.dtype(dtype)
+  name = dtype.str if dtype.byteorder == ">" else dtype.name  # '>f4'.
+  return f"{name}[{','.join(str(d) for d in shape)}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,3 +381,42 @@ def read(step_dir: epath.Path, step: int | None = None) -> Manifest:
         f"{path}: records step {manifest.step!r}, but lives in the directory"
         f" of step {step}")
   return manifest
+
+
+def checked_text(manifest: dict[str, Any],
+                 origins: dict[str, dict[int, list[list[list[int]]]]],
+                 where: str) -> str:
+  """The JSON of a merged manifest, once `parse` accepts it.
+
+  The primary host calls this before it finalizes a step: a step is
+  finalized only if the reader would accept it (dtypes and shapes agree,
+  shards cover every array exactly once, byte counts fit).
+
+  Args:
+    manifest: the merged manifest (see `storage.merge_tables`).
+    origins: per leaf path, the shard indices each process wrote.
+    where: the step, for messages.
+
+  Raises:
+    SaveFailedError: the reader would refuse it; names the leaf and every
+      process's shards of it.
+  """
+  text = json.dumps(manifest, indent=1)
+  try:
+    parse(text.encode(), where)
+  except CheckpointCorruptedError as e:
+    error = str(e)
+    for leaf in manifest.get("leaves", ()):
+      try:
+        _leaf(leaf, where, manifest["files"],
+              manifest["checksum"]["block_bytes"])
+      except CheckpointCorruptedError:
+        views = origins.get(leaf.get("path"), {})
+        error += "; the shards each process wrote: " + "; ".join(
+            f"process {p}: {idx[:8]}" + (" ..." if len(idx) > 8 else "")
+            for p, idx in sorted(views.items()))
+        break
+    raise SaveFailedError(
+        f"{error}. Not finalized: the step would not restore. Do all"
+        " processes save the same state, with the same shardings?") from None
+  return text

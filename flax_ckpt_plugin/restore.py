@@ -24,7 +24,6 @@ from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manifest import describe
 from flax_ckpt_plugin.manifest import Index
@@ -51,11 +50,45 @@ def _count(names: list[str], limit: int) -> str:
   return f"{names[:limit]}" + (f" and {more} more" if more > 0 else "")
 
 
+def _category(dtype: Any) -> str:
+  """What a dtype's values mean: 'bool', 'int', 'float', 'complex' or other."""
+  for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
+                    ("float", jax.numpy.floating),
+                    ("complex", jax.numpy.complexfloating)):
+    if jax.numpy.issubdtype(dtype, cat):
+      return name
+  return str(dtype)
+
+
+def _fits(value: bool | int | float, dtype: np.dtype) -> bool:
+  """Whether `dtype` holds the Python scalar `value` (of the same kind)."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, float) and np.isfinite(value):
+      with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.asarray(value).astype(dtype)))
+    return True
+  info = jax.numpy.iinfo(dtype)
+  return int(info.min) <= value <= int(info.max)
+
+
+def _same_dtype(a: Any, b: np.dtype) -> bool:
+  """Equal dtypes; byte order aside (the values are the same)."""
+  a = np.dtype(a)
+  return a == b or a.newbyteorder("=") == b.newbyteorder("=")
+
+
 def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
-  """Where `saved` cannot restore into `target`: both sides, else None."""
+  """Where `saved` cannot restore into `target`: both sides, else None.
+
+  Depends on the target only, so a mismatch is never damage. A scalar
+  restores only into a target of the same kind (bool, int, float) that
+  holds its value: 0.7 never becomes an int 0, nor 2**40 an int32.
+  """
   head = f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
+  saved_cat = saved.kind if saved.is_scalar else _category(saved.dtype)
   if isinstance(target, (bool, int, float)):
-    if saved.shape != ():
+    t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
+    if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
       return f"{head} Python {type(target).__name__}"
     return None
   t_dtype = target.dtype
@@ -69,9 +102,12 @@ def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
     t_shape = tuple(np.shape(target))
     t_desc = describe(t_dtype, t_shape)
   if saved.dtype is None:  # A Python scalar saved; an array of shape () wanted.
-    ok = t_shape == () and not is_key
+    ok = t_shape == () and not is_key and _category(t_dtype) == saved_cat
+    if ok and not _fits(saved.value, np.dtype(t_dtype)):
+      return f"{head} {t_desc}, which cannot hold that value"
   else:
-    ok = t_shape == saved.shape and (is_key or np.dtype(t_dtype) == saved.dtype)
+    ok = t_shape == saved.shape and (is_key
+                                     or _same_dtype(t_dtype, saved.dtype))
   return None if ok else f"{head} {t_desc}"
 
 
@@ -216,16 +252,11 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
 
 
 def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
-  if saved.is_scalar:
+  if saved.is_scalar:  # `_mismatch` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
       return type(target)(value)
-    try:
-      host = np.asarray(value, dtype=target.dtype)
-    except (OverflowError, ValueError) as e:
-      raise CheckpointCorruptedError(
-          f"{lr_args['where']}, leaf {saved.path!r}: value {value!r:.60} does"
-          f" not fit {target.dtype}") from e
+    host = np.asarray(value, dtype=target.dtype)
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
     return jax.device_put(host, _target_sharding(target))
@@ -233,10 +264,11 @@ def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
   whole = tuple((0, d) for d in lr.shape)
   if isinstance(target, (bool, int, float)):
     return type(target)(lr.read(whole)[()].item())
-  if isinstance(target, np.ndarray):
-    return lr.read(whole)
-  if isinstance(target, np.generic):
-    return lr.read(whole)[()]
+  if isinstance(target, np.ndarray | np.generic):
+    host = lr.read(whole)
+    if host.dtype != target.dtype:  # Byte order only (see `_same_dtype`).
+      host = host.astype(target.dtype)
+    return host if isinstance(target, np.ndarray) else host[()]
   sharding = _target_sharding(target)
   if saved.key_impl is not None:
     data = lr.read(whole)

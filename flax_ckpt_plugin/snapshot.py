@@ -198,6 +198,8 @@ def _host_leaf(path: str, keys: list[KeyEntry], leaf: Any,
                is_primary: bool) -> LeafSnapshot:
   if isinstance(leaf, (np.ndarray, np.generic)):
     arr = np.asarray(leaf)
+    if arr.dtype.byteorder == ">":  # The format stores little-endian bytes.
+      arr = arr.astype(arr.dtype.newbyteorder("<"))
     if arr.dtype.hasobject or arr.dtype.names is not None:
       raise TypeError(f"leaf {path!r}: numpy dtype {arr.dtype} cannot be"
                       " saved (object and structured dtypes are not).")

@@ -20,11 +20,11 @@ readers with numpy alone; `manifest` reads and validates the manifest and
 from __future__ import annotations
 
 import datetime
+import errno
 import json
-import math
 import time
 import threading
-from typing import Any, Iterable, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import crc32c
 from etils import epath
@@ -54,11 +54,31 @@ def index_file(process_index: int) -> str:
 
 
 def _write_all(f, buf: memoryview) -> None:
+  """Writes all of `buf`: an unbuffered write may write less than asked."""
   while buf:
     n = f.write(buf[:datafile.CHUNK])
-    if n is None:  # Non-blocking streams only; not expected for files.
-      raise OSError("short write")
+    if not n:  # None: a non-blocking stream; 0: nothing went (not expected).
+      raise OSError(errno.EIO, f"write of {len(buf)} bytes wrote {n!r}")
     buf = buf[n:]
+
+
+def _view(leaf: LeafSnapshot) -> list[Any]:
+  """How a process sees one leaf: [kind, dtype, shape, key_impl].
+
+  A numpy leaf and a jax array are alike here: both restore either way.
+  """
+  kind = "array" if leaf.kind == "numpy" else leaf.kind
+  return [kind, leaf.dtype, list(leaf.shape), leaf.key_impl]
+
+
+def _describe_view(view: list[Any] | None) -> str:
+  if view is None:
+    return "no such leaf"
+  kind, dtype, shape, key_impl = view
+  if kind not in ("array", "numpy"):
+    return f"a Python {kind}"
+  desc = f"{dtype}[{','.join(str(d) for d in shape)}]"
+  return desc + (f" (PRNG keys of impl {key_impl})" if key_impl else "")
 
 
 def block_checksums(buf: memoryview, block: int = CHECKSUM_BLOCK) -> list[int]:
@@ -110,9 +130,10 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
             entries.append(_entry(leaf, shard, name, offset, buf))
             offset += buf.nbytes
     table = {"process_index": process_index, "file": name if shards else None,
-             "nbytes": offset, "shards": entries}
+             "nbytes": offset, "shards": entries,
+             "leaves": {leaf.path: _view(leaf) for leaf in leaves}}
     with out.open(index_file(process_index)) as f:
-      f.write(json.dumps(table).encode())
+      _write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
   finally:
     out.close()
@@ -165,10 +186,6 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
   return data.end
 
 
-def _volume(index: Iterable[Iterable[int]]) -> int:
-  return math.prod(stop - start for start, stop in index)
-
-
 def extra_to_json(value: Any, what: str = "extra") -> Any:
   """`extra` as the JSON it is stored as; TypeError if it cannot be."""
   try:
@@ -191,47 +208,83 @@ def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
   return out
 
 
-def write_manifest(step_dir: epath.Path, *, step: int,
-                   leaves: list[LeafSnapshot], process_count: int,
-                   extra: Any, metrics: dict[str, Any] | None,
-                   backend: backend_lib.Backend | None = None) -> dict:
-  """Merges every process's shard table into `manifest.json`.
+def _read_table(step_dir: epath.Path, p: int,
+                backend: backend_lib.Backend) -> dict[str, Any]:
+  path = step_dir / index_file(p)
+  if not path.exists():
+    raise RuntimeError(f"process {p} left no shard table at {path}")
+  try:
+    table = json.loads(path.read_bytes())
+    table["file"], table["nbytes"], table["shards"], table["leaves"]
+  except (ValueError, TypeError, KeyError) as e:
+    raise RuntimeError(f"the shard table {path} of process {p} is not"
+                       f" whole: {e!s:.200}") from e
+  if table["file"]:
+    size, _ = backend.size_and_mtime(step_dir / table["file"])
+    if size < table["nbytes"]:
+      raise RuntimeError(
+          f"the data file {step_dir / table['file']} of process {p} has"
+          f" {size} bytes; its shard table says {table['nbytes']}")
+  return table
 
-  Primary host only, after all processes wrote. Checks that the shards
-  written cover every array exactly once.
+
+def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
+                 primary: int, p: int) -> None:
+  """Raises naming the leaves that process `p` sees otherwise than `primary`.
+
+  Both save one tree: a leaf with another dtype, shape or kind on one
+  process (a user bug) would finalize a step that cannot be restored.
+  """
+  if theirs == mine:
+    return
+  differ = [k for k in list(mine) + [k for k in theirs if k not in mine]
+            if mine.get(k) != theirs.get(k)]
+  shown = "; ".join(
+      f"leaf {k!r}: process {primary} (primary) saves"
+      f" {_describe_view(mine.get(k))}, process {p} saves"
+      f" {_describe_view(theirs.get(k))}" for k in differ[:5])
+  more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+  raise RuntimeError(
+      f"processes disagree about the state they save: {shown}{more}. Every"
+      " process must save the same tree, with the same dtypes and shapes.")
+
+
+def merge_tables(step_dir: epath.Path, *, step: int,
+                 leaves: list[LeafSnapshot], process_count: int,
+                 primary: int, extra: Any, metrics: dict[str, Any] | None,
+                 backend: backend_lib.Backend
+                 ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
+  """Merges every process's shard table into the manifest (primary host).
+
+  After all processes wrote. Checks that every process saw each leaf as the
+  primary does and that its data file holds what its table says.
+
+  Returns:
+    The manifest, and per leaf path the shard indices each process wrote.
 
   Raises:
-    RuntimeError: a process's table is missing or the shards do not cover an
-      array (the save is then abandoned, never finalized).
+    RuntimeError: a table is missing or short, a data file is short, or
+      the processes disagree about a leaf (the save is abandoned).
   """
   by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
-  files = {}
+  mine = {leaf.path: _view(leaf) for leaf in leaves}
+  files, origins = {}, {}
   for p in range(process_count):
-    table_path = step_dir / index_file(p)
-    if not table_path.exists():
-      raise RuntimeError(f"process {p} left no shard table at {table_path}")
-    table = json.loads(table_path.read_text())
+    table = _read_table(step_dir, p, backend)
+    _check_views(mine, table["leaves"], primary, p)
     if table["file"]:
       files[table["file"]] = table["nbytes"]
     for entry in table["shards"]:
-      leaf = by_path.get(entry.pop("path"))
-      if leaf is None or leaf["kind"] not in ("array", "numpy"):
-        raise RuntimeError(
-            f"process {p} wrote a shard of a leaf the primary host does not"
-            " have: do all processes save the same tree?")
-      leaf["shards"].append(entry)
+      path = entry.pop("path")
+      by_path[path]["shards"].append(entry)
+      origins.setdefault(path, {}).setdefault(p, []).append(entry["index"])
   for leaf in by_path.values():
     if leaf["kind"] in ("array", "numpy"):
       leaf["shards"].sort(key=lambda e: e["index"])
-      covered = sum(_volume(e["index"]) for e in leaf["shards"])
-      if covered != math.prod(leaf["shape"]):
-        raise RuntimeError(
-            f"leaf {leaf['path']!r}: the shards written cover {covered} of"
-            f" {math.prod(leaf['shape'])} elements")
     else:
       del leaf["shards"]
   now = time.time()
-  manifest = {
+  return {
       "format": FORMAT_NAME,
       "format_version": FORMAT_VERSION,
       "step": step,
@@ -245,11 +298,16 @@ def write_manifest(step_dir: epath.Path, *, step: int,
       "leaves": list(by_path.values()),
       "extra": extra,
       "metrics": metrics,
-  }
-  backend = backend or backend_lib.for_path(step_dir)
-  backend.write_small(step_dir / MANIFEST, json.dumps(manifest, indent=1))
+  }, origins
+
+
+def write_manifest(step_dir: epath.Path, *, step: int, text: str,
+                   process_count: int, backend: backend_lib.Backend) -> None:
+  """Writes the manifest of `step` (checked by the caller) durably and
+  removes the shard tables. Primary host only."""
+  del step  # Names the step for readers of a traceback (and tests' hooks).
+  backend.write_small(step_dir / MANIFEST, text)
   for p in range(process_count):
     (step_dir / index_file(p)).unlink(missing_ok=True)
   backend.fsync(step_dir / DATA_DIR)
   backend.fsync(step_dir)
-  return manifest

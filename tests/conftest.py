@@ -14,6 +14,7 @@ if _TWO_DEVICES not in os.environ.get("XLA_FLAGS", ""):
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import functools
+import subprocess
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -143,3 +144,26 @@ def pytest_collection_modifyitems(items):
   for item in items:
     if _PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
       item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+  """An 8 MiB tmpfs, so that a disk can really run full; unmounted after."""
+  mnt = tmp_path / "tmpfs"
+  mnt.mkdir()
+  try:
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+        capture_output=True, text=True, timeout=60, check=False)
+  except (OSError, subprocess.SubprocessError) as e:
+    pytest.skip(f"cannot mount a small tmpfs to fill up: {e}")
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs to fill up (needs root or"
+                f" CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+  try:
+    yield mnt
+  finally:
+    unmounted = subprocess.run(["umount", str(mnt)], capture_output=True,
+                               check=False)
+    if unmounted.returncode != 0:  # Still busy: detach it all the same.
+      subprocess.run(["umount", "-l", str(mnt)], check=False)

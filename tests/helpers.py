@@ -70,3 +70,15 @@ class FlakyDisk(backend_lib.LocalBackend):
 def join_commit(manager: CheckpointManager, timeout: float) -> None:
   """Waits for the background thread without asking the manager for errors."""
   assert manager._committer.join(timeout)  # pylint: disable=protected-access
+
+
+def free_bytes(path: pathlib.Path) -> int:
+  st = os.statvfs(path)
+  return st.f_bavail * st.f_frsize
+
+
+def fill(path: pathlib.Path, nbytes: int) -> None:
+  chunk = b"\0" * (1 << 20)
+  with open(path, "wb") as f:
+    while nbytes > 0:
+      nbytes -= f.write(chunk[:nbytes])

@@ -28,7 +28,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import threading
 from typing import Any, Callable
 
@@ -52,6 +51,8 @@ from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin import StructureMismatchError
+from helpers import fill
+from helpers import free_bytes
 from helpers import two_device_mesh
 from launcher import run_workers
 
@@ -135,41 +136,6 @@ def _edit_manifest(step_dir: pathlib.Path,
 # -- 1. A full disk ----------------------------------------------------------
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-  """An 8 MiB tmpfs, so that a disk can really run full; unmounted after."""
-  mnt = tmp_path / "tmpfs"
-  mnt.mkdir()
-  try:
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-        capture_output=True, text=True, timeout=60, check=False)
-  except (OSError, subprocess.SubprocessError) as e:
-    pytest.skip(f"cannot mount a small tmpfs to fill up: {e}")
-  if mounted.returncode != 0:
-    pytest.skip("cannot mount a small tmpfs to fill up (needs root or"
-                f" CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-  try:
-    yield mnt
-  finally:
-    unmounted = subprocess.run(["umount", str(mnt)], capture_output=True,
-                               check=False)
-    if unmounted.returncode != 0:  # Still busy: detach it all the same.
-      subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _free_bytes(path: pathlib.Path) -> int:
-  st = os.statvfs(path)
-  return st.f_bavail * st.f_frsize
-
-
-def _fill(path: pathlib.Path, nbytes: int) -> None:
-  chunk = b"\0" * (1 << 20)
-  with open(path, "wb") as f:
-    while nbytes > 0:
-      nbytes -= f.write(chunk[:nbytes])
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.multiprocess
 def test_full_disk_fails_the_save_at_the_next_call_and_the_loop_recovers(
@@ -193,8 +159,8 @@ def test_full_disk_fails_the_save_at_the_next_call_and_the_loop_recovers(
   assert cb(1, small)
   cb.wait_until_finished()
   filler = small_tmpfs / "filler"
-  _fill(filler, _free_bytes(small_tmpfs) - (1 << 20))
-  assert _free_bytes(small_tmpfs) < large["w"].nbytes
+  fill(filler, free_bytes(small_tmpfs) - (1 << 20))
+  assert free_bytes(small_tmpfs) < large["w"].nbytes
 
   assert cb(2, large)  # Only the host snapshot: the write runs behind.
   with pytest.raises(OSError) as info:
