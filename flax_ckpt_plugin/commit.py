@@ -1,10 +1,15 @@
-"""The background part of a save, on every process: the save protocol.
+"""The writer's protocol, on every process: opening, and each save.
+
+`open_for_writing` claims the directory once. The background part of each
+save:
 
     every process                          primary host only
     prepared:  agree                       make the step's working directory
     written:   write own shards + fsync,
                agree
-    committed: agree                       manifest, fsync, finalize
+    committed: agree                       check the merged manifest as the
+                                           reader would; write it, fsync,
+                                           finalize
     hooks:     agree                       run the commit hooks
 
 Each phase is a `coordinator.agree`: a process whose part failed records it
@@ -57,6 +62,35 @@ class CommitInputs(NamedTuple):
   # Raises ConcurrentWriterError (with the given consequence) when another
   # job claimed the directory since this one opened it.
   check_still_writer: Callable[[str], None]
+
+
+def open_for_writing(coord: coordinator_lib.Coordinator,
+                     directory: epath.Path, backend: backend_lib.Backend,
+                     base: str, *, is_primary: bool, timeout_ms: int) -> str:
+  """Primary: claims `directory`; all: learn the writer's token.
+
+  The token names every later key of the writer, so that keys do not depend
+  on how many managers a process opened (`base` is the manager's prefix).
+  """
+  token = None
+  if is_primary:
+    directory.mkdir(parents=True, exist_ok=True)
+    previous = atomicity_lib.current_writer(directory)
+    token = atomicity_lib.claim_directory(directory, coord.process_count,
+                                          backend)
+    if previous:
+      log.info("took over %s from its previous writer %s", directory,
+               previous)
+    for entry in atomicity_lib.remove_unfinished(directory, backend):
+      log.warning("removed unfinished checkpoint %s", entry)
+    if coord.process_count > 1:
+      coord.kv_set(f"{base}/writer", token)
+  # Reused by every opening of this directory: a barrier key may be used
+  # again once all passed it, and the primary set the token before it.
+  coord.barrier(f"{base}/open", timeout_ms=timeout_ms)
+  if not is_primary:
+    token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
+  return token
 
 
 def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,

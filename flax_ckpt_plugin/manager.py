@@ -140,32 +140,13 @@ class CheckpointManager:
       self._steps = atomicity_lib.finalized_steps(self.directory)
 
   def _open_for_writing(self) -> None:
-    """Primary: claims the directory; all: learn the writer's token, which
-    names every later key (`name`), not how many managers a process opened."""
-    coord = self.coordinator
-    if self.is_primary:
-      self.directory.mkdir(parents=True, exist_ok=True)
-      previous = atomicity_lib.current_writer(self.directory)
-      self._writer_token = atomicity_lib.claim_directory(
-          self.directory, coord.process_count, self.backend)
-      if previous:
-        log.info("took over %s from its previous writer %s", self.directory,
-                 previous)
-      for entry in atomicity_lib.remove_unfinished(self.directory,
-                                                   self.backend):
-        log.warning("removed unfinished checkpoint %s", entry)
-      if coord.process_count > 1:
-        coord.kv_set(f"{self._base}/writer", self._writer_token)
-    # Reused by every opening of this directory: a barrier key may be used
-    # again once all passed it, and the primary set the token before it.
-    coord.barrier(f"{self._base}/open", timeout_ms=self.barrier_timeout_ms)
-    if not self.is_primary:
-      self._writer_token = coord.kv_get(f"{self._base}/writer",
-                                        timeout_ms=self.barrier_timeout_ms)
+    self._writer_token = commit_lib.open_for_writing(
+        self.coordinator, self.directory, self.backend, self._base,
+        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
     self.name = f"{self._base}/{self._writer_token}"
     self._still_writer = functools.partial(
         atomicity_lib.check_still_writer, self.directory, self._writer_token,
-        writer_count=coord.process_count, backend=self.backend)
+        writer_count=self.coordinator.process_count, backend=self.backend)
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
