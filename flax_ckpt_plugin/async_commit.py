@@ -183,8 +183,26 @@ class AsyncCommitter:
     with self._cond:
       return self._error
 
+  def refuse_on_commit_thread(self) -> None:
+    """Raises if called on the commit thread, where waiting is a deadlock.
+
+    Commit hooks run on the commit thread; one that waits for the commit
+    (`save`, `wait_until_finished`, `close`) would wait for itself forever.
+
+    Raises:
+      RuntimeError: this is the commit thread; names the commit.
+    """
+    if threading.current_thread() is self._worker:
+      raise RuntimeError(
+          "save(), wait_until_finished() or close() of a checkpoint manager"
+          " was called from a commit hook, on the commit thread of"
+          f" {self.description}: it waits for that commit, so it would wait"
+          " for itself forever. Call it from the training loop instead (a"
+          " hook runs after its step is finalized).")
+
   def join(self, timeout: float | None = None) -> bool:
     """Waits until no commit runs, without raising; False on timeout."""
+    self.refuse_on_commit_thread()
     with self._cond:
       return self._cond.wait_for(lambda: not self._busy, timeout)
 

@@ -11,15 +11,21 @@ peer's error.
 `JaxCoordinator` (the default) wraps the coordination service that
 `jax.distributed.initialize()` starts; it is the only place in the package
 that touches `jax._src`. Its barriers and key-value calls are safe from a
-background thread and time out (device collectives do neither). With one
-process every barrier is a no-op and the key-value store is a dict. Tests
-inject a coordinator that runs N "processes" as threads.
+background thread and time out (device collectives do neither). The service
+runs in process 0 and enforces a call's timeout there, so each process also
+keeps its own deadline around every call: a hung process 0 is then a
+`TimeoutError` here, not JAX ending the process after its heartbeat timeout
+(100 s by default). With one process every barrier is a no-op and the
+key-value store is a dict. Tests inject a coordinator that runs N
+"processes" as threads.
 """
 
 from __future__ import annotations
 
 import collections
+import queue
 import threading
+import time
 from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence
 from typing import TypeVar
 
@@ -88,6 +94,98 @@ def _is_deadline(exc: BaseException) -> bool:
                                  "UNAVAILABLE")) or "timed out" in text.lower()
 
 
+def _failure(what: str, e: BaseException, secs: float,
+             timeout_secs: float, where: str) -> str:
+  """The message of a failed call, true to how long it took.
+
+  A call that ran out its time "timed out"; one that failed sooner (the
+  service's process was killed: the connection breaks at once) says so,
+  with JAX's error, instead of claiming a timeout that never passed.
+  """
+  if secs >= 0.95 * timeout_secs:
+    return f"{what} timed out after {secs:.1f}s on {where}"
+  return (f"{what} failed after {secs:.1f}s (of a {timeout_secs:.1f}s"
+          f" timeout) on {where}: {e}")
+
+
+class _NoAnswer(Exception):
+  """The coordination service did not answer within this process's deadline."""
+
+
+class _Job:
+  """One call, run on a helper thread; the caller waits on `done`."""
+
+  __slots__ = ("fn", "done", "result", "error")
+
+  def __init__(self, fn: Callable[[], Any]):
+    self.fn = fn
+    self.done = threading.Event()
+    self.result: Any = None
+    self.error: BaseException | None = None
+
+  def run(self) -> None:
+    try:
+      self.result = self.fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
+    self.done.set()
+
+
+class _Helper:
+  """A daemon thread that runs jobs, one at a time, until retired."""
+
+  def __init__(self):
+    self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+    threading.Thread(target=self._loop, daemon=True,
+                     name="flax_ckpt_plugin-coordination").start()
+
+  def _loop(self) -> None:
+    while (job := self._jobs.get()) is not None:
+      job.run()
+      del job
+
+  def submit(self, job: _Job) -> None:
+    self._jobs.put(job)
+
+  def retire(self) -> None:
+    """Lets the thread exit once its current job (if any) returns."""
+    self._jobs.put(None)
+
+
+class _Deadlines:
+  """Runs blocking calls on helper threads and waits for each with a deadline.
+
+  An idle helper is reused (a call costs two thread hand-offs, not a thread
+  start); concurrent calls (the train loop's and the commit thread's) each
+  get their own. A helper whose call missed its deadline is abandoned: the
+  call may never return, and the thread, a daemon, exits if it does.
+  """
+
+  def __init__(self):
+    self._idle: list[_Helper] = []
+    self._lock = threading.Lock()
+
+  def call(self, fn: Callable[[], T], deadline_secs: float) -> T:
+    """`fn()`, or `_NoAnswer` if it did not return within `deadline_secs`."""
+    with self._lock:
+      helper = self._idle.pop() if self._idle else None
+    if helper is None:
+      helper = _Helper()
+    job = _Job(fn)
+    helper.submit(job)
+    if not job.done.wait(deadline_secs):
+      helper.retire()
+      raise _NoAnswer
+    with self._lock:
+      self._idle.append(helper)
+    if job.error is not None:
+      raise job.error
+    return job.result
+
+
+_DEADLINES = _Deadlines()
+
+
 class Rounds:
   """`Coordinator.next_round` for implementations to inherit."""
 
@@ -115,6 +213,37 @@ class JaxCoordinator:
   _shared_rounds = Rounds()
   _local: dict[str, str] = {}
   _lock = threading.Lock()
+
+  # This process's deadline for a call: the call's own timeout plus a
+  # margin for the round trip, after which process 0 is taken for hung.
+  # Calls without a timeout of their own (key-value set, list, delete)
+  # answer at once from a healthy service; they get `CALL_TIMEOUT_SECS`.
+  MIN_MARGIN_SECS = 2.0
+  MARGIN_FRACTION = 0.2
+  CALL_TIMEOUT_SECS = 30.0
+
+  def _where(self) -> str:
+    return f"process {self.process_index} of {self.process_count}"
+
+  def _call(self, what: str, fn: Callable[[], T],
+            timeout_secs: float | None = None) -> T:
+    """`fn()` (a call to the service), within this process's own deadline.
+
+    Raises:
+      TimeoutError: the service did not answer in time; names `what`.
+    """
+    if timeout_secs is None:
+      timeout_secs = self.CALL_TIMEOUT_SECS
+    deadline = timeout_secs + max(self.MIN_MARGIN_SECS,
+                                  self.MARGIN_FRACTION * timeout_secs)
+    try:
+      return _DEADLINES.call(fn, deadline)
+    except _NoAnswer:
+      raise TimeoutError(
+          f"the coordination service (process 0) did not answer {what}"
+          f" within {deadline:.1f}s on {self._where()} (the call's own"
+          f" timeout: {timeout_secs:.1f}s): process 0 may be hung or gone."
+          ) from None
 
   def next_round(self, name: str) -> int:
     return JaxCoordinator._shared_rounds.next_round(name)
@@ -144,19 +273,20 @@ class JaxCoordinator:
     client = self._multi()
     if client is None:
       return
+    kwargs = {} if process_ids is None else {"process_ids": list(process_ids)}
+    t0 = time.monotonic()
     try:
-      if process_ids is None:
-        client.wait_at_barrier(key, int(timeout_ms))
-      else:
-        client.wait_at_barrier(key, int(timeout_ms),
-                               process_ids=list(process_ids))
+      self._call(f"barrier {key!r}",
+                 lambda: client.wait_at_barrier(key, int(timeout_ms), **kwargs),
+                 timeout_ms / 1000)
+    except TimeoutError:  # This process's deadline: raised as it is.
+      raise
     except Exception as e:  # JaxRuntimeError carries a gRPC status in its text.
       if _is_deadline(e):
-        raise TimeoutError(
-            f"barrier {key!r} timed out after {timeout_ms / 1000:.1f}s on"
-            f" process {self.process_index} of {self.process_count}: another"
-            " process died or did not call the checkpoint library at the same"
-            " step.") from e
+        raise TimeoutError(_failure(
+            f"barrier {key!r}", e, time.monotonic() - t0, timeout_ms / 1000,
+            self._where()) + ": another process died or did not call the"
+            " checkpoint library at the same step.") from e
       raise RuntimeError(
           f"barrier {key!r} failed on process {self.process_index}: {e}") from e
 
@@ -166,7 +296,8 @@ class JaxCoordinator:
       with self._lock:
         self._local[key] = value
       return
-    client.key_value_set(key, value, allow_overwrite=True)
+    self._call(f"kv_set {key!r}", lambda: client.key_value_set(
+        key, value, allow_overwrite=True))
 
   def kv_get(self, key: str, *, timeout_ms: int) -> str:
     client = self._multi()
@@ -175,14 +306,20 @@ class JaxCoordinator:
         if key in self._local:
           return self._local[key]
       raise TimeoutError(f"key {key!r} was never set")
+    t0 = time.monotonic()
     try:
-      return client.blocking_key_value_get(key, int(timeout_ms))
+      return self._call(
+          f"kv_get {key!r}",
+          lambda: client.blocking_key_value_get(key, int(timeout_ms)),
+          timeout_ms / 1000)
+    except TimeoutError:  # This process's deadline: raised as it is.
+      raise
     except Exception as e:
       if _is_deadline(e):
-        raise TimeoutError(
-            f"waited {timeout_ms / 1000:.1f}s for key {key!r} on process"
-            f" {self.process_index}: the process that sets it died or fell"
-            " behind.") from e
+        raise TimeoutError(_failure(
+            f"waiting for key {key!r}", e, time.monotonic() - t0,
+            timeout_ms / 1000, self._where()) + ": the process that sets it"
+            " died or fell behind.") from e
       raise
 
   def kv_dir(self, prefix: str) -> dict[str, str]:
@@ -191,7 +328,8 @@ class JaxCoordinator:
       with self._lock:
         return {k: v for k, v in self._local.items()
                 if k.startswith(prefix + "/")}
-    return dict(client.key_value_dir_get(prefix))
+    return dict(self._call(f"kv_dir {prefix!r}",
+                           lambda: client.key_value_dir_get(prefix)))
 
   def kv_delete(self, key: str) -> None:
     client = self._multi()
@@ -201,7 +339,7 @@ class JaxCoordinator:
                   if k == key or k.startswith(key + "/")]:
           del self._local[k]
       return
-    client.key_value_delete(key)
+    self._call(f"kv_delete {key!r}", lambda: client.key_value_delete(key))
 
   def preemption_notifier_installed(self) -> bool:
     from jax._src import distributed  # pylint: disable=g-import-not-at-top

@@ -430,6 +430,7 @@ class CheckpointManager:
     """Waits for the running save and raises its error. Idempotent."""
     if self._closed:
       return
+    self._committer.refuse_on_commit_thread()  # Still open, then.
     self._closed = True
     try:
       self._committer.wait()
