@@ -397,9 +397,8 @@ class CheckpointManager:
         restore=lambda step: self.restore(target, step, verify=verify),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
-    if found is not None:  # Every process restored it.
-      with self._lock:
-        self._known_good = max(found[0], self._known_good or found[0])
+    if found is not None:  # Every process restored it (an atomic write).
+      self._known_good = max(found[0], self._known_good or found[0])
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)
