@@ -4,9 +4,10 @@ One `Backend` per kind of storage, picked once per directory from a table by
 the path's scheme (`for_path`), as etils' `epath` picks its backends: callers
 ask the backend, and no module asks "is this path local?". A backend does the
 few things checkpoints need: write small files durably, fsync, hold a
-directory's identity, create a step's data files, read byte ranges, remove,
-delete a step so that a crash never leaves it looking final, and set a
-damaged step aside. Tests inject faults by wrapping a backend.
+directory's identity, create a step's data files, read byte ranges, read
+small files with a size cap, remove, delete a step so that a crash never
+leaves it looking final, and set a damaged step aside. Tests inject faults
+by wrapping a backend.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 
 Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
+# The most bytes `read_small` takes of a commit marker, `_WRITER` or
+# `_ATTEMPT` (each holds a line of JSON or a token).
+MAX_MARKER_BYTES = 64 << 10
 
 
 class RangedFile(abc.ABC):
@@ -135,6 +139,20 @@ class Backend(abc.ABC):
       OSError: it cannot be read (permissions, I/O).
     """
 
+  @abc.abstractmethod
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    """Reads a small file (manifest, marker, claim) whole, never unbounded.
+
+    Never blocks on a named pipe and never follows a link out of `within`.
+
+    Raises:
+      FileNotFoundError: no such file.
+      CheckpointCorruptedError: it is no regular file, leads outside
+        `within`, or holds more than `limit` bytes; the message names it.
+      OSError: it cannot be read (permissions, I/O).
+    """
+
   def remove(self, path: epath.Path) -> None:
     """Removes a file or a directory tree, if it exists."""
     if path.is_dir():
@@ -240,6 +258,25 @@ class _LocalStepWriter(StepWriter):
     self._fd = self._data_fd = None
 
 
+def _open_regular(path: epath.Path, within: epath.Path, what: str,
+                  where: str) -> tuple[int, int]:
+  """A descriptor of regular file `path` inside `within`, and its size.
+
+  `what` starts the messages, `where` names `within` in them.
+  """
+  real_dir = os.path.realpath(os.fspath(within))
+  real = os.path.realpath(os.fspath(path))
+  if os.path.commonpath([real_dir, real]) != real_dir:
+    raise CheckpointCorruptedError(f"{what} leads outside {where}")
+  # O_NONBLOCK: opening a named pipe must not wait for a writer.
+  fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode):
+    os.close(fd)
+    raise CheckpointCorruptedError(f"{what} is not a regular file")
+  return fd, st.st_size
+
+
 class LocalBackend(Backend):
   """POSIX file systems: fsync, atomic rename, inodes as identities."""
 
@@ -290,19 +327,29 @@ class LocalBackend(Backend):
     return _LocalStepWriter(step_dir, identity, data_dir)
 
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
-    real_dir = os.path.realpath(os.fspath(within))
-    real = os.path.realpath(os.fspath(path))
-    if os.path.commonpath([real_dir, real]) != real_dir:
-      raise CheckpointCorruptedError(
-          f"data file {path} leads outside the step directory")
-    # O_NONBLOCK: opening a named pipe must not wait for a writer.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    fd, size = _open_regular(path, within, f"data file {path}",
+                             "the step directory")
+    return _LocalFile(fd, size)
+
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    fd, size = _open_regular(path, within, str(path), os.fspath(within))
+    try:
+      if size > limit:
+        raise CheckpointCorruptedError(
+            f"{path}: {size} bytes, over the limit of {limit}")
+      chunks, total = [], 0
+      while total <= limit:  # It may grow meanwhile: never past limit + 1.
+        chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
+        if not chunk:
+          break
+        chunks.append(chunk)
+        total += len(chunk)
+    finally:
       os.close(fd)
-      raise CheckpointCorruptedError(
-          f"data file {path} is not a regular file")
-    return _LocalFile(fd, st.st_size)
+    if total > limit:
+      raise CheckpointCorruptedError(f"{path}: grew over the limit of {limit}")
+    return b"".join(chunks)
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     # Renamed first (atomic), so a crash leaves `<step>.deleting`, which is
@@ -394,6 +441,21 @@ class ObjectStoreBackend(Backend):
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
     del within  # Object names cannot leave a prefix.
     return _ObjectFile(path)
+
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    del within  # Object names cannot leave a prefix.
+    fs, url = object_store.filesystem(path), os.fspath(path)
+    info = fs.info(url)  # FileNotFoundError if it is missing.
+    if info.get("type") != "file":
+      raise CheckpointCorruptedError(f"{path} is not a file")
+    if info["size"] > limit:
+      raise CheckpointCorruptedError(
+          f"{path}: {info['size']} bytes, over the limit of {limit}")
+    data = fs.cat_file(url, start=0, end=limit + 1)
+    if len(data) > limit:  # Replaced by a larger object meanwhile.
+      raise CheckpointCorruptedError(f"{path}: over the limit of {limit}")
+    return data
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     step_dir = directory / str(step)
