@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import errno
 import json
 import os
 import socket
@@ -187,12 +188,24 @@ def claim_directory(directory: epath.Path, process_count: int,
   return token
 
 
-def current_writer(directory: epath.Path) -> dict[str, Any] | None:
-  """The last claim on `directory` (see `claim_directory`), if readable."""
+def current_writer(directory: epath.Path,
+                   backend: Backend | None = None) -> dict[str, Any] | None:
+  """The last claim on `directory` (see `claim_directory`), if readable.
+
+  A claim that is no small regular file of the directory (a named pipe, a
+  link elsewhere, a huge file) is unreadable: None, at once.
+  """
   try:
-    info = json.loads((directory / WRITER_FILE).read_text())
-  except (FileNotFoundError, ValueError):
+    raw = _backend(directory, backend).read_small(
+        directory / WRITER_FILE, within=directory,
+        limit=backend_lib.MAX_MARKER_BYTES)
+    info = json.loads(raw.decode("utf-8"))
+  except (FileNotFoundError, ValueError, RecursionError):
     return None
+  except OSError as e:
+    if e.errno not in (errno.ENXIO, errno.ELOOP, errno.EISDIR):
+      raise
+    return None  # A socket, or a loop of links.
   return info if isinstance(info, dict) else None
 
 
@@ -366,9 +379,12 @@ class CommitFilePath(TemporaryPath):
     if self._attempt is None:
       return super().is_ours()
     try:
-      return (self.final / ATTEMPT_FILE).read_text() == self._attempt
-    except FileNotFoundError:
+      token = self.backend.read_small(self.final / ATTEMPT_FILE,
+                                      within=self.final,
+                                      limit=backend_lib.MAX_MARKER_BYTES)
+    except (FileNotFoundError, ValueError):  # Not a small file: not ours.
       return False
+    return token == self._attempt.encode()
 
   def finalize(self) -> None:
     if not self.is_ours():

@@ -4,70 +4,32 @@ One `Backend` per kind of storage, picked once per directory from a table by
 the path's scheme (`for_path`), as etils' `epath` picks its backends: callers
 ask the backend, and no module asks "is this path local?". A backend does the
 few things checkpoints need: write small files durably, fsync, hold a
-directory's identity, create a step's data files, read byte ranges, remove,
-delete a step so that a crash never leaves it looking final, and set a
-damaged step aside. Tests inject faults by wrapping a backend.
+directory's identity, create a step's data files, read byte ranges, read
+small files with a size cap, remove, delete a step so that a crash never
+leaves it looking final, and set a damaged step aside. Tests inject faults
+by wrapping a backend.
 """
 
 from __future__ import annotations
 
 import abc
-import errno
 import os
-import stat
 import uuid
 from typing import BinaryIO
 
 from etils import epath
 
-from flax_ckpt_plugin import datafile
+from flax_ckpt_plugin import handles
 from flax_ckpt_plugin import layout
 from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.errors import ConcurrentWriterError
 
-Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
-
-
-class RangedFile(abc.ABC):
-  """An open data file that threads read by offset at once."""
-
-  size: int
-
-  @abc.abstractmethod
-  def read_into(self, offset: int, out: memoryview) -> int:
-    """Reads into `out` from `offset`; the bytes read (short only at the end)."""
-
-  @abc.abstractmethod
-  def close(self) -> None:
-    ...
-
-
-class StepWriter(abc.ABC):
-  """Creates one process's files in a step directory (see `Backend`)."""
-
-  # Whether files from `open` have descriptors written by offset (pwrite);
-  # otherwise they are streams, written front to back.
-  positional = False
-
-  @abc.abstractmethod
-  def open(self, name: str) -> BinaryIO:
-    """A binary file for writing at `name` (relative to the step directory)."""
-
-  def open_direct(self, name: str) -> int | None:
-    """A second, O_DIRECT descriptor of `name` (opened by `open` first).
-
-    None where the storage has no direct I/O.
-    """
-    del name
-    return None
-
-  def sync(self, f: BinaryIO) -> None:
-    """Makes what was written to `f` durable (before it is closed)."""
-    del f
-
-  def close(self) -> None:
-    pass
+Identity = handles.Identity
+RangedFile = handles.RangedFile
+StepWriter = handles.StepWriter
+# The most bytes `read_small` takes of a commit marker, `_WRITER` or
+# `_ATTEMPT` (each holds a line of JSON or a token).
+MAX_MARKER_BYTES = 64 << 10
 
 
 class Backend(abc.ABC):
@@ -135,6 +97,20 @@ class Backend(abc.ABC):
       OSError: it cannot be read (permissions, I/O).
     """
 
+  @abc.abstractmethod
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    """Reads a small file (manifest, marker, claim) whole, never unbounded.
+
+    Never blocks on a named pipe and never follows a link out of `within`.
+
+    Raises:
+      FileNotFoundError: no such file.
+      CheckpointCorruptedError: it is no regular file, leads outside
+        `within`, or holds more than `limit` bytes; the message names it.
+      OSError: it cannot be read (permissions, I/O).
+    """
+
   def remove(self, path: epath.Path) -> None:
     """Removes a file or a directory tree, if it exists."""
     if path.is_dir():
@@ -159,85 +135,6 @@ class Backend(abc.ABC):
 
 
 # -- local file systems ----------------------------------------------------------
-
-
-class _LocalFile(RangedFile):
-
-  def __init__(self, fd: int, size: int):
-    self._fd, self.size = fd, size
-
-  def read_into(self, offset: int, out: memoryview) -> int:
-    done = 0
-    while done < len(out):
-      n = os.preadv(self._fd, [out[done:]], offset + done)
-      if not n:
-        break
-      done += n
-    return done
-
-  def close(self) -> None:
-    os.close(self._fd)
-
-
-class _LocalStepWriter(StepWriter):
-  """Creates files relative to the step directory's descriptor.
-
-  The directory is opened once and checked against the identity the primary
-  host recorded when it made it; if another writer replaces the directory by
-  name, this process never writes into the replacement.
-  """
-
-  positional = True
-
-  def __init__(self, step_dir: epath.Path, identity: Identity | None,
-               data_dir: str):
-    self._fd = self._data_fd = None
-    self._data_dir = data_dir
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-    self._fd = os.open(os.fspath(step_dir), flags)
-    st = os.fstat(self._fd)
-    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
-      self.close()
-      raise ConcurrentWriterError(
-          f"{step_dir} is no longer the directory this save was started in:"
-          " another writer replaced it. This save is abandoned.")
-    try:
-      os.mkdir(data_dir, dir_fd=self._fd)
-    except FileExistsError:
-      pass
-    self._data_fd = os.open(data_dir, flags, dir_fd=self._fd)
-
-  def _base(self, name: str) -> str:
-    head, _, base = name.partition("/")
-    assert head == self._data_dir, name  # Every file lives in data_dir.
-    return base
-
-  def open(self, name: str) -> BinaryIO:
-    fd = os.open(self._base(name),
-                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
-                 dir_fd=self._data_fd)
-    return open(fd, "wb", buffering=0)
-
-  def open_direct(self, name: str) -> int | None:
-    if not datafile.O_DIRECT:
-      return None
-    try:
-      return os.open(self._base(name),
-                     os.O_WRONLY | datafile.O_DIRECT | os.O_CLOEXEC,
-                     dir_fd=self._data_fd)
-    except OSError as e:
-      if e.errno != errno.EINVAL:
-        raise
-      return None  # The file system refuses direct I/O (tmpfs).
-
-  def sync(self, f: BinaryIO) -> None:
-    os.fsync(f.fileno())
-
-  def close(self) -> None:
-    for fd in (self._data_fd, self._fd):
-      if fd is not None:
-        os.close(fd)
-    self._fd = self._data_fd = None
 
 
 class LocalBackend(Backend):
@@ -287,22 +184,22 @@ class LocalBackend(Backend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
-    return _LocalStepWriter(step_dir, identity, data_dir)
+    return handles.LocalStepWriter(step_dir, identity, data_dir)
 
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
-    real_dir = os.path.realpath(os.fspath(within))
-    real = os.path.realpath(os.fspath(path))
-    if os.path.commonpath([real_dir, real]) != real_dir:
-      raise CheckpointCorruptedError(
-          f"data file {path} leads outside the step directory")
-    # O_NONBLOCK: opening a named pipe must not wait for a writer.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      os.close(fd)
-      raise CheckpointCorruptedError(
-          f"data file {path} is not a regular file")
-    return _LocalFile(fd, st.st_size)
+    fd, size = handles.open_regular(path, within, f"data file {path}",
+                                    "the step directory")
+    return handles.LocalFile(fd, size)
+
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    return handles.read_regular(path, within, limit)
+
+  def remove(self, path: epath.Path) -> None:
+    if os.path.islink(os.fspath(path)):
+      os.unlink(os.fspath(path))  # The link only, never what it points to.
+      return
+    super().remove(path)
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     # Renamed first (atomic), so a crash leaves `<step>.deleting`, which is
@@ -394,6 +291,21 @@ class ObjectStoreBackend(Backend):
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
     del within  # Object names cannot leave a prefix.
     return _ObjectFile(path)
+
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    del within  # Object names cannot leave a prefix.
+    fs, url = object_store.filesystem(path), os.fspath(path)
+    info = fs.info(url)  # FileNotFoundError if it is missing.
+    if info.get("type") != "file":
+      raise CheckpointCorruptedError(f"{path} is not a file")
+    if info["size"] > limit:
+      raise CheckpointCorruptedError(
+          f"{path}: {info['size']} bytes, over the limit of {limit}")
+    data = fs.cat_file(url, start=0, end=limit + 1)
+    if len(data) > limit:  # Replaced by a larger object meanwhile.
+      raise CheckpointCorruptedError(f"{path}: over the limit of {limit}")
+    return data
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     step_dir = directory / str(step)

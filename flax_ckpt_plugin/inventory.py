@@ -60,11 +60,17 @@ def size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
 
 
 def committed_unix(step_dir: epath.Path) -> float | None:
-  """When the step was finalized, from its commit marker (a tiny file)."""
+  """When the step was finalized, from its commit marker (a tiny file).
+
+  None if the marker is unreadable, or no small regular file of the step.
+  """
   try:
-    info = json.loads((step_dir / atomicity.COMMIT_MARKER).read_text())
+    raw = backend_lib.for_path(step_dir).read_small(
+        step_dir / atomicity.COMMIT_MARKER, within=step_dir,
+        limit=backend_lib.MAX_MARKER_BYTES)
+    info = json.loads(raw.decode("utf-8"))
     return datetime.datetime.fromisoformat(info["committed_at"]).timestamp()
-  except (OSError, ValueError, KeyError, TypeError):
+  except (OSError, ValueError, KeyError, TypeError, RecursionError):
     return None
 
 

@@ -6,20 +6,24 @@ described in docs/format.md) into a `Manifest` of `LeafRecord`s and
 leaf. Every check happens here, before any data file is opened: readers
 (`reader`, `restore`, `verify`, the CLI) then use attributes and trust them.
 Nothing here imports JAX (dtypes come from numpy and `ml_dtypes`, the dtype
-library JAX itself uses), so the CLI starts quickly.
+library JAX itself uses), so the CLI starts quickly; only
+`check_key_impl`, which restore calls, imports it when called.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import re
 from typing import Any, Iterable
 
 from etils import epath
 import ml_dtypes
 import numpy as np
 
+from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.storage import FORMAT_NAME
@@ -27,8 +31,14 @@ from flax_ckpt_plugin.storage import FORMAT_VERSION
 from flax_ckpt_plugin.storage import MANIFEST
 
 Index = tuple[tuple[int, int], ...]
+# Errors that mean a manifest's name cannot be read as a file (a socket...).
+_NOT_A_FILE = (errno.ENXIO, errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
 SCALAR_KINDS = ("int", "float", "bool")
 ARRAY_KINDS = ("array", "numpy")
+# The largest manifest read (docs/format.md); a million shards take ~60 MiB.
+MAX_MANIFEST_BYTES = 256 << 20
+# What a PRNG impl's name may be: jax's own are e.g. 'threefry2x32'.
+_KEY_IMPL = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 
 def _ml_dtypes_by_name() -> dict[str, np.dtype]:
@@ -206,21 +216,35 @@ def _safe_relative(name: str) -> bool:
 
 def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
                        lw: str) -> None:
-  """Shards must tile the array: no element missing, none twice."""
+  """Shards must tile the array: no element missing, none twice.
+
+  Every layout of a JAX sharding is a grid: along each axis, the intervals
+  the shards use partition [0, dim). Distinct cells of a grid never overlap,
+  so with the volumes summing to the array's size they cover it exactly.
+  Checked in O(n log n) for n shards; other layouts are refused.
+  """
   total = sum(_volume(i) for i in indices)
   if total != math.prod(shape):
     raise _corrupt(lw, f"shards cover {total} elements of"
                    f" {math.prod(shape)}")
-  if not shape:
-    return  # One element: the count above settles it.
-  boxes = sorted(indices)  # By start along the first axis, then the rest.
-  for a in range(len(boxes)):
-    for b in range(a + 1, len(boxes)):
-      if boxes[b][0][0] >= boxes[a][0][1]:
-        break  # Starts after `a` ends along the first axis, as do the rest.
-      if all(max(r[0], s[0]) < min(r[1], s[1])
-             for r, s in zip(boxes[a], boxes[b])):
-        raise _corrupt(lw, f"shards {boxes[a]} and {boxes[b]} overlap")
+  boxes = [tuple(map(tuple, i)) for i in indices if _volume(i)]
+  if not boxes:
+    return  # An empty array (or a scalar's one element, counted above).
+  for axis, dim in enumerate(shape):
+    prev = (0, 0)
+    for start, stop in sorted({box[axis] for box in boxes}):
+      if start < prev[1]:
+        raise _corrupt(lw, f"shards overlap or do not form a grid: along"
+                       f" axis {axis}, {list(prev)} and {[start, stop]}")
+      if start > prev[1]:
+        raise _corrupt(lw, f"shards leave a gap along axis {axis}:"
+                       f" {[prev[1], start]}")
+      prev = (start, stop)
+    if prev[1] != dim:
+      raise _corrupt(lw, f"shards leave a gap along axis {axis}:"
+                     f" {[prev[1], dim]}")
+  if len(set(boxes)) != len(boxes):
+    raise _corrupt(lw, "shards overlap: one appears twice")
 
 
 def _scalar_leaf(leaf: dict, kind: str, lw: str) -> Any:
@@ -287,7 +311,8 @@ def _leaf(leaf: Any, where: str, files: dict[str, int],
   records = tuple(_shard(s, lw, shape, dtype, files, block) for s in shards)
   _check_exact_cover([s["index"] for s in shards], shape, lw)
   key_impl = leaf.get("key_impl")
-  if "key_impl" in leaf and not isinstance(key_impl, str):
+  if "key_impl" in leaf and not (isinstance(key_impl, str)
+                                 and _KEY_IMPL.fullmatch(key_impl)):
     raise _corrupt(lw, f"bad key_impl {key_impl!r:.60}")
   return LeafRecord(path=leaf["path"], keys=keys, kind=kind, dtype=dtype,
                     shape=tuple(shape), shards=records, key_impl=key_impl)
@@ -355,7 +380,8 @@ def parse(raw: bytes, where: str) -> Manifest:
       extra=manifest.get("extra"), metrics=manifest.get("metrics"))
 
 
-def read(step_dir: epath.Path, step: int | None = None) -> Manifest:
+def read(step_dir: epath.Path, step: int | None = None,
+         backend: backend_lib.Backend | None = None) -> Manifest:
   """Reads and validates `manifest.json` of a step directory.
 
   Args:
@@ -363,18 +389,25 @@ def read(step_dir: epath.Path, step: int | None = None) -> Manifest:
     step: the step the directory is named after, if known: a manifest that
       records another step (a directory copied or renamed by hand) is then
       refused rather than restored or reported as that step.
+    backend: the directory's storage (default: by the path's scheme).
 
   Raises:
     FileNotFoundError: no manifest.
-    CheckpointCorruptedError: not valid JSON, not our format, an unknown
+    CheckpointCorruptedError: not a regular file inside `step_dir` of at
+      most `MAX_MANIFEST_BYTES`, not valid JSON, not our format, an unknown
       version, entries that do not fit together, or another step than
       `step`; the message names the file.
   """
   path = step_dir / MANIFEST
+  backend = backend or backend_lib.for_path(step_dir)
   try:
-    raw = path.read_bytes()
+    raw = backend.read_small(path, within=step_dir, limit=MAX_MANIFEST_BYTES)
   except FileNotFoundError as e:
     raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
+  except OSError as e:
+    if e.errno not in _NOT_A_FILE:
+      raise  # EACCES, EIO...: the file may be fine; do not call it bad.
+    raise _corrupt(str(path), f"cannot be read as a file ({e.strerror})")
   manifest = parse(raw, str(path))
   if step is not None and manifest.step != step:
     raise CheckpointCorruptedError(

@@ -107,6 +107,14 @@ class ByteReader:
             f" {self._sizes[name]}")
     return f
 
+  def check_file(self, name: str) -> None:
+    """Opens `name` if not yet open: raises if it is not whole.
+
+    Called before allocating for a shard's bytes, so that a manifest's
+    sizes never drive an allocation beyond what the files really hold.
+    """
+    self._open(name)
+
   def read_into(self, name: str, offset: int, out: memoryview) -> None:
     """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
     done = self._open(name).read_into(offset, out)
@@ -246,6 +254,7 @@ class LeafReader:
         continue  # Read whole above.
       scratch = self._edges.get((n, k))
       if scratch is None:
+        self._reader.check_file(name)
         scratch = memoryview(np.empty(b - a, np.uint8))
         self._reader.read_into(name, base + a, scratch)
         self._check(shard, k, scratch)
@@ -261,6 +270,7 @@ class LeafReader:
     for all the regions of this leaf that need it.
     """
     if n not in self._verified:
+      self._reader.check_file(shard.file)
       self._verified[n] = (np.empty(shard.nbytes, np.uint8), set())
     buf, done = self._verified[n]
     view = memoryview(buf)

@@ -24,6 +24,7 @@ from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manifest import describe
 from flax_ckpt_plugin.manifest import Index
@@ -48,6 +49,28 @@ def _count(names: list[str], limit: int) -> str:
   """The first `limit` of `names`, and how many more there are."""
   more = len(names) - limit
   return f"{names[:limit]}" + (f" and {more} more" if more > 0 else "")
+
+
+def check_key_impl(leaf: LeafRecord, where: str) -> None:
+  """Checks that JAX can wrap `leaf`'s key data with its PRNG impl.
+
+  Abstract (no data is read or computed); `restore_tree` calls it for every
+  leaf before any data is read.
+
+  Raises:
+    CheckpointCorruptedError: the impl is not registered with JAX, or the
+      key data's shape or dtype do not fit it; the message starts with
+      `where` and names the leaf.
+  """
+  if leaf.key_impl is None:
+    return
+  try:
+    jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=leaf.key_impl),
+                   jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+  except (TypeError, ValueError) as e:
+    raise CheckpointCorruptedError(
+        f"{where}, leaf {leaf.path!r}: key data of PRNG impl"
+        f" {leaf.key_impl!r} cannot be restored: {e!s:.200}") from e
 
 
 def _category(dtype: Any) -> str:
@@ -98,6 +121,8 @@ def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
   if is_key:
     t_shape = tuple(jax.eval_shape(jax.random.key_data, target).shape)
     t_desc = f"{t_dtype}{list(target.shape)}"
+    if t_dtype._impl.name != saved.key_impl:  # pylint: disable=protected-access
+      return f"{head} {t_desc}"
   else:
     t_shape = tuple(np.shape(target))
     t_desc = describe(t_dtype, t_shape)
@@ -301,12 +326,16 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   """
   saved = manifest.leaf_by_path
   targets, treedef = leaf_paths(target)
+  where = f"step {manifest.step} in {step_dir}"
+  for path, _, _ in targets:
+    if path in saved:
+      check_key_impl(saved[path], where)
   _match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
   targets = [(p, _on_context_mesh(p, leaf)) for p, _, leaf in targets]
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes,
-             "where": f"step {manifest.step} in {step_dir}"}
+             "where": where}
   try:
     with concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:

@@ -45,6 +45,10 @@ DATA_DIR = "data"
 CHECKSUM_BLOCK = 4 << 20
 
 
+# The most bytes of one process's shard table (the manifest's own cap).
+MAX_TABLE_BYTES = 256 << 20
+
+
 def data_file(process_index: int) -> str:
   return f"{DATA_DIR}/process_{process_index:05d}.bin"
 
@@ -214,7 +218,8 @@ def _read_table(step_dir: epath.Path, p: int,
   if not path.exists():
     raise RuntimeError(f"process {p} left no shard table at {path}")
   try:
-    table = json.loads(path.read_bytes())
+    table = json.loads(backend.read_small(path, within=step_dir,
+                                          limit=MAX_TABLE_BYTES))
     table["file"], table["nbytes"], table["shards"], table["leaves"]
   except (ValueError, TypeError, KeyError) as e:
     raise RuntimeError(f"the shard table {path} of process {p} is not"

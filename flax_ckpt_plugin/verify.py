@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
+import crc32c
 from etils import epath
 import numpy as np
 
@@ -18,7 +19,6 @@ from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.manifest import Manifest
 from flax_ckpt_plugin.manifest import ShardRecord
 from flax_ckpt_plugin.reader import ByteReader
-from flax_ckpt_plugin.storage import block_checksums
 
 _VERIFY_CHUNK = 16 << 20  # Bytes read per call when verifying.
 _PLAIN_PROGRESS_SECS = 5.0  # Between progress lines when stderr is no TTY.
@@ -95,25 +95,35 @@ class Progress:
 def _check_shard(reader: ByteReader, leaf: LeafRecord, shard: ShardRecord,
                  block: int, file_path: epath.Path, progress: Progress,
                  buf: np.ndarray) -> str | None:
-  """Reads one shard in chunks and compares its CRC-32C per block."""
+  """Reads one shard in chunks and compares its CRC-32C per block.
+
+  A block larger than `buf` is summed across chunks, so that memory does
+  not grow with the block size a manifest claims.
+  """
   sums = shard.crc32c
   start, nbytes = shard.offset, shard.nbytes
-  pos = 0
   view = memoryview(buf)
+  pos, k, crc, filled = 0, 0, 0, 0  # Block k's CRC-32C over `filled` bytes.
   while True:
     n = min(len(view), nbytes - pos)
-    chunk = view[:n]
-    reader.read_into(shard.file, start + pos, chunk)
-    first = pos // block
-    for k, got in enumerate(block_checksums(chunk, block)):
-      want = sums[first + k]
-      if got != want:
-        lo = start + (first + k) * block
+    reader.read_into(shard.file, start + pos, view[:n])
+    at = 0
+    while at < n or nbytes == 0:
+      take = min(n - at, block - filled)
+      crc = crc32c.crc32c(view[at:at + take], crc)
+      at, filled = at + take, filled + take
+      if filled < block and pos + at < nbytes:
+        continue  # The block goes on in the next chunk.
+      if crc != sums[k]:
+        lo = start + k * block
         hi = min(lo + block, start + nbytes)
         progress.update(nbytes - pos)
         return (f"{file_path}: checksum mismatch at bytes [{lo}, {hi}) in"
                 f" leaf {leaf.path!r} (shard {shard.index_list}): crc32c"
-                f" {got:#010x}, manifest says {want:#010x}")
+                f" {crc:#010x}, manifest says {sums[k]:#010x}")
+      k, crc, filled = k + 1, 0, 0
+      if nbytes == 0:
+        break
     pos += n
     progress.update(n)
     if pos >= nbytes:
@@ -127,7 +137,6 @@ def verify_step(directory: epath.Path, step: int, manifest: Manifest,
   block = manifest.checksum_block_bytes
   reader = ByteReader(step_dir, manifest.files)
   problems, errors, bad_files = [], [], set()
-  buf = np.empty(max(block, _VERIFY_CHUNK // block * block), np.uint8)
   try:
     for name in manifest.files:
       try:  # Opening checks that the file exists, is regular and is whole.
@@ -139,6 +148,11 @@ def verify_step(directory: epath.Path, step: int, manifest: Manifest,
         errors.append(f"{step_dir / name}: {e.strerror or e}")
         bad_files.add(name)
     progress.update(label=f"step {step}")
+    # Sized only now that the files are open and hold what the manifest
+    # says, so that a manifest cannot make this allocate more than exists.
+    largest = max((s.nbytes for leaf in manifest.leaves for s in leaf.shards
+                   if s.file not in bad_files), default=0)
+    buf = np.empty(max(1, min(_VERIFY_CHUNK, largest)), np.uint8)
     for leaf in manifest.leaves:
       for shard in leaf.shards:
         if shard.file in bad_files:

@@ -130,6 +130,17 @@ def test_a_scalar_restores_into_any_target_of_its_kind_that_holds_it(
                                                                  float)
 
 
+def test_prng_keys_restore_only_into_keys_of_their_impl(ckpt_dir):
+  """Threefry and philox keys both hold two uint32 words: the impl decides."""
+  _save(ckpt_dir, {"key": jax.random.key(0, impl="philox4x32")})
+  with CheckpointManager(ckpt_dir, read_only=True) as mgr:
+    with pytest.raises(StructureMismatchError, match="leaf 'key'"):
+      mgr.restore({"key": jax.random.key(1, impl="threefry2x32")})
+    got = mgr.restore({"key": jax.random.key(1, impl="philox4x32")})["key"]
+  assert (jax.random.key_data(got) ==
+          jax.random.key_data(jax.random.key(0, impl="philox4x32"))).all()
+
+
 def test_big_endian_numpy_leaves_are_stored_little_endian(ckpt_dir):
   """Before: a `>f4` numpy leaf was stored big-endian, as dtype `>f4`,
   though the format page says little-endian (its numpy reader then returned

@@ -1,9 +1,14 @@
 """Tests of the typed manifest: parsing, validation and dtype names."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +124,123 @@ def test_manifest_and_reader_do_not_import_jax():
   r = subprocess.run([sys.executable, "-c", code], capture_output=True,
                      text=True, timeout=120, check=False)
   assert r.returncode == 0, r.stderr
+
+
+# -- the cover check (issue 15, finding 6) and hostile leaf fields (13) -------
+
+
+def _doc(shape: list[int], indices: list[list[list[int]]],
+         **leaf_fields) -> bytes:
+  """A manifest of one float32 leaf 'w' in shards at `indices`."""
+  shards, offset = [], 0
+  for index in indices:
+    nbytes = 4 * math.prod(b - a for a, b in index)
+    shards.append({"file": "d", "offset": offset, "nbytes": nbytes,
+                   "index": index, "crc32c": [0]})
+    offset += nbytes
+  leaf = {"path": "w", "kind": "array", "dtype": "float32", "shape": shape,
+          "shards": shards, **leaf_fields}
+  return json.dumps({
+      "format": "flax_ckpt_plugin", "format_version": 1, "step": 1,
+      "files": {"d": offset},
+      "checksum": {"algorithm": "crc32c", "block_bytes": 1 << 40},
+      "leaves": [leaf]}).encode()
+
+
+# Each layout's shards sum to the array's size: only the cover check sees it.
+@pytest.mark.parametrize("shape,indices,message", [
+    ([4, 4], [[[0, 4], [0, 2]], [[0, 2], [2, 4]], [[1, 3], [2, 4]]],
+     "overlap"),
+    ([6], [[[0, 2]], [[3, 6]], [[1, 2]]], "overlap"),
+    ([2, 2], [[[0, 1], [0, 1]], [[0, 1], [0, 1]], [[1, 2], [1, 2]],
+              [[0, 1], [1, 2]]], "appears twice"),
+    ([2, 4], [[[0, 2], [0, 1]], [[0, 2], [2, 4]], [[0, 2], [2, 3]]],
+     "gap along axis 1: [1, 2]"),
+    ([2, 4], [[[0, 2], [0, 1]], [[0, 2], [1, 2]], [[0, 2], [1, 3]]],
+     "overlap"),
+    # An exact cover, but bricks, not a grid: refused all the same.
+    ([2, 4], [[[0, 1], [0, 2]], [[0, 1], [2, 4]], [[1, 2], [0, 1]],
+              [[1, 2], [1, 4]]], "do not form a grid"),
+], ids=["overlap_2d", "overlap_1d", "duplicate", "gap", "overlap_at_end",
+        "bricks"])
+def test_cover_check_refuses_overlaps_gaps_and_non_grids(shape, indices,
+                                                         message):
+  with pytest.raises(CheckpointCorruptedError) as info:
+    manifest_lib.parse(_doc(shape, indices), "m.json")
+  assert str(info.value).startswith("m.json, leaf 'w': shards "), info.value
+  assert message in str(info.value), info.value
+
+
+@pytest.mark.parametrize("shape,indices", [
+    ([3, 2], [[[0, 1], [0, 2]], [[1, 2], [0, 2]], [[2, 3], [0, 2]],
+              [[3, 3], [0, 2]]]),  # 3 rows on 4 devices: one is empty.
+    ([0, 4], [[[0, 0], [0, 2]], [[0, 0], [2, 4]]]),
+    ([], [[]]),
+    ([2, 3], [[[1, 2], [0, 3]], [[0, 1], [0, 3]]]),  # Any order.
+])
+def test_cover_check_accepts_what_jax_shardings_make(shape, indices):
+  m = manifest_lib.parse(_doc(shape, indices), "m.json")
+  assert len(m.leaves[0].shards) == len(indices)
+
+
+def _exact_cover(shape: list[int], indices: list[list[list[int]]]) -> bool:
+  count = np.zeros(shape, np.int64)
+  for index in indices:
+    count[tuple(slice(a, b) for a, b in index)] += 1
+  return bool((count == 1).all())
+
+
+_BOXES = st.integers(1, 2).flatmap(
+    lambda ndim: st.tuples(
+        st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim),
+        st.lists(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)),
+                          min_size=ndim, max_size=ndim), max_size=8)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=_BOXES)
+def test_any_accepted_layout_covers_exactly(layout):
+  """Random boxes: accepted only if they cover every element exactly once."""
+  shape, boxes = layout
+  indices = [[[min(a, b, d), min(max(a, b), d)]
+              for (a, b), d in zip(box, shape)] for box in boxes]
+  try:
+    manifest_lib.parse(_doc(shape, indices), "m.json")
+  except CheckpointCorruptedError as e:
+    assert str(e).startswith("m.json, leaf 'w': "), e
+    return
+  assert _exact_cover(shape, indices), indices
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.lists(st.integers(0, 6), max_size=4), min_size=1,
+                     max_size=3), rnd=st.randoms())
+def test_any_grid_layout_is_accepted(cuts, rnd):
+  """Every grid (cut points per axis, empty cells too), in any order."""
+  axes = [[0] + sorted(c) + [6] for c in cuts]
+  cells = [[]]
+  for edges in axes:
+    cells = [cell + [[a, b]] for cell in cells
+             for a, b in zip(edges, edges[1:])]
+  rnd.shuffle(cells)
+  m = manifest_lib.parse(_doc([6] * len(axes), cells), "m.json")
+  assert len(m.leaves[0].shards) == len(cells)
+
+
+@settings(max_examples=200, deadline=None)
+@given(impl=st.one_of(st.none(), st.integers(), st.text(max_size=80),
+                      st.sampled_from(["", "x" * 10_000, "threefry2x32",
+                                       "no_such_impl", "../rbg", "a b"])),
+       dtype=st.one_of(st.none(), st.integers(), st.text(max_size=12),
+                       st.sampled_from(["float32", "", "O", "V0"])))
+def test_hostile_key_impl_or_dtype_is_refused_naming_the_leaf(impl, dtype):
+  raw = _doc([2], [[[0, 2]]], key_impl=impl, dtype=dtype)
+  try:
+    m = manifest_lib.parse(raw, "m.json")
+  except CheckpointCorruptedError as e:
+    assert str(e).startswith("m.json, leaf 'w': "), e
+    assert len(str(e)) < 400, e
+    return
+  assert re.fullmatch(r"[A-Za-z0-9_]{1,64}", impl), impl
+  assert isinstance(dtype, str), dtype
+  assert m.leaves[0].key_impl == impl
