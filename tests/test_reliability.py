@@ -674,6 +674,11 @@ _ALLOWED_ERRORS = (CheckpointCorruptedError, StructureMismatchError,
 @example(mutations=[("replace", ("files", DATA), 2**70)])
 @example(mutations=[("duplicate_shard", 0, None)])
 @example(mutations=[("replace", ("leaves", "@w", "shape"), [2**61])])
+# Found by the hardening audit (tests/test_bounded_reads.py has the rest:
+# FIFOs, /dev/zero, sparse files, hostile key_impl, many shards).
+@example(mutations=[("replace", ("checksum", "block_bytes"), 2**50)])
+@example(mutations=[("replace", ("leaves", "@w", "dtype"), None)])
+@example(mutations=[("delete", ("leaves", "@v", "dtype"), None)])
 def test_any_manifest_mutation_restores_identically_or_raises_clearly(
     base_checkpoint, mutations):
   """Random changes to a real manifest never crash or corrupt a restore.
