@@ -434,7 +434,7 @@ def checked_text(manifest: dict[str, Any],
     SaveFailedError: the reader would refuse it; names the leaf and every
       process's shards of it.
   """
-  text = json.dumps(manifest, indent=1)
+  text = json.dumps(manifest)  # indent= would take the slow Python encoder.
   try:
     parse(text.encode(), where)
   except CheckpointCorruptedError as e:
