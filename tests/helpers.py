@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,3 +84,31 @@ def fill(path: pathlib.Path, nbytes: int) -> None:
   with open(path, "wb") as f:
     while nbytes > 0:
       nbytes -= f.write(chunk[:nbytes])
+
+
+def start_thread(fn: Callable[[], Any], *, name: str = "test-call",
+                 daemon: bool = True) -> tuple[threading.Thread, dict]:
+  """Starts `fn()` on a thread; its 'result' or 'error' lands in the dict."""
+  box: dict[str, Any] = {}
+
+  def run():
+    try:
+      box["result"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      box["error"] = e
+
+  thread = threading.Thread(target=run, name=name, daemon=daemon)
+  thread.start()
+  return thread, box
+
+
+def call_on_thread(fn: Callable[[], Any], secs: float
+                   ) -> tuple[threading.Thread, dict[str, Any]]:
+  """`start_thread(fn)`, waiting at most `secs` for it to return.
+
+  The thread is still alive if `fn` blocks: a test then fails on a hang or
+  a deadlock instead of hanging itself.
+  """
+  thread, box = start_thread(fn)
+  thread.join(secs)
+  return thread, box

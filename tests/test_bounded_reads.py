@@ -20,7 +20,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 from typing import Any, Callable
@@ -38,6 +37,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import cli
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import restore as restore_lib
+from helpers import call_on_thread
 
 MANIFEST = "manifest.json"
 DEADLINE_SECS = 15  # Each call takes well under a second when it works.
@@ -78,17 +78,7 @@ def _leaf(doc: dict, path: str) -> dict:
 def _within_deadline(call: Callable[[], Any],
                      fifos: list[pathlib.Path]) -> Any:
   """`call()`'s result or exception; fails if it blocks past the deadline."""
-  outcome = {}
-
-  def run():
-    try:
-      outcome["value"] = call()
-    except BaseException as e:  # pylint: disable=broad-except
-      outcome["error"] = e
-
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  thread.join(DEADLINE_SECS)
+  thread, outcome = call_on_thread(call, DEADLINE_SECS)
   hung = thread.is_alive()
   if hung:  # Let a reader blocked in open() go.
     for fifo in fifos:
@@ -122,7 +112,7 @@ def test_fifo_manifest_is_refused_by_restore_at_once(saved):
 def test_fifo_writer_claim_does_not_block_opening_for_writing(saved):
   fifo = _mkfifo(saved / atomicity.WRITER_FILE)
   assert _within_deadline(lambda: atomicity.current_writer(saved),
-                          [fifo]) == {"value": None}
+                          [fifo]) == {"result": None}
 
   def open_and_save():
     with CheckpointManager(saved) as manager:
@@ -131,7 +121,7 @@ def test_fifo_writer_claim_does_not_block_opening_for_writing(saved):
 
   outcome = _within_deadline(open_and_save, [fifo])
   assert "error" not in outcome, outcome
-  assert outcome["value"]["pid"] == os.getpid()  # The claim replaced it.
+  assert outcome["result"]["pid"] == os.getpid()  # The claim replaced it.
 
 
 @pytest.mark.parametrize("command", ["show", "verify", "list"])
@@ -143,9 +133,9 @@ def test_fifo_manifest_or_claim_cli_answers_promptly(saved, capsys, command):
   assert "error" not in outcome, outcome
   out = capsys.readouterr()
   if command == "list":
-    assert outcome["value"] == cli.EXIT_OK, out.err
+    assert outcome["result"] == cli.EXIT_OK, out.err
   else:
-    assert outcome["value"] == cli.EXIT_CORRUPT, out.err
+    assert outcome["result"] == cli.EXIT_CORRUPT, out.err
     assert f"{fifos[0]} is not a regular file" in out.out + out.err, out
 
 

@@ -7,7 +7,6 @@ Every scenario runs on a thread with a deadline, so a deadlock fails the
 test instead of hanging it.
 """
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CommitHookError
+from helpers import call_on_thread
 
 DEADLOCK_SECS = 30.0
 
@@ -25,17 +25,7 @@ def _state(step: int) -> dict:
 
 def _within_deadline(fn):
   """`fn()` on a daemon thread; fails the test if it has not returned."""
-  box = {}
-
-  def run():
-    try:
-      box["result"] = fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      box["error"] = e
-
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  thread.join(DEADLOCK_SECS)
+  thread, box = call_on_thread(fn, DEADLOCK_SECS)
   if thread.is_alive():
     pytest.fail(f"deadlock: still waiting after {DEADLOCK_SECS:.0f}s")
   if "error" in box:

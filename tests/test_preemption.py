@@ -30,6 +30,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin import storage
 
+from helpers import start_thread
 from launcher import StdoutLines
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -351,17 +352,7 @@ def _tiny(step: int) -> dict[str, np.ndarray]:
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict]:
   """Starts `fn` in a thread; its result or exception lands in the dict."""
-  out: dict[str, Any] = {}
-
-  def run():
-    try:
-      out["result"] = fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      out["error"] = e
-
-  thread = threading.Thread(target=run, name="train-loop")
-  thread.start()
-  return thread, out
+  return start_thread(fn, name="train-loop", daemon=False)
 
 
 @pytest.mark.timeout(300)
