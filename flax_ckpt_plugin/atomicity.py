@@ -223,8 +223,9 @@ def check_still_writer(directory: epath.Path, token: str | None,
     writer_count: the job's process count, for a new claim.
     backend: the directory's storage.
   """
-  writer = current_writer(directory)
-  if writer is None and token is not None:
+  writer = current_writer(directory, backend)
+  if (writer is None and token is not None
+      and not (directory / WRITER_FILE).exists()):
     # No claim at all: the directory was deleted (and maybe made anew) under
     # this job, and no other job opened it since. It is this job's again.
     log.warning("%s lost its writer's claim (deleted and made anew?);"
@@ -232,7 +233,12 @@ def check_still_writer(directory: epath.Path, token: str | None,
     directory.mkdir(parents=True, exist_ok=True)
     claim_directory(directory, writer_count, backend, token)
     return
-  if writer is None or writer.get("token") != token:
+  if writer is None:
+    raise ConcurrentWriterError(
+        f"the writer's claim {directory / WRITER_FILE} cannot be read (not a"
+        f" small regular file of JSON); {consequence}. Was it replaced by"
+        " hand or by another program?")
+  if writer.get("token") != token:
     raise ConcurrentWriterError(
         f"another job opened {directory} for writing after this one"
         f" (its claim: {writer}); {consequence}. Two jobs must not write"

@@ -97,12 +97,13 @@ class Backend(abc.ABC):
       OSError: it cannot be read (permissions, I/O).
     """
 
-  @abc.abstractmethod
   def read_small(self, path: epath.Path, *, within: epath.Path,
                  limit: int) -> bytes:
     """Reads a small file (manifest, marker, claim) whole, never unbounded.
 
-    Never blocks on a named pipe and never follows a link out of `within`.
+    Never blocks on a named pipe and never follows a link out of `within`
+    (this default, for storage without either, reads at most `limit + 1`
+    bytes through `epath`).
 
     Raises:
       FileNotFoundError: no such file.
@@ -110,6 +111,12 @@ class Backend(abc.ABC):
         `within`, or holds more than `limit` bytes; the message names it.
       OSError: it cannot be read (permissions, I/O).
     """
+    del within
+    with path.open("rb") as f:
+      data = f.read(limit + 1)
+    if len(data) > limit:
+      raise CheckpointCorruptedError(f"{path}: over the limit of {limit} bytes")
+    return data
 
   def remove(self, path: epath.Path) -> None:
     """Removes a file or a directory tree, if it exists."""

@@ -192,7 +192,7 @@ def step_state(directory: epath.Path, step: int) -> str:
   """Whether a failed save's step is finalized, as a note for its error."""
   try:
     done = atomicity_lib.is_finalized(directory / str(step))
-  except OSError as e:
+  except Exception as e:  # pylint: disable=broad-except  # A note, no more.
     return f"Whether step {step} was finalized is unknown: {e}."
   if done:
     return f"Step {step} is finalized in {directory}."

@@ -23,6 +23,7 @@ key-value store is a dict. Tests inject a coordinator that runs N
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -164,6 +165,12 @@ class _Deadlines:
   def __init__(self):
     self._idle: list[_Helper] = []
     self._lock = threading.Lock()
+    # A forked child has none of the parent's threads: forget their helpers.
+    os.register_at_fork(after_in_child=self._forget)
+
+  def _forget(self) -> None:
+    self._idle = []
+    self._lock = threading.Lock()
 
   def call(self, fn: Callable[[], T], deadline_secs: float) -> T:
     """`fn()`, or `_NoAnswer` if it did not return within `deadline_secs`."""
@@ -173,7 +180,12 @@ class _Deadlines:
       helper = _Helper()
     job = _Job(fn)
     helper.submit(job)
-    if not job.done.wait(deadline_secs):
+    try:
+      answered = job.done.wait(deadline_secs)
+    except BaseException:  # KeyboardInterrupt: the helper may still be busy.
+      helper.retire()
+      raise
+    if not answered:
       helper.retire()
       raise _NoAnswer
     with self._lock:

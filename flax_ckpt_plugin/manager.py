@@ -286,7 +286,9 @@ class CheckpointManager:
     self.last_save_stats = stats
     with self._lock:
       self._steps = sorted(set(self._steps) | {step})
-      self._known_good = step  # The reader accepted it before finalize.
+      # The reader accepted it before finalize. Restores raise it too: the
+      # max is the same whichever of the two came first.
+      self._known_good = max(step, self._known_good or step)
     try:
       commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
                            is_primary=self.is_primary,
@@ -397,8 +399,9 @@ class CheckpointManager:
         restore=lambda step: self.restore(target, step, verify=verify),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
-    if found is not None:  # Every process restored it (an atomic write).
-      self._known_good = max(found[0], self._known_good or found[0])
+    if found is not None:  # Every process restored it.
+      with self._lock:
+        self._known_good = max(found[0], self._known_good or found[0])
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)

@@ -435,6 +435,10 @@ def checked_text(manifest: dict[str, Any],
       process's shards of it.
   """
   text = json.dumps(manifest)  # indent= would take the slow Python encoder.
+  if len(text) > MAX_MANIFEST_BYTES:  # `read` would refuse it.
+    raise SaveFailedError(
+        f"{where}: its manifest would have {len(text)} bytes, over the"
+        f" {MAX_MANIFEST_BYTES} that a restore reads. Not finalized.")
   try:
     parse(text.encode(), where)
   except CheckpointCorruptedError as e:

@@ -55,7 +55,9 @@ def check_key_impl(leaf: LeafRecord, where: str) -> None:
   """Checks that JAX can wrap `leaf`'s key data with its PRNG impl.
 
   Abstract (no data is read or computed); `restore_tree` calls it for every
-  leaf before any data is read.
+  leaf before any data is read, once the structure matched: the impl is
+  then the target's, registered with JAX (an impl this JAX lacks is a
+  mismatch, since it depends on the environment, not damage).
 
   Raises:
     CheckpointCorruptedError: the impl is not registered with JAX, or the
@@ -295,6 +297,10 @@ def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
       host = host.astype(target.dtype)
     return host if isinstance(target, np.ndarray) else host[()]
   sharding = _target_sharding(target)
+  if lr.dtype.byteorder == ">":  # Saved big-endian by an older version.
+    host = lr.read(whole)
+    return jax.device_put(host.astype(host.dtype.newbyteorder("=")),
+                          sharding)
   if saved.key_impl is not None:
     data = lr.read(whole)
     keys = jax.random.wrap_key_data(data, impl=saved.key_impl)
@@ -327,10 +333,9 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   saved = manifest.leaf_by_path
   targets, treedef = leaf_paths(target)
   where = f"step {manifest.step} in {step_dir}"
-  for path, _, _ in targets:
-    if path in saved:
-      check_key_impl(saved[path], where)
   _match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
+  for path, _, _ in targets:  # Now each impl is the target's, so known.
+    check_key_impl(saved[path], where)
   targets = [(p, _on_context_mesh(p, leaf)) for p, _, leaf in targets]
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,

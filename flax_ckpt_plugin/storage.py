@@ -11,8 +11,10 @@ A step directory holds:
 * `_COMMITTED` - the commit marker (see `atomicity`).
 
 While a step is written, each process also leaves `data/process_NNNNN.json`
-(its shard table); the primary host merges those into the manifest and
-removes them before finalizing. `docs/format.md` describes the format for
+(its shard table, with a digest of how it sees every leaf) and
+`data/process_NNNNN.views.json` (that view, read only if its digest differs
+from the primary's); the primary host merges the tables into the manifest
+and removes both before finalizing. `docs/format.md` describes the format for
 readers with numpy alone; `manifest` reads and validates the manifest and
 `reader` the data files. Nothing here unpickles or executes anything.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import hashlib
 import json
 import time
 import threading
@@ -32,6 +35,7 @@ import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
+from flax_ckpt_plugin.errors import SaveFailedError
 
 if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
   from flax_ckpt_plugin.snapshot import LeafSnapshot
@@ -55,6 +59,17 @@ def data_file(process_index: int) -> str:
 
 def index_file(process_index: int) -> str:
   return f"{DATA_DIR}/process_{process_index:05d}.json"
+
+
+def views_file(process_index: int) -> str:
+  """How that process sees every leaf; read only if its digest differs."""
+  return f"{DATA_DIR}/process_{process_index:05d}.views.json"
+
+
+def _views(leaves: list[LeafSnapshot]) -> tuple[str, str]:
+  """The JSON of every leaf's `_view`, and its SHA-256."""
+  text = json.dumps({leaf.path: _view(leaf) for leaf in leaves})
+  return text, hashlib.sha256(text.encode()).hexdigest()
 
 
 def _write_all(f, buf: memoryview) -> None:
@@ -133,9 +148,11 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
             _write_all(f, memoryview(buf))
             entries.append(_entry(leaf, shard, name, offset, buf))
             offset += buf.nbytes
+    views, digest = _views(leaves)
+    with out.open(views_file(process_index)) as f:  # Read in this save only.
+      _write_all(f, memoryview(views.encode()))
     table = {"process_index": process_index, "file": name if shards else None,
-             "nbytes": offset, "shards": entries,
-             "leaves": {leaf.path: _view(leaf) for leaf in leaves}}
+             "nbytes": offset, "shards": entries, "views_sha256": digest}
     with out.open(index_file(process_index)) as f:
       _write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
@@ -220,7 +237,7 @@ def _read_table(step_dir: epath.Path, p: int,
   try:
     table = json.loads(backend.read_small(path, within=step_dir,
                                           limit=MAX_TABLE_BYTES))
-    table["file"], table["nbytes"], table["shards"], table["leaves"]
+    table["file"], table["nbytes"], table["shards"], table["views_sha256"]
   except (ValueError, TypeError, KeyError) as e:
     raise RuntimeError(f"the shard table {path} of process {p} is not"
                        f" whole: {e!s:.200}") from e
@@ -249,7 +266,7 @@ def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
       f" {_describe_view(mine.get(k))}, process {p} saves"
       f" {_describe_view(theirs.get(k))}" for k in differ[:5])
   more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
-  raise RuntimeError(
+  raise SaveFailedError(
       f"processes disagree about the state they save: {shown}{more}. Every"
       " process must save the same tree, with the same dtypes and shapes.")
 
@@ -268,15 +285,19 @@ def merge_tables(step_dir: epath.Path, *, step: int,
     The manifest, and per leaf path the shard indices each process wrote.
 
   Raises:
-    RuntimeError: a table is missing or short, a data file is short, or
-      the processes disagree about a leaf (the save is abandoned).
+    RuntimeError: a table is missing or short, or a data file is short.
+    SaveFailedError: the processes disagree about a leaf.
+    (The save is abandoned either way.)
   """
   by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
-  mine = {leaf.path: _view(leaf) for leaf in leaves}
+  mine, digest = _views(leaves)
   files, origins = {}, {}
   for p in range(process_count):
     table = _read_table(step_dir, p, backend)
-    _check_views(mine, table["leaves"], primary, p)
+    if table["views_sha256"] != digest:  # Only then read the whole view.
+      theirs = backend.read_small(step_dir / views_file(p), within=step_dir,
+                                  limit=MAX_TABLE_BYTES)
+      _check_views(json.loads(mine), json.loads(theirs), primary, p)
     if table["file"]:
       files[table["file"]] = table["nbytes"]
     for entry in table["shards"]:
@@ -314,5 +335,6 @@ def write_manifest(step_dir: epath.Path, *, step: int, text: str,
   backend.write_small(step_dir / MANIFEST, text)
   for p in range(process_count):
     (step_dir / index_file(p)).unlink(missing_ok=True)
+    (step_dir / views_file(p)).unlink(missing_ok=True)
   backend.fsync(step_dir / DATA_DIR)
   backend.fsync(step_dir)
