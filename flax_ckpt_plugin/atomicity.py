@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import datetime
-import errno
 import json
 import os
 import socket
@@ -33,6 +32,7 @@ from typing import Any, Callable, Literal
 from etils import epath
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.layout import ATTEMPT_FILE
@@ -93,8 +93,7 @@ def _entries(directory: epath.Path) -> list[epath.Path]:
     name = os.fspath(entry)
     if not os.path.islink(name):  # False for object stores' paths.
       entries.append(entry)
-    elif name not in _warned_links and (step_from_name(entry.name) is not None
-                                        or entry.name[:1].isdigit()):
+    elif name not in _warned_links and entry.name[:1].isdigit():
       _warned_links.add(name)
       log.warning("ignoring %s: a symbolic link, never a step of ours", name)
   return entries
@@ -203,7 +202,7 @@ def current_writer(directory: epath.Path,
   except (FileNotFoundError, ValueError, RecursionError):
     return None
   except OSError as e:
-    if e.errno not in (errno.ENXIO, errno.ELOOP, errno.EISDIR):
+    if e.errno not in handles.NOT_A_FILE:
       raise
     return None  # A socket, or a loop of links.
   return info if isinstance(info, dict) else None

@@ -22,6 +22,10 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 
 Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
+# Errors that mean a name cannot be a file of ours (a socket, a loop of
+# links, a directory); others (EACCES, EIO) say nothing of the file itself.
+NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
+              errno.ENXIO)
 
 
 class RangedFile(abc.ABC):

@@ -131,22 +131,18 @@ class CheckpointManager:
     self._commit_hooks: list[CommitHook] = []
     for hook in commit_hooks:
       self.add_commit_hook(hook)
-    self._writer_token: str | None = None
     self._steps: list[int] = []
-    # The newest step known to restore: retention never deletes it.
-    self._known_good: int | None = None
-    if not read_only:
-      self._open_for_writing()
+    # The newest step known to restore (-1: none); retention keeps it.
+    self._known_good = -1
+    if not read_only:  # The writer's token names every later key.
+      token = commit_lib.open_for_writing(
+          self.coordinator, self.directory, self.backend, self._base,
+          is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
+      self.name = f"{self._base}/{token}"
+      self._still_writer = functools.partial(
+          atomicity_lib.check_still_writer, self.directory, token,
+          writer_count=count, backend=self.backend)
       self._steps = atomicity_lib.finalized_steps(self.directory)
-
-  def _open_for_writing(self) -> None:
-    self._writer_token = commit_lib.open_for_writing(
-        self.coordinator, self.directory, self.backend, self._base,
-        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
-    self.name = f"{self._base}/{self._writer_token}"
-    self._still_writer = functools.partial(
-        atomicity_lib.check_still_writer, self.directory, self._writer_token,
-        writer_count=self.coordinator.process_count, backend=self.backend)
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
@@ -286,9 +282,8 @@ class CheckpointManager:
     self.last_save_stats = stats
     with self._lock:
       self._steps = sorted(set(self._steps) | {step})
-      # The reader accepted it before finalize. Restores raise it too: the
-      # max is the same whichever of the two came first.
-      self._known_good = max(step, self._known_good or step)
+      # The reader accepted it. A max, as in restores: either order agrees.
+      self._known_good = max(step, self._known_good)
     try:
       commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
                            is_primary=self.is_primary,
@@ -401,7 +396,7 @@ class CheckpointManager:
         where=str(self.directory))
     if found is not None:  # Every process restored it.
       with self._lock:
-        self._known_good = max(found[0], self._known_good or found[0])
+        self._known_good = max(found[0], self._known_good)
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)

@@ -4,16 +4,15 @@
 described in docs/format.md) into a `Manifest` of `LeafRecord`s and
 `ShardRecord`s, or raises `CheckpointCorruptedError` naming the file and the
 leaf. Every check happens here, before any data file is opened: readers
-(`reader`, `restore`, `verify`, the CLI) then use attributes and trust them.
+(`reader`, `restore`, `verify`, the CLI) then use attributes and trust them;
+the writer runs `parse` too, on each merged manifest before it finalizes.
 Nothing here imports JAX (dtypes come from numpy and `ml_dtypes`, the dtype
-library JAX itself uses), so the CLI starts quickly; only
-`check_key_impl`, which restore calls, imports it when called.
+library JAX itself uses), so the CLI starts quickly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import re
@@ -24,15 +23,13 @@ import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.storage import FORMAT_NAME
 from flax_ckpt_plugin.storage import FORMAT_VERSION
 from flax_ckpt_plugin.storage import MANIFEST
 
 Index = tuple[tuple[int, int], ...]
-# Errors that mean a manifest's name cannot be read as a file (a socket...).
-_NOT_A_FILE = (errno.ENXIO, errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
 SCALAR_KINDS = ("int", "float", "bool")
 ARRAY_KINDS = ("array", "numpy")
 # The largest manifest read (docs/format.md); a million shards take ~60 MiB.
@@ -364,7 +361,11 @@ def parse(raw: bytes, where: str) -> Manifest:
     raise _corrupt(where, "no 'leaves' list")
   records, paths = [], set()
   for leaf in leaves:
-    record = _leaf(leaf, where, files, checksum["block_bytes"])
+    try:
+      record = _leaf(leaf, where, files, checksum["block_bytes"])
+    except CheckpointCorruptedError as e:  # Which leaf, for the writer.
+      e.leaf_path = leaf.get("path") if isinstance(leaf, dict) else None
+      raise
     if record.path in paths:
       raise _corrupt(where, f"leaf {record.path!r} appears twice")
     paths.add(record.path)
@@ -405,7 +406,7 @@ def read(step_dir: epath.Path, step: int | None = None,
   except FileNotFoundError as e:
     raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
   except OSError as e:
-    if e.errno not in _NOT_A_FILE:
+    if e.errno not in handles.NOT_A_FILE:
       raise  # EACCES, EIO...: the file may be fine; do not call it bad.
     raise _corrupt(str(path), f"cannot be read as a file ({e.strerror})")
   manifest = parse(raw, str(path))
@@ -414,46 +415,3 @@ def read(step_dir: epath.Path, step: int | None = None,
         f"{path}: records step {manifest.step!r}, but lives in the directory"
         f" of step {step}")
   return manifest
-
-
-def checked_text(manifest: dict[str, Any],
-                 origins: dict[str, dict[int, list[list[list[int]]]]],
-                 where: str) -> str:
-  """The JSON of a merged manifest, once `parse` accepts it.
-
-  The primary host calls this before it finalizes a step: a step is
-  finalized only if the reader would accept it (dtypes and shapes agree,
-  shards cover every array exactly once, byte counts fit).
-
-  Args:
-    manifest: the merged manifest (see `storage.merge_tables`).
-    origins: per leaf path, the shard indices each process wrote.
-    where: the step, for messages.
-
-  Raises:
-    SaveFailedError: the reader would refuse it; names the leaf and every
-      process's shards of it.
-  """
-  text = json.dumps(manifest)  # indent= would take the slow Python encoder.
-  if len(text) > MAX_MANIFEST_BYTES:  # `read` would refuse it.
-    raise SaveFailedError(
-        f"{where}: its manifest would have {len(text)} bytes, over the"
-        f" {MAX_MANIFEST_BYTES} that a restore reads. Not finalized.")
-  try:
-    parse(text.encode(), where)
-  except CheckpointCorruptedError as e:
-    error = str(e)
-    for leaf in manifest.get("leaves", ()):
-      try:
-        _leaf(leaf, where, manifest["files"],
-              manifest["checksum"]["block_bytes"])
-      except CheckpointCorruptedError:
-        views = origins.get(leaf.get("path"), {})
-        error += "; the shards each process wrote: " + "; ".join(
-            f"process {p}: {idx[:8]}" + (" ..." if len(idx) > 8 else "")
-            for p, idx in sorted(views.items()))
-        break
-    raise SaveFailedError(
-        f"{error}. Not finalized: the step would not restore. Do all"
-        " processes save the same state, with the same shardings?") from None
-  return text

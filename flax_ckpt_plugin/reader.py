@@ -10,7 +10,6 @@ regions on devices, `verify` checks whole steps.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import math
 import threading
@@ -20,6 +19,7 @@ from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.manifest import Index
 from flax_ckpt_plugin.manifest import LeafRecord
@@ -27,8 +27,6 @@ from flax_ckpt_plugin.manifest import ShardRecord
 from flax_ckpt_plugin.storage import block_checksums
 
 # Errors that mean a manifest's file name cannot name a data file.
-_NOT_A_DATA_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
-                    errno.ELOOP, errno.ENXIO)
 # Past this many runs of fewer than this many bytes, one saved shard's part
 # is read as whole rows of its first axis: a few larger reads beat many tiny.
 _MAX_RUNS = 4096
@@ -90,7 +88,7 @@ class ByteReader:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e
       except OSError as e:
-        if e.errno not in _NOT_A_DATA_FILE:
+        if e.errno not in handles.NOT_A_FILE:
           raise  # EACCES, EIO...: the file may be fine; do not call it bad.
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest cannot be a data file:"

@@ -290,14 +290,15 @@ def merge_tables(step_dir: epath.Path, *, step: int,
     (The save is abandoned either way.)
   """
   by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
-  mine, digest = _views(leaves)
+  tables = [_read_table(step_dir, p, backend) for p in range(process_count)]
+  digest = tables[primary]["views_sha256"]
   files, origins = {}, {}
-  for p in range(process_count):
-    table = _read_table(step_dir, p, backend)
-    if table["views_sha256"] != digest:  # Only then read the whole view.
-      theirs = backend.read_small(step_dir / views_file(p), within=step_dir,
-                                  limit=MAX_TABLE_BYTES)
-      _check_views(json.loads(mine), json.loads(theirs), primary, p)
+  for p, table in enumerate(tables):
+    if table["views_sha256"] != digest:  # Only then read the whole views.
+      mine, theirs = (json.loads(backend.read_small(
+          step_dir / views_file(q), within=step_dir, limit=MAX_TABLE_BYTES))
+                      for q in (primary, p))
+      _check_views(mine, theirs, primary, p)
     if table["file"]:
       files[table["file"]] = table["nbytes"]
     for entry in table["shards"]:
@@ -327,11 +328,10 @@ def merge_tables(step_dir: epath.Path, *, step: int,
   }, origins
 
 
-def write_manifest(step_dir: epath.Path, *, step: int, text: str,
-                   process_count: int, backend: backend_lib.Backend) -> None:
-  """Writes the manifest of `step` (checked by the caller) durably and
-  removes the shard tables. Primary host only."""
-  del step  # Names the step for readers of a traceback (and tests' hooks).
+def write_manifest(step_dir: epath.Path, *, text: str, process_count: int,
+                   backend: backend_lib.Backend) -> None:
+  """Writes a manifest (checked by the caller) durably and removes the
+  shard tables. Primary host only."""
   backend.write_small(step_dir / MANIFEST, text)
   for p in range(process_count):
     (step_dir / index_file(p)).unlink(missing_ok=True)

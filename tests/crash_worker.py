@@ -230,7 +230,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
       def hooked(step_dir, **kwargs):
         manifest = real(step_dir, **kwargs)
         if due():
-          _die(moment, kwargs["step"])
+          _die(moment, _step_of(step_dir))
         return manifest
       return hooked
     wrap(storage, "write_manifest", write_manifest)
