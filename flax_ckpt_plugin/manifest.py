@@ -74,7 +74,7 @@ def parse_dtype(name: Any, where: str) -> np.dtype:
       raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r:.60}")
     try:
       dtype = np.dtype(name)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, SyntaxError) as e:  # "," is parsed.
       raise CheckpointCorruptedError(
           f"{where}: unknown dtype {name!r:.60}") from e
   if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:

@@ -33,17 +33,21 @@ _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
 
 
-def host_buffer(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-  """An uninitialized C-order array whose data starts on a 64-byte boundary.
+def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
+                offset: int = 0) -> np.ndarray:
+  """An uninitialized C-order array starting `offset` bytes past a 64-byte
+  boundary.
 
-  The CPU backend adopts such memory in `jax.device_put` without copying it
-  (numpy's own allocations are only 16-byte aligned and would be copied).
-  Restored CPU arrays are not made this way, but by the runtime (see
-  `restore._owned_cpu_buffer`); this is for numpy targets and the other cases.
+  The CPU backend adopts memory on such a boundary in `jax.device_put`
+  without copying it, and copies any other (numpy's own allocations are
+  only 16-byte aligned, so either may happen to them). Restored CPU arrays
+  are not adopted (see `restore._owned_cpu_buffer` and
+  `restore._runtime_copy`); adopted ones are for numpy targets and the
+  other cases.
   """
   nbytes = math.prod(shape) * dtype.itemsize
-  raw = np.empty(nbytes + 64, np.uint8)
-  start = -raw.ctypes.data % 64
+  raw = np.empty(nbytes + 128, np.uint8)
+  start = -raw.ctypes.data % 64 + offset
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 

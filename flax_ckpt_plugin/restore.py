@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import math
 import os
 from typing import Any
 
@@ -24,6 +25,7 @@ from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import staging
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manifest import describe
@@ -237,6 +239,8 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
       bits_dtype(dtype) is None
       and not jax.numpy.issubdtype(dtype, jax.numpy.complexfloating)):
     return None
+  if math.prod(shape) * dtype.itemsize < staging.REUSE_BYTES:
+    return None  # See `_runtime_copy`: no program compiled per shape.
   arr = _zeros_on(device)(shape, dtype)
   arr.block_until_ready()
   nbytes = arr.nbytes
@@ -244,6 +248,24 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
     return arr, np.empty(shape, dtype)
   mem = (ctypes.c_char * nbytes).from_address(arr.unsafe_buffer_pointer())
   return arr, np.frombuffer(mem, dtype).reshape(shape)
+
+
+def _copied_buffer(region: Index, dtype: np.dtype, device: Any, *,
+                   first: bool) -> np.ndarray | None:
+  """A host buffer for one shard that `jax.device_put` will copy, or None.
+
+  On a CPU: the runtime adopts host memory on a 64-byte boundary instead
+  of copying it, and adopted memory is not donated, so the bytes go
+  through a buffer 16 bytes past one, which it copies into memory of its
+  own. For shards under `REUSE_BYTES` that copy costs less than the
+  program per distinct shape that `_owned_cpu_buffer` compiles (restores of
+  thousands of small leaves of hundreds of shapes). Elsewhere: None for the
+  first replica (the reader's buffer), a buffer for the others.
+  """
+  shape = tuple(hi - lo for lo, hi in region)
+  if device.platform == "cpu":
+    return host_buffer(shape, dtype, offset=16)
+  return None if first else host_buffer(shape, dtype)
 
 
 def _restore_array(lr: LeafReader, shape: tuple[int, ...],
@@ -265,16 +287,16 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
         np.copyto(view, host)
       arrays.append(arr)
       continue
+    # On a CPU, bytes the runtime copies (see `_copied_buffer`); elsewhere,
+    # read once, but never hand one host buffer to two devices: a backend
+    # may adopt the memory, and a jitted step that donates one replica
+    # could then write over the other.
+    buf = _copied_buffer(region, lr.dtype, device, first=host is None)
     if host is None:
-      host = cache[region] = lr.read(region)
-    else:
-      # Read once, but never hand one host buffer to two devices: the CPU
-      # backend adopts the memory, and a jitted step that donates one replica
-      # could then write over the other.
-      copy = host_buffer(host.shape, host.dtype)
-      np.copyto(copy, host)
-      host = copy
-    arrays.append(jax.device_put(host, device))
+      host = cache[region] = lr.read(region, out=buf)
+    elif buf is not None:
+      np.copyto(buf, host)
+    arrays.append(jax.device_put(host if buf is None else buf, device))
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

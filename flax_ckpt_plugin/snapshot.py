@@ -38,7 +38,7 @@ from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.treepaths import Index
 from flax_ckpt_plugin.treepaths import KeyEntry
 from flax_ckpt_plugin.treepaths import leaf_paths
-from flax_ckpt_plugin.treepaths import normalize_index
+from flax_ckpt_plugin.treepaths import shard_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,9 @@ class ShardData:
   """One shard's values, on the host or being copied there."""
   index: Index  # [start, stop) per dimension of the global array.
   # A C-contiguous host array of the shard's values, or (CPU backend) a
-  # staging copy still being made: a jax.Array of the values' bits as
-  # unsigned integers of the same width; `host()` waits for it.
+  # staging copy still being made: a jax.Array of the values, or of their
+  # bits as unsigned integers of the same width (a copy in reused memory,
+  # see `staging`); `host()` waits for it.
   data: np.ndarray | jax.Array
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
 
@@ -61,6 +62,11 @@ class ShardData:
     if isinstance(self.data, np.ndarray):
       return self.data
     self.data.block_until_ready()
+    if self.data.dtype == self.dtype:  # Not reused: its view pins nothing.
+      return np.asarray(self.data)
+    # DLPack, not np.asarray: the view goes when the caller drops it,
+    # while np.asarray's stays cached on the copy and keeps it from being
+    # donated to the next save.
     return np.from_dlpack(self.data).view(self.dtype)
 
 
@@ -90,8 +96,9 @@ class LeafSnapshot:
     return entry
 
 
-def _is_prng_key(x: Any) -> bool:
-  return jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
+@functools.lru_cache(maxsize=None)  # Per leaf per save: keep it cheap.
+def _is_prng_dtype(dtype: Any) -> bool:
+  return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _check_array_alive(path: str, arr: jax.Array) -> None:
@@ -103,11 +110,17 @@ def _check_array_alive(path: str, arr: jax.Array) -> None:
 
 
 def _owned_shards(arr: jax.Array, *, single_writer: bool,
-                  is_primary: bool) -> list[Any]:
+                  is_primary: bool) -> list[tuple[Index, Any, bool]]:
+  """(index, shard array, on a CPU?) of each shard this process writes."""
   if single_writer and not is_primary:
     return []
-  return [s for s in arr.addressable_shards if s.replica_id == 0]
-
+  plan = shard_plan(arr.sharding, arr.shape)
+  out = []
+  for s in arr.addressable_shards:
+    index, replica = plan[s.device]
+    if replica == 0:
+      out.append((index, s.data, s.device.platform == "cpu"))
+  return out
 
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
@@ -131,7 +144,7 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
     if isinstance(leaf, jax.Array):
       _check_array_alive(path, leaf)
       arr, impl = leaf, None
-      if _is_prng_key(leaf):
+      if _is_prng_dtype(leaf.dtype):
         impl = str(jax.random.key_impl(leaf))
         arr = jax.random.key_data(leaf)
       single = process_count > 1 and arr.is_fully_addressable
@@ -142,24 +155,22 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
 
   # Start every device-to-host transfer before waiting on any of them.
   for *_, arr, _, shards in plans:
-    if shards:
-      for s in shards:
-        if s.device.platform != "cpu":
-          s.data.copy_to_host_async()
+    for _, data, cpu in shards or ():
+      if not cpu:
+        data.copy_to_host_async()
 
-  # CPU shards: copied by the runtime into staging buffers (enqueued, not
+  # CPU shards: copied on their devices into staging memory (enqueued, not
   # awaited), or, for dtypes that cannot travel as unsigned bits, copied by
   # threads from views of the runtime's buffers right here.
   on_device, cpu_items = [], []
   for path, _, _, arr, _, shards in plans:
-    for s in shards or ():
-      if s.device.platform != "cpu":
+    for index, data, cpu in shards or ():
+      if not cpu:
         continue
       if bits_dtype(arr.dtype) is not None:
-        on_device.append(s.data)
+        on_device.append(data)
       else:
-        index = normalize_index(s.index, arr.shape)
-        cpu_items.append(((path, index), np.asarray(s.data)))
+        cpu_items.append(((path, index), np.asarray(data)))
   device_copies = iter(staging.copy_on_devices(on_device))
   host_copies = iter(staging.copy(cpu_items))
   del cpu_items, on_device  # No view of a runtime buffer outlives this call.
@@ -168,10 +179,9 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   for path, keys, leaf, arr, impl, shards in plans:
     if arr is not None:
       data = []
-      for s in shards:
-        index = normalize_index(s.index, arr.shape)
-        if s.device.platform != "cpu":
-          data.append(ShardData(index, _c_order(np.asarray(s.data))))
+      for index, shard, cpu in shards:
+        if not cpu:
+          data.append(ShardData(index, _c_order(np.asarray(shard))))
         elif bits_dtype(arr.dtype) is not None:
           data.append(ShardData(index, next(device_copies),
                                 np.dtype(arr.dtype)))

@@ -1,21 +1,35 @@
-"""Staging memory that CPU snapshots are copied into, reused across saves.
+"""Staging memory that CPU snapshots are copied into.
 
-On the CPU backend every shard is copied by a jitted program into buffers
-that the staging area keeps and donates back to the same program at the next
-save, so no memory is newly mapped after the first save. The copy is
-enqueued, not waited for: `snapshot.take_snapshot` returns in about a
-millisecond, the runtime runs the copy before the next step that donates the
-state (a donated buffer waits for the programs still reading it), and the
-writer waits for the copy before it reads the bytes, through zero-copy
-DLPack views.
+On the CPU backend a snapshot copies every shard on its device; the copy is
+enqueued behind the step that produced the shard, not waited for, and the
+writer waits for it before reading the bytes through a zero-copy view. Two
+kinds of copy, so that the first save after a start compiles nothing and no
+save's cost grows faster than its number of leaves:
 
-Dtypes that DLPack cannot hand to numpy as bits of the same width (complex,
-sub-byte types) are copied by threads into reused numpy buffers instead,
+* Every shard is first copied by the runtime itself (`fresh_copies`: no
+  program, so nothing to compile, whatever the tree). Small shards are
+  always copied that way: the C allocator serves their memory from its own
+  pool, already mapped, save after save.
+* A shard of at least `REUSE_BYTES` would get freshly mapped memory from
+  the allocator at every save, and new memory costs a page fault per 4 KiB
+  (0.7 s per GB on one core here, taken from the train loop). From its
+  third save on, it is copied by a compiled program into the staging
+  buffer of the save before, donated back to the program, so no memory is
+  mapped anew. The programs copy up to `_GROUP` shards of one device each,
+  are keyed by the shards' shapes and dtypes (a model's layers share
+  them), compiled on a background thread after the save that first needs
+  them, and cached for the process, across managers: a save never waits for
+  a compiler, and the compile cost is bounded by the number of distinct
+  groups of large shards, not by the number of leaves.
+
+Dtypes that cannot be copied as unsigned bits of the same width (complex,
+sub-byte types) are copied by threads into numpy buffers instead (`copy`),
 which blocks for the copy.
 """
 
 from __future__ import annotations
 
+import collections
 from concurrent import futures
 import functools
 import os
@@ -28,6 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 _COPY_CHUNK_BYTES = 16 << 20
+
+# Shards this large get staging memory that is reused from save to save.
+# Smaller ones come from the allocator's pool (glibc maps blocks above its
+# dynamic threshold, at most 32 MiB, anew each time; below it, it reuses).
+REUSE_BYTES = 4 << 20
+_GROUP = 32  # Shards per compiled copy program: bounds each compile.
 
 # XLA:CPU runs a program inline, on the calling thread, when its estimated
 # cost is under 1000 flops, which a pure copy (0 flops) always is; this much
@@ -51,6 +71,35 @@ def bits_dtype(dtype: Any) -> np.dtype | None:
   if bits != dtype.itemsize * 8 or bits not in (8, 16, 32, 64):
     return None  # Sub-byte types (int4, float4) take a byte in numpy.
   return np.dtype(f"uint{bits}")
+
+
+try:  # The runtime's batched copy, without the per-array Python work that
+  # `jax.device_put` adds (about 20 us per array).
+  from jax._src.lib import xla_client as _xc  # pylint: disable=g-import-not-at-top
+  _BATCHED_COPY = _xc.batched_copy_array_to_devices_with_sharding
+  _ALWAYS_COPY = _xc.ArrayCopySemantics.ALWAYS_COPY
+except (AttributeError, ImportError):  # Another JAX: the public call.
+  _BATCHED_COPY = None
+
+
+def _runtime_copies(srcs: list[jax.Array]) -> list[jax.Array]:
+  if _BATCHED_COPY is not None:
+    try:
+      return _BATCHED_COPY(
+          srcs, [s.sharding._internal_device_list for s in srcs],  # pylint: disable=protected-access
+          [s.sharding for s in srcs], [_ALWAYS_COPY] * len(srcs))
+    except (AttributeError, TypeError):  # Its signature changed.
+      pass
+  return jax.device_put(srcs, may_alias=False)
+
+
+def fresh_copies(srcs: list[jax.Array]) -> list[jax.Array]:
+  """A copy of each single-device array in new memory, compiling nothing.
+
+  The runtime copies a source that is ready at once and enqueues the copy
+  of one still being computed. The copies keep the sources' dtypes.
+  """
+  return list(_runtime_copies(srcs)) if srcs else []
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -78,42 +127,98 @@ def _copy_new(srcs, pad):
                pad)
 
 
-# `_copy_into` compiled ahead of its first use, per (device, signature):
-# compiled on a background thread after a first save, so that the second
-# save does not wait for the compiler.
-_COMPILED_COPIES: dict[tuple[Any, ...], Any] = {}
-_COMPILED_LOCK = threading.Lock()
-_MAX_COMPILED = 16
+class _Programs:
+  """The compiled copy programs of one process, by device and signature.
 
+  `get` returns a (new, into) pair only once it is compiled; the first
+  `get` of a key queues its compile on one background thread (not a
+  daemon: one killed at interpreter exit inside the compiler aborts the
+  process; a compile still queued when the program exits is skipped).
+  """
 
-def _spec(a: jax.Array) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
-                              weak_type=a.weak_type)
+  def __init__(self, capacity: int = 512):
+    self._lock = threading.Lock()
+    self._done: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    self._pending: dict[Any, futures.Future] = {}
+    self._capacity = capacity
+    self._pool: futures.ThreadPoolExecutor | None = None
 
+  def get(self, key: Any, make_specs) -> tuple[Any, Any] | None:
+    with self._lock:
+      if key in self._done:
+        self._done.move_to_end(key)
+        return self._done[key]
+      if key not in self._pending:
+        if self._pool is None:
+          self._pool = futures.ThreadPoolExecutor(
+              1, thread_name_prefix="flax_ckpt_plugin-compile")
+        self._pending[key] = self._pool.submit(self._compile, key,
+                                               make_specs())
+      return None
 
-def _compile_copy_into(key: tuple[Any, ...], copies: list[jax.ShapeDtypeStruct],
-                       srcs: list[jax.ShapeDtypeStruct],
-                       pad: jax.ShapeDtypeStruct) -> None:
-  try:
-    compiled = _copy_into.lower(copies, srcs, pad).compile()
-  except Exception:  # pylint: disable=broad-except
-    return  # The save then compiles it through jit, as without this.
-  with _COMPILED_LOCK:
-    if len(_COMPILED_COPIES) >= _MAX_COMPILED:
-      _COMPILED_COPIES.clear()
-    _COMPILED_COPIES[key] = compiled
+  def wait(self) -> None:
+    """Waits for every queued compile (tests use it to be deterministic)."""
+    with self._lock:
+      pending = list(self._pending.values())
+    futures.wait(pending)
 
-
-def _reusing_copy(key: tuple[Any, ...], dsts: list[jax.Array],
-                  srcs: list[jax.Array], pad: jax.Array) -> list[jax.Array]:
-  with _COMPILED_LOCK:
-    compiled = _COMPILED_COPIES.get(key)
-  if compiled is not None:
+  def _compile(self, key: Any, specs: tuple[Any, Any, Any]) -> None:
+    pair = None
     try:
-      return compiled(dsts, srcs, pad)[0]
-    except (TypeError, ValueError):  # Arguments it was not compiled for.
-      pass
-  return _copy_into(dsts, srcs, pad)[0]
+      if threading.main_thread().is_alive():  # Not at interpreter exit.
+        dsts, srcs, pad = specs
+        pair = (_copy_new.lower(srcs, pad).compile(),
+                _copy_into.lower(dsts, srcs, pad).compile())
+    except Exception:  # pylint: disable=broad-except
+      pass  # The shards keep being copied by the runtime: still correct.
+    with self._lock:
+      del self._pending[key]
+      if pair is not None:
+        self._done[key] = pair
+        while len(self._done) > self._capacity:
+          self._done.popitem(last=False)
+
+
+PROGRAMS = _Programs()
+
+
+def _spec(shape, dtype, weak_type, device) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(
+      shape, dtype, weak_type=weak_type,
+      sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def _group_specs(device, sig):
+  def make():
+    return ([_spec(shape, bits_dtype(dtype), False, device)
+             for shape, dtype, _ in sig],
+            [_spec(*s, device) for s in sig],
+            _spec(_ENQUEUE_PAD.shape, _ENQUEUE_PAD.dtype, False, device))
+  return make
+
+
+def _large_groups(srcs: list[jax.Array]) -> dict[Any, list[int]]:
+  """Indices of the shards whose staging memory is reused, grouped.
+
+  The same tree gives the same groups at every save: per device, by
+  signature, in chunks of at most `_GROUP`.
+  """
+  large = []
+  for i, src in enumerate(srcs):
+    if src.nbytes >= REUSE_BYTES:
+      (device,) = src.devices()
+      large.append((device.id, (src.shape, src.dtype, src.weak_type), i,
+                    device))
+  large.sort(key=lambda t: (t[0], str(t[1]), t[2]))
+  groups: dict[Any, list[int]] = {}
+  by_device: dict[Any, list[tuple[Any, int]]] = {}
+  for _, sig, i, device in large:
+    by_device.setdefault(device, []).append((sig, i))
+  for device, items in by_device.items():
+    for start in range(0, len(items), _GROUP):
+      chunk = items[start:start + _GROUP]
+      groups[(device, tuple(s for s, _ in chunk))] = [i for _, i in chunk]
+  return groups
 
 
 class HostStaging:
@@ -121,17 +226,17 @@ class HostStaging:
 
   Two kinds: device copies (`copy_on_devices`, for every dtype that travels
   as unsigned bits) and numpy buffers filled by threads (`copy`, for the
-  rest). Either is handed out again only by the next `take_snapshot`, which
-  the manager calls after the previous commit (the only reader) has
-  finished. Together they hold one copy of the CPU shards this process
-  writes; `clear` frees them.
+  rest). Reused memory is handed out again only by the next
+  `take_snapshot`, which the manager calls after the previous commit (the
+  only reader) has finished. Together they hold one copy of the CPU shards
+  this process writes; `clear` frees them.
   """
 
   def __init__(self, threads: int | None = None):
     self._threads = threads or min(4, os.cpu_count() or 1)
     self._buffers: dict[tuple[Any, ...], np.ndarray] = {}
-    # Per CPU device: the shapes and dtypes copied, and the copies.
-    self._device: dict[Any, tuple[tuple[Any, ...], list[jax.Array]]] = {}
+    # Per group of large shards: the copies that the next save reuses.
+    self._device: dict[Any, list[jax.Array]] = {}
     self._pads: dict[Any, jax.Array] = {}
     self._pool: futures.ThreadPoolExecutor | None = None
     self._lock = threading.Lock()
@@ -139,7 +244,7 @@ class HostStaging:
   @property
   def nbytes(self) -> int:
     return (sum(b.nbytes for b in self._buffers.values())
-            + sum(a.nbytes for _, arrays in self._device.values()
+            + sum(a.nbytes for arrays in self._device.values()
                   for a in arrays))
 
   def clear(self) -> None:
@@ -152,46 +257,43 @@ class HostStaging:
         self._pool = None
 
   def copy_on_devices(self, srcs: list[jax.Array]) -> list[jax.Array]:
-    """Enqueues a copy of each single-device CPU array; returns the copies.
+    """Starts a copy of each single-device CPU array; returns the copies.
 
-    The copies hold the sources' bits as unsigned integers (`bits_dtype`
-    must accept every source's dtype). Copies of the previous call on the
-    same device with the same shapes and dtypes are donated to this one,
-    so their memory is reused; copies not reused are freed.
+    A copy holds either the source's values (made by the runtime) or its
+    bits as unsigned integers (`bits_dtype` must accept the dtype; made by
+    a compiled program into reused memory). Reused copies of the previous
+    call are donated to this one; those not reused are freed.
     """
     with self._lock:
       old, self._device = self._device, {}
-      by_device: dict[Any, list[int]] = {}
-      for i, src in enumerate(srcs):
-        (device,) = src.devices()
-        by_device.setdefault(device, []).append(i)
       out: list[Any] = [None] * len(srcs)
-      for device, idx in by_device.items():
-        group = [srcs[i] for i in idx]
-        sig = tuple((a.shape, a.dtype, a.weak_type) for a in group)
-        key = (device, sig)
+      runtime = set(range(len(srcs)))
+      for key, idx in _large_groups(srcs).items():
+        device, sig = key
+        programs = PROGRAMS.get(key, _group_specs(device, sig))
+        if programs is None:
+          continue  # Compiling in the background: the runtime copies.
         pad = self._pads.get(device)
         if pad is None:
           pad = self._pads[device] = jax.device_put(_ENQUEUE_PAD, device)
-        prev = old.pop(device, None)
-        if prev is not None and prev[0] == sig:
-          copies = _reusing_copy(key, prev[1], group, pad)
-        else:
-          copies, _ = _copy_new(group, pad)
-          with _COMPILED_LOCK:
-            compiled = key in _COMPILED_COPIES
-          if not compiled:
-            # Not a daemon: one killed at interpreter exit inside the
-            # compiler aborts the process.
-            threading.Thread(
-                target=_compile_copy_into, daemon=False,
-                name="flax_ckpt_plugin-compile",
-                args=(key, [_spec(c) for c in copies],
-                      [_spec(g) for g in group], _spec(pad))).start()
+        group = [srcs[i] for i in idx]
+        prev = old.pop(key, None)
+        try:
+          if prev is None:
+            copies = programs[0](group, pad)[0]
+          else:
+            copies = programs[1](prev, group, pad)[0]
+        except (TypeError, ValueError):  # Not what it was compiled for.
+          continue
         del prev
-        self._device[device] = (sig, copies)
+        self._device[key] = copies
         for i, c in zip(idx, copies):
           out[i] = c
+          runtime.discard(i)
+      del old
+      order = sorted(runtime)
+      for i, c in zip(order, fresh_copies([srcs[i] for i in order])):
+        out[i] = c
       return out
 
   def copy(self, items: list[tuple[tuple[Any, ...], np.ndarray]]
@@ -231,5 +333,3 @@ class HostStaging:
         for f in [self._pool.submit(np.copyto, d, s_) for d, s_ in chunks]:
           f.result()
       return out
-
-

@@ -16,6 +16,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import restore as restore_lib
+from flax_ckpt_plugin import staging as staging_lib
 from flax_ckpt_plugin import storage
 
 from helpers import FlakyDisk
@@ -255,10 +256,15 @@ def _kernel_shards(state) -> list[int]:
 
 
 def test_save_leaves_the_state_donatable_and_reuses_its_staging(
-    ckpt_dir, make_state, train_step, assert_trees_equal, host_copy):
+    ckpt_dir, make_state, train_step, assert_trees_equal, host_copy,
+    monkeypatch):
   """A save must not pin the state: the next step's donation is accepted
-  (its output reuses the input's memory), and each save after the first
-  copies into the staging memory of the one before."""
+  (its output reuses the input's memory). Shards of at least REUSE_BYTES
+  (all of them here) are copied into reused staging memory from the
+  second save on (the first save compiles nothing; its programs compile
+  in the background), and each save after that copies into the memory of
+  the one before."""
+  monkeypatch.setattr(staging_lib, "REUSE_BYTES", 0)
   state = train_step(make_state())
   # The control: a numpy view pins a buffer, and the step then writes its
   # output elsewhere, so the address check below can fail.
@@ -270,18 +276,20 @@ def test_save_leaves_the_state_donatable_and_reuses_its_staging(
 
   manager = CheckpointManager(ckpt_dir)
   staging, expected = [], {}
-  for step in (1, 2, 3):
+  for step in (1, 2, 3, 4):
     before = _kernel_shards(state)
     expected[step] = host_copy(state)
     manager.save(step, state)
     state = train_step(state)
     assert _kernel_shards(state) == before, f"save {step} pinned the state"
     manager.wait_until_finished()
+    staging_lib.PROGRAMS.wait()
     staging.append(sorted(
         a.unsafe_buffer_pointer()
-        for _, arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
-  assert staging[0] and staging[0] == staging[1] == staging[2]
-  for step in (1, 2, 3):
+        for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
+  assert not staging[0]  # Copied by the runtime, while the programs compile.
+  assert staging[1] and staging[1] == staging[2] == staging[3]
+  for step in (1, 2, 3, 4):
     assert_trees_equal(manager.restore(state, step), expected[step])
   manager.close()
 

@@ -232,7 +232,7 @@ def test_any_grid_layout_is_accepted(cuts, rnd):
                       st.sampled_from(["", "x" * 10_000, "threefry2x32",
                                        "no_such_impl", "../rbg", "a b"])),
        dtype=st.one_of(st.none(), st.integers(), st.text(max_size=12),
-                       st.sampled_from(["float32", "", "O", "V0"])))
+                       st.sampled_from(["float32", "", "O", "V0", ","])))
 def test_hostile_key_impl_or_dtype_is_refused_naming_the_leaf(impl, dtype):
   raw = _doc([2], [[[0, 2]]], key_impl=impl, dtype=dtype)
   try:
