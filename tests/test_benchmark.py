@@ -1,10 +1,15 @@
-"""The benchmark runs end to end in a tiny configuration (not a timed test)."""
+"""The benchmark runs end to end in tiny configurations (not timed tests)."""
 
+import collections
 import json
+import math
 import pathlib
 import subprocess
 import sys
+import types
 
+import jax
+import numpy as np
 import pytest
 
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench.py"
@@ -70,3 +75,22 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   assert "restore floor" in stdout
   assert "levers, one process of ours" in stdout
 
+
+def test_many_shape_has_the_leaves_bytes_and_mix_asked_for():
+  sys.path.insert(0, str(BENCH.parent))
+  try:
+    import shapes  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  args = types.SimpleNamespace(shape="many", leaves=1000, state_mb=200,
+                               seed=0)
+  leaves = jax.tree.leaves(shapes.initial_spec(args))
+  assert len(leaves) == 1000
+  sizes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves]
+  assert abs(sum(sizes) - 200e6) < 2e6
+  assert min(sizes) <= 8 and max(sizes) >= 10e6
+  assert any(s.shape == () for s in leaves)
+  dtypes = collections.Counter(str(s.dtype) for s in leaves)
+  assert set(dtypes) == {"float32", "bfloat16", "int8", "int32"}
+  assert dtypes["float32"] > len(leaves) / 2
+  assert len({(s.shape, str(s.dtype)) for s in leaves}) == 30
