@@ -3,6 +3,7 @@
     python benchmarks/bench.py                       # ~1 GB TrainState, 3 runs
     python benchmarks/bench.py --layers 2 --width 256 --steps 6 --every 3 \\
         --repeats 1 --json /tmp/bench.json           # seconds, for CI
+    python benchmarks/bench.py --shape many          # model-like, see below
 
 The state is a Flax `TrainState` of `--layers` Dense layers of
 `--width` x `--width` float32 with Adam (8 x 3200 x 3200: ~0.98 GB), trained by
@@ -32,6 +33,10 @@ Each run measures:
    that size after each save); and the restore floor, the time to fill new
    memory of the state's size, 4 KiB pages and huge pages (machine.py).
 
+`--shape many|transformer|large` measures instead how first saves, later
+saves, restores in a fresh process and RSS scale on model-like states
+(scaling.py, shapes.py).
+
 It prints medians with ratios (ours / Orbax, ours / ceiling) and writes all
 figures as JSON.
 """
@@ -51,6 +56,8 @@ import tempfile
 import time
 
 import machine
+import scaling
+import shapes
 
 SYSTEMS = ("ours", "orbax")
 
@@ -495,6 +502,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shape", choices=("dense",) + shapes.SHAPES,
+                      default="dense",
+                      help="dense: this benchmark; the others: the scaling"
+                      " benchmark on a model-like state (scaling.py)")
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--width", type=int, default=3200)
   parser.add_argument("--batch", type=int, default=32)
@@ -515,7 +526,15 @@ def main() -> None:
                       " 0 skips it")
   parser.add_argument("--worker", choices=SYSTEMS + ("ab",),
                       help=argparse.SUPPRESS)
+  scaling.add_arguments(parser)
   args = parser.parse_args()
+  passthrough = [a for a in sys.argv[1:]]
+  if "--json" in passthrough:
+    i = passthrough.index("--json")
+    del passthrough[i:i + 2]
+  if args.shape != "dense":
+    scaling.main(args, passthrough, __file__)
+    return
   if args.worker == "ab":
     print(json.dumps(lever_ab(args)))
     return
@@ -523,10 +542,6 @@ def main() -> None:
     print(json.dumps(worker(args)))
     return
   results = {name: [] for name in SYSTEMS}
-  passthrough = [a for a in sys.argv[1:]]
-  if "--json" in passthrough:
-    i = passthrough.index("--json")
-    del passthrough[i:i + 2]
   for rep in range(args.repeats):
     order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
     for name in order:

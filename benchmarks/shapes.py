@@ -39,8 +39,8 @@ DEFAULT_STATE_MB = {"many": 200, "large": 6000}
 MB = 10**6
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  """The options of the model-like shapes."""
+def add_arguments(parser: argparse.ArgumentParser) -> Any:
+  """Adds the shapes' options, in a group that it returns."""
   group = parser.add_argument_group("model-like shapes (--shape other than"
                                     " dense)")
   group.add_argument("--leaves", type=int, default=5000,
@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--vocab", type=int, default=8192,
                      help="transformer: embedding rows")
   group.add_argument("--seed", type=int, default=0)
+  return group
 
 
 def _state_bytes(args: argparse.Namespace) -> int:

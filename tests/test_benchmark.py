@@ -76,6 +76,40 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   assert "levers, one process of ours" in stdout
 
 
+SCALING_FIGURES = (
+    "first_save_blocking_secs", "first_save_durable_secs",
+    "later_save_blocking_secs", "later_save_durable_secs",
+    "fresh_restore_secs", "warm_restore_secs",
+    "peak_rss_above_loop_per_state_byte", "rss_growth")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shape_args", [
+    ("--shape", "many", "--leaves", "200", "--state-mb", "4"),
+    ("--shape", "transformer", "--d-model", "64", "--unscanned-layers", "2",
+     "--scanned-layers", "2", "--vocab", "256"),
+    ("--shape", "large", "--state-mb", "8"),
+], ids=lambda a: a[1])
+def test_tiny_scaling_benchmark_reports_every_figure(tmp_path, shape_args):
+  stdout, result = _bench(tmp_path, *shape_args, "--saves", "4",
+                          "--repeats", "1")
+  summary = result["summary"]
+  for system in ("ours", "orbax"):
+    figures = summary[system]
+    assert figures["restore_bit_identical"], system
+    for key in SCALING_FIGURES:
+      assert not math.isnan(figures[key]), (system, key)
+    run = result["runs"][system][0]
+    assert run["system"] == system and run["peak_rss_reset"]
+    assert len(run["save_blocking_secs"]) == 4
+    assert len(run["save_durable_secs"]) == 4
+    assert len(run["warm_restore_secs"]) == 3
+    assert run["fresh_restore_secs"] > 0 and run["state_bytes"] > 0
+  assert set(summary["ratios"]) == set(SCALING_FIGURES)
+  assert "restore in a fresh process" in stdout
+  assert "restores bit-identical: ours True, Orbax True" in stdout
+
+
 def test_many_shape_has_the_leaves_bytes_and_mix_asked_for():
   sys.path.insert(0, str(BENCH.parent))
   try:
