@@ -1,28 +1,38 @@
-"""The benchmark runs end to end in a tiny configuration (not a timed test)."""
+"""The benchmark runs end to end in tiny configurations (not timed tests)."""
 
+import collections
 import json
+import math
 import pathlib
 import subprocess
 import sys
+import types
 
+import jax
+import numpy as np
 import pytest
-
-pytestmark = pytest.mark.multiprocess
 
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench.py"
 
 
-def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
+def _bench(tmp_path, *args):
+  """Runs bench.py with `args`, its checkpoints and JSON under tmp_path."""
   out = tmp_path / "bench.json"
   proc = subprocess.run(
-      [sys.executable, str(BENCH), "--layers", "2", "--width", "128",
-       "--batch", "4", "--steps", "4", "--every", "2", "--repeats", "1",
-       "--rounds", "2",
-       "--ab", "1", "--dir", str(tmp_path), "--json", str(out)],
-      capture_output=True, text=True, timeout=300, check=False)
+      [sys.executable, str(BENCH), *args, "--dir", str(tmp_path), "--json",
+       str(out)], capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   assert "ours/Orbax" in proc.stdout  # The table was printed.
-  result = json.loads(out.read_text())
+  # Checkpoints went under --dir and were cleaned up.
+  assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+  return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
+  stdout, result = _bench(
+      tmp_path, "--layers", "2", "--width", "128", "--batch", "4", "--steps",
+      "4", "--every", "2", "--repeats", "1", "--rounds", "2", "--ab", "1")
   summary = result["summary"]
   for system in ("ours", "orbax"):
     figures = summary[system]
@@ -31,7 +41,8 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
                 "isolated_save_secs",
                 "raw_write_fsync_gbps", "warm_restore_secs",
                 "step_after_restore_secs", "step_secs", "rss_mb_peak",
-                "restore_cpu_secs", "restore_page_faults"):
+                "restore_cpu_secs", "restore_page_faults",
+                "warm_restore_vs_floor"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
     run = result["runs"][system][0]
     assert len(run["blocking_secs"]) == 4  # Steps 2 and 4, in 2 rounds.
@@ -44,8 +55,12 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
     assert len(run["restore_cpu_secs"]) == 3
     assert len(run["restore_page_faults"]) == 3
     assert run["touch_secs_per_gb"] > 0 and run["unlink_raw_secs"] >= 0
+    assert run["restore_floor_secs"] > 0 and run["restore_floor_thp_secs"] > 0
+    assert 0 <= run["restore_floor_thp_huge_share"] <= 1
   assert summary["machine"]["touch_secs_per_gb"] > 0
   assert summary["machine"]["unlink_raw_secs"] >= 0
+  assert summary["machine"]["restore_floor_secs"] > 0
+  assert summary["machine"]["restore_floor_thp_secs"] > 0
   assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
                                     "blocking",
                                     "isolated_save", "warm_restore",
@@ -56,7 +71,60 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   for mode, ab in summary["lever_ab"].items():
     assert ab["blocking_secs"] >= 0 and ab["cost_per_save_secs"] == ab[
         "cost_per_save_secs"], mode
-  assert "machine: touching new memory takes" in proc.stdout
-  assert "levers, one process of ours" in proc.stdout
-  # Checkpoints went under --dir and were cleaned up.
-  assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+  assert "machine: touching new memory takes" in stdout
+  assert "restore floor" in stdout
+  assert "levers, one process of ours" in stdout
+
+
+SCALING_FIGURES = (
+    "first_save_blocking_secs", "first_save_durable_secs",
+    "later_save_blocking_secs", "later_save_durable_secs",
+    "fresh_restore_secs", "warm_restore_secs",
+    "peak_rss_above_loop_per_state_byte", "rss_growth")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shape_args", [
+    ("--shape", "many", "--leaves", "200", "--state-mb", "4"),
+    ("--shape", "transformer", "--d-model", "64", "--unscanned-layers", "2",
+     "--scanned-layers", "2", "--vocab", "256"),
+    ("--shape", "large", "--state-mb", "8"),
+], ids=lambda a: a[1])
+def test_tiny_scaling_benchmark_reports_every_figure(tmp_path, shape_args):
+  stdout, result = _bench(tmp_path, *shape_args, "--saves", "4",
+                          "--repeats", "1")
+  summary = result["summary"]
+  for system in ("ours", "orbax"):
+    figures = summary[system]
+    assert figures["restore_bit_identical"], system
+    for key in SCALING_FIGURES:
+      assert not math.isnan(figures[key]), (system, key)
+    run = result["runs"][system][0]
+    assert run["system"] == system and run["peak_rss_reset"]
+    assert len(run["save_blocking_secs"]) == 4
+    assert len(run["save_durable_secs"]) == 4
+    assert len(run["warm_restore_secs"]) == 3
+    assert run["fresh_restore_secs"] > 0 and run["state_bytes"] > 0
+  assert set(summary["ratios"]) == set(SCALING_FIGURES)
+  assert "restore in a fresh process" in stdout
+  assert "restores bit-identical: ours True, Orbax True" in stdout
+
+
+def test_many_shape_has_the_leaves_bytes_and_mix_asked_for():
+  sys.path.insert(0, str(BENCH.parent))
+  try:
+    import shapes  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  args = types.SimpleNamespace(shape="many", leaves=1000, state_mb=200,
+                               seed=0)
+  leaves = jax.tree.leaves(shapes.initial_spec(args))
+  assert len(leaves) == 1000
+  sizes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves]
+  assert abs(sum(sizes) - 200e6) < 2e6
+  assert min(sizes) <= 8 and max(sizes) >= 10e6
+  assert any(s.shape == () for s in leaves)
+  dtypes = collections.Counter(str(s.dtype) for s in leaves)
+  assert set(dtypes) == {"float32", "bfloat16", "int8", "int32"}
+  assert dtypes["float32"] > len(leaves) / 2
+  assert len({(s.shape, str(s.dtype)) for s in leaves}) == 30
