@@ -111,33 +111,35 @@ def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
   restores only into a target of the same kind (bool, int, float) that
   holds its value: 0.7 never becomes an int 0, nor 2**40 an int32.
   """
-  head = f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
+  def head() -> str:  # Only for a mismatch: 5000 leaves match in 0.1 s.
+    return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
+
   saved_cat = saved.kind if saved.is_scalar else _category(saved.dtype)
   if isinstance(target, (bool, int, float)):
     t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
     if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
-      return f"{head} Python {type(target).__name__}"
+      return f"{head()} Python {type(target).__name__}"
     return None
   t_dtype = target.dtype
   is_key = jax.numpy.issubdtype(t_dtype, jax.dtypes.prng_key)
   if is_key != (saved.key_impl is not None):
-    return f"{head} {t_dtype}"
+    return f"{head()} {t_dtype}"
   if is_key:
     t_shape = tuple(jax.eval_shape(jax.random.key_data, target).shape)
-    t_desc = f"{t_dtype}{list(target.shape)}"
+    t_desc = lambda: f"{t_dtype}{list(target.shape)}"
     if t_dtype._impl.name != saved.key_impl:  # pylint: disable=protected-access
-      return f"{head} {t_desc}"
+      return f"{head()} {t_desc()}"
   else:
     t_shape = tuple(np.shape(target))
-    t_desc = describe(t_dtype, t_shape)
+    t_desc = lambda: describe(t_dtype, t_shape)
   if saved.dtype is None:  # A Python scalar saved; an array of shape () wanted.
     ok = t_shape == () and not is_key and _category(t_dtype) == saved_cat
     if ok and not _fits(saved.value, np.dtype(t_dtype)):
-      return f"{head} {t_desc}, which cannot hold that value"
+      return f"{head()} {t_desc()}, which cannot hold that value"
   else:
     ok = t_shape == saved.shape and (is_key
                                      or _same_dtype(t_dtype, saved.dtype))
-  return None if ok else f"{head} {t_desc}"
+  return None if ok else f"{head()} {t_desc()}"
 
 
 def _match_structure(saved: dict[str, LeafRecord],
@@ -211,6 +213,13 @@ def _on_context_mesh(path: str, leaf: Any) -> Any:
       mesh, sharding.spec, memory_kind=sharding.memory_kind))
 
 
+try:  # Builds an array from host pieces in one call (`_assemble`).
+  from jax._src.lib import xla_client as _xc  # pylint: disable=g-import-not-at-top
+  _BATCHED_PUT = _xc.batched_device_put
+except (AttributeError, ImportError):  # Another JAX: the public way.
+  _BATCHED_PUT = None
+
+
 @functools.lru_cache(maxsize=None)
 def _zeros_on(device: Any) -> Any:
   """A jitted `zeros(shape, dtype)` whose result is placed on `device`."""
@@ -250,54 +259,62 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
   return arr, np.frombuffer(mem, dtype).reshape(shape)
 
 
-def _copied_buffer(region: Index, dtype: np.dtype, device: Any, *,
-                   first: bool) -> np.ndarray | None:
-  """A host buffer for one shard that `jax.device_put` will copy, or None.
-
-  On a CPU: the runtime adopts host memory on a 64-byte boundary instead
-  of copying it, and adopted memory is not donated, so the bytes go
-  through a buffer 16 bytes past one, which it copies into memory of its
-  own. For shards under `REUSE_BYTES` that copy costs less than the
-  program per distinct shape that `_owned_cpu_buffer` compiles (restores of
-  thousands of small leaves of hundreds of shapes). Elsewhere: None for the
-  first replica (the reader's buffer), a buffer for the others.
-  """
-  shape = tuple(hi - lo for lo, hi in region)
-  if device.platform == "cpu":
-    return host_buffer(shape, dtype, offset=16)
-  return None if first else host_buffer(shape, dtype)
+def _assemble(shape: tuple[int, ...], dtype: np.dtype,
+              sharding: jax.sharding.Sharding, devices: list[Any],
+              pieces: list[jax.Array | np.ndarray]) -> jax.Array:
+  """The global array from each device's piece (device arrays, or host
+  buffers that the runtime copies)."""
+  if _BATCHED_PUT is not None and all(
+      isinstance(p, np.ndarray) for p in pieces):
+    try:  # One call for the whole array: 25 us, a quarter of the public way.
+      return _BATCHED_PUT(jax.core.ShapedArray(shape, dtype), sharding,
+                          pieces, devices, True)
+    except (TypeError, ValueError):  # Its signature changed.
+      pass
+  arrays = [p if isinstance(p, jax.Array) else jax.device_put(p, d)
+            for p, d in zip(pieces, devices)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _restore_array(lr: LeafReader, shape: tuple[int, ...],
                    sharding: jax.sharding.Sharding) -> jax.Array:
   indices = sharding.addressable_devices_indices_map(shape)
   cache: dict[Index, np.ndarray] = {}
-  arrays = []
+  devices, pieces = list(indices), []
   for device, index in indices.items():
     region = normalize_index(index, shape) if index is not None else tuple(
         (0, d) for d in shape)
+    region_shape = tuple(hi - lo for lo, hi in region)
     host = cache.get(region)
-    owned = _owned_cpu_buffer(tuple(hi - lo for lo, hi in region), lr.dtype,
-                              device)
+    owned = _owned_cpu_buffer(region_shape, lr.dtype, device)
     if owned is not None:
       arr, view = owned
       if host is None:
         cache[region] = lr.read(region, out=view)
       else:
         np.copyto(view, host)
-      arrays.append(arr)
-      continue
-    # On a CPU, bytes the runtime copies (see `_copied_buffer`); elsewhere,
-    # read once, but never hand one host buffer to two devices: a backend
-    # may adopt the memory, and a jitted step that donates one replica
-    # could then write over the other.
-    buf = _copied_buffer(region, lr.dtype, device, first=host is None)
-    if host is None:
-      host = cache[region] = lr.read(region, out=buf)
-    elif buf is not None:
-      np.copyto(buf, host)
-    arrays.append(jax.device_put(host if buf is None else buf, device))
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+      pieces.append(arr)
+    elif device.platform == "cpu":
+      # The runtime adopts host memory on a 64-byte boundary instead of
+      # copying it, and adopted memory is not donated; bytes 16 past one
+      # it copies into memory of its own, once per device. For shards under
+      # `REUSE_BYTES` that copy costs less than the program per distinct
+      # shape that `_owned_cpu_buffer` compiles (restores of thousands of
+      # small leaves of hundreds of shapes).
+      if host is None:
+        host = cache[region] = lr.read(
+            region, out=host_buffer(region_shape, lr.dtype, offset=16))
+      pieces.append(host)
+    else:
+      # Read once, but never hand one host buffer to two devices: a backend
+      # may adopt the memory, and a jitted step that donates one replica
+      # could then write over the other.
+      if host is None:
+        host = cache[region] = lr.read(region)
+      else:
+        host = np.copy(host)
+      pieces.append(jax.device_put(host, device))
+  return _assemble(shape, lr.dtype, sharding, devices, pieces)
 
 
 def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
@@ -328,6 +345,31 @@ def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
     keys = jax.random.wrap_key_data(data, impl=saved.key_impl)
     return jax.device_put(keys, sharding)
   return _restore_array(lr, lr.shape, sharding)
+
+
+_BATCH_BYTES = 8 << 20  # Small leaves restored per task, in bytes.
+_BATCH_LEAVES = 128  # And in leaves: a task costs about 100 us to hand out.
+
+
+def _batches(targets: list[tuple[str, Any]], saved: dict[str, LeafRecord]
+             ) -> list[list[tuple[str, Any]]]:
+  """Consecutive leaves grouped into tasks of about `_BATCH_BYTES`."""
+  out: list[list[tuple[str, Any]]] = []
+  size = 0
+  for path, leaf in targets:
+    nbytes = saved[path].nbytes
+    if (not out or size + nbytes > _BATCH_BYTES
+        or len(out[-1]) >= _BATCH_LEAVES):
+      out.append([])
+      size = 0
+    out[-1].append((path, leaf))
+    size += nbytes
+  return out
+
+
+def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
+                   ) -> list[Any]:
+  return [_restore_leaf(saved, target, lr_args) for saved, target in batch]
 
 
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
@@ -366,10 +408,11 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   try:
     with concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
-      futures = [pool.submit(_restore_leaf, saved[path], leaf, lr_args)
-                 for path, leaf in targets]
+      futures = [pool.submit(_restore_batch, [(saved[p], leaf)
+                                               for p, leaf in batch], lr_args)
+                 for batch in _batches(targets, saved)]
       try:
-        leaves = [f.result() for f in futures]
+        leaves = [leaf for f in futures for leaf in f.result()]
       except BaseException:
         for f in futures:
           f.cancel()
