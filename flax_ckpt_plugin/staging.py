@@ -144,6 +144,8 @@ class _Programs:
     self._pool: futures.ThreadPoolExecutor | None = None
 
   def get(self, key: Any, make_specs) -> tuple[Any, Any] | None:
+    """The compiled pair for `key`, or None (queued, or failed to compile).
+    """
     with self._lock:
       if key in self._done:
         self._done.move_to_end(key)
@@ -173,10 +175,10 @@ class _Programs:
       pass  # The shards keep being copied by the runtime: still correct.
     with self._lock:
       del self._pending[key]
-      if pair is not None:
-        self._done[key] = pair
-        while len(self._done) > self._capacity:
-          self._done.popitem(last=False)
+      # A failed compile is not tried again: None keeps the runtime copying.
+      self._done[key] = pair
+      while len(self._done) > self._capacity:
+        self._done.popitem(last=False)
 
 
 PROGRAMS = _Programs()
