@@ -230,30 +230,7 @@ def worker(args: argparse.Namespace) -> dict:
   base, _ = run_loop(no_save)
   out["rss_mb_train_only"] = _rss_mb()
 
-  if args.worker == "ours":
-    import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
-
-    def open_manager(directory):
-      return flax_ckpt_plugin.CheckpointManager(directory, max_to_keep=2)
-
-    def save_now(mngr, step, s):
-      mngr.save(step, s)
-
-    def restore(mngr, step, target):
-      return mngr.restore(target, step)
-  else:
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-    def open_manager(directory):
-      return ocp.CheckpointManager(
-          directory, options=ocp.CheckpointManagerOptions(
-              max_to_keep=2, enable_async_checkpointing=True))
-
-    def save_now(mngr, step, s):
-      mngr.save(step, args=ocp.args.StandardSave(s), force=True)
-
-    def restore(mngr, step, target):
-      return mngr.restore(step, args=ocp.args.StandardRestore(target))
+  open_manager, save_now, restore = scaling.system(args.worker)
 
   def loop_with_saves(name, save_at):
     """The loop with a new manager saving at the steps `save_at` picks."""

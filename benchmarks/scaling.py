@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--ckpt-root", help=argparse.SUPPRESS)
 
 
-def _system(name: str) -> tuple[Callable, Callable, Callable]:
+def system(name: str) -> tuple[Callable, Callable, Callable]:
   """The system's (open_manager, save, restore), as in bench.py."""
   if name == "ours":
     import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
@@ -113,7 +113,7 @@ def _digests(tree: Any) -> list[str]:
 
 def _save_worker(args: argparse.Namespace) -> dict:
   """Measurements 1 to 4, in a fresh process; writes the digests."""
-  open_manager, save, _ = _system(args.worker)
+  open_manager, save, _ = system(args.worker)
   import jax  # pylint: disable=g-import-not-at-top
   state = shapes.build(args)
   train_step = shapes.train_step()
@@ -145,7 +145,7 @@ def _save_worker(args: argparse.Namespace) -> dict:
 
 def _restore_worker(args: argparse.Namespace) -> dict:
   """Measurement 5, in a fresh process of its own."""
-  open_manager, _, restore = _system(args.worker)
+  open_manager, _, restore = system(args.worker)
   import jax  # pylint: disable=g-import-not-at-top
   with open(os.path.join(args.ckpt_root, DIGESTS)) as f:
     saved = json.load(f)
