@@ -10,10 +10,11 @@ regions on devices, `verify` checks whole steps.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 from etils import epath
 import numpy as np
@@ -31,6 +32,12 @@ from flax_ckpt_plugin.storage import block_checksums
 # is read as whole rows of its first axis: a few larger reads beat many tiny.
 _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
+# `ByteReader.coalesced`: shards under this size are read together with
+# their neighbours, across gaps of at most `_GAP` bytes (read and dropped),
+# in reads of at most `_SPAN` bytes.
+COALESCE_BYTES = 1 << 20
+_GAP = 64 << 10
+_SPAN = 16 << 20
 
 
 def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
@@ -73,6 +80,7 @@ class ByteReader:
     self._backend = backend or backend_lib.for_path(step_dir)
     self._files: dict[str, backend_lib.RangedFile] = {}
     self._lock = threading.Lock()
+    self._local = threading.local()  # `coalesced` spans of each thread.
     self.bytes_read = 0
     # Each read costs a request on object stores: readers of a few spread
     # ranges should rather fetch the span around them in one (see restore).
@@ -102,11 +110,12 @@ class ByteReader:
       except ValueError as e:  # A NUL byte in the name.
         raise CheckpointCorruptedError(
             f"data file name {name!r:.100} is not a valid file name") from e
-      self._files[name] = f
       if f.size < self._sizes[name]:
+        f.close()  # Not kept: every later open says the same.
         raise CheckpointCorruptedError(
             f"data file {path} is truncated: {f.size} bytes, manifest says"
             f" {self._sizes[name]}")
+      self._files[name] = f
     return f
 
   def check_file(self, name: str) -> None:
@@ -119,6 +128,10 @@ class ByteReader:
 
   def read_into(self, name: str, offset: int, out: memoryview) -> None:
     """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
+    for lo, data in getattr(self._local, "spans", {}).get(name, ()):
+      if lo <= offset and offset + len(out) <= lo + len(data):
+        out[:] = data[offset - lo:offset - lo + len(out)]
+        return
     done = self._open(name).read_into(offset, out)
     if done < len(out):
       raise CheckpointCorruptedError(
@@ -126,6 +139,36 @@ class ByteReader:
           f" expected {offset + len(out)}")
     with self._lock:
       self.bytes_read += done
+
+  @contextlib.contextmanager
+  def coalesced(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[None]:
+    """Reads the (file, offset, size) ranges in few reads, merged where near.
+
+    Until the context exits, this thread's reads that fall inside one of
+    them are served from memory: thousands of small leaves cost tens of
+    reads (on object stores, requests) instead of thousands.
+    """
+    spans: dict[str, list[tuple[int, memoryview]]] = {}
+    merged: list[list] = []
+    for name, lo, size in sorted(ranges):
+      last = merged[-1] if merged else None
+      if (last is not None and last[0] == name and lo - last[2] <= _GAP
+          and max(last[2], lo + size) - last[1] <= _SPAN):
+        last[2] = max(last[2], lo + size)
+      else:
+        merged.append([name, lo, lo + size])
+    for name, lo, hi in merged:
+      data = memoryview(np.empty(hi - lo, np.uint8))
+      try:
+        self.read_into(name, lo, data)
+      except (CheckpointCorruptedError, OSError):
+        continue  # Each leaf's own read reports it, naming the leaf.
+      spans.setdefault(name, []).append((lo, data))
+    self._local.spans = spans
+    try:
+      yield
+    finally:
+      self._local.spans = {}
 
   def close(self) -> None:
     for f in self._files.values():
@@ -155,6 +198,16 @@ class LeafReader:
     # blocks in it already read and checked, so no block is read twice.
     self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
     self._edges: dict[tuple[int, int], memoryview] = {}  # (shard, block).
+
+  def small_shard_ranges(self, regions: Iterable[Index]
+                         ) -> Iterator[tuple[str, int, int]]:
+    """(file, offset, size) of the shards under `COALESCE_BYTES` that
+    `regions` need, for `ByteReader.coalesced`."""
+    regions = list(regions)
+    for shard in self._shards:
+      if shard.nbytes < COALESCE_BYTES and any(
+          _intersect(shard.index, r) is not None for r in regions):
+        yield shard.file, shard.offset, shard.nbytes
 
   def read(self, region: Index, out: np.ndarray | None = None) -> np.ndarray:
     """The values of `region` of the global array, in `out` or a new array.

@@ -367,9 +367,26 @@ def _batches(targets: list[tuple[str, Any]], saved: dict[str, LeafRecord]
   return out
 
 
+def _regions(saved: LeafRecord, target: Any) -> list[Index]:
+  """The regions of `saved` that this process restores for `target`."""
+  whole = tuple((0, d) for d in saved.shape)
+  if saved.is_scalar or not isinstance(target, (jax.Array,
+                                                jax.ShapeDtypeStruct)):
+    return [whole]
+  indices = _target_sharding(target).addressable_devices_indices_map(
+      saved.shape).values()
+  return [whole if i is None else normalize_index(i, saved.shape)
+          for i in indices]
+
+
 def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
                    ) -> list[Any]:
-  return [_restore_leaf(saved, target, lr_args) for saved, target in batch]
+  ranges = [] if len(batch) < 2 else [
+      r for saved, target in batch if not saved.is_scalar
+      for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
+          _regions(saved, target))]
+  with lr_args["reader"].coalesced(ranges):
+    return [_restore_leaf(saved, target, lr_args) for saved, target in batch]
 
 
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
