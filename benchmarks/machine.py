@@ -13,7 +13,7 @@ cannot. Each is the better of 2 fills.
 `parallel_fill_secs` measures what that division assumes: every core
 filling its share of new memory at once. On a virtual machine the kernel's
 page faults need not scale with cores (the host backs the guest's pages
-too): here 2 threads filling 0.5 GB each took 1.3x one thread's 1 GB
+too): here 2 threads filling 0.5 GB each took 1.3-1.9x one thread's 1 GB
 halved. That is the floor a restore spread over all cores can reach.
 """
 

@@ -31,6 +31,7 @@ from etils import epath
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
@@ -109,6 +110,13 @@ class CheckpointCallback:
     name: see `CheckpointManager`.
     coordinator: see `CheckpointManager`.
     backend: see `CheckpointManager`.
+    watch_peers: notice a lost process at once (see `liveness`): a thread
+      polls the live processes, and once a peer died or restarted, every
+      call of this callback and every wait of its saves raises
+      `PeerLostError` instead of waiting for it. Default: on with several
+      processes when `jax_enable_recoverability` is set (without it, JAX
+      itself ends every process when one dies).
+    watch_poll_secs: the period of those polls.
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -140,7 +148,9 @@ class CheckpointCallback:
                barrier_timeout_secs: float = 300.0,
                name: str | None = None,
                coordinator: coordinator_lib.Coordinator | None = None,
-               backend: backend_lib.Backend | None = None):
+               backend: backend_lib.Backend | None = None,
+               watch_peers: bool | None = None,
+               watch_poll_secs: float = 0.5):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
     if every_secs is not None and not every_secs > 0:
@@ -156,6 +166,13 @@ class CheckpointCallback:
         keep_every_n_steps=keep_every_n_steps, atomicity=atomicity,
         primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
         name=name, coordinator=coordinator, backend=backend)
+    coord = self.manager.coordinator
+    if watch_peers is None:
+      watch_peers = liveness.recoverability_enabled()
+    # Started here, on every process at the same point: see `liveness`.
+    self._watcher = liveness.watch(
+        coord, self.manager.name, poll_secs=watch_poll_secs) if (
+            watch_peers and coord.process_count > 1) else None
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -223,10 +240,21 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
-    if not self.should_save(step):
-      return False
-    self.save(step, state, extra=extra, metrics=metrics)
+    try:
+      if not self.should_save(step):
+        return False
+      self.save(step, state, extra=extra, metrics=metrics)
+    except Exception as e:
+      self._raise_lost_instead(e)
+      raise
     return True
+
+  def _raise_lost_instead(self, error: Exception) -> None:
+    """Raises `PeerLostError` for `error` if a peer was lost meanwhile: a
+    wait that a lost peer ended fails with whatever error it got."""
+    lost = self._watcher.error() if self._watcher is not None else None
+    if lost is not None and not isinstance(error, type(lost)):
+      raise lost from error
 
   def should_save(self, step: int) -> bool:
     """Whether a trigger fires at `step`; call it at every step.
@@ -238,6 +266,8 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
+    if self._watcher is not None:
+      self._watcher.check()
     self._write_metrics()
     self.manager.check_for_errors()
     if self.should_stop:
@@ -297,23 +327,42 @@ class CheckpointCallback:
     """Blocks until the running save is durable; raises its error."""
     try:
       self.manager.wait_until_finished()
+    except Exception as e:
+      self._raise_lost_instead(e)
+      raise
     finally:
       self._write_metrics()
 
   def close(self) -> None:
-    """Restores signal handlers, waits for the running save, raises its error."""
+    """Restores signal handlers, waits for the running save, raises its error.
+
+    Raises:
+      PeerLostError: a peer was lost (see `watch_peers`).
+    """
     self._signals.uninstall()
     try:
       self.manager.close()
+    except Exception as e:
+      self._raise_lost_instead(e)
+      raise
     finally:
       self._write_metrics()
+      if self._watcher is not None:
+        self._watcher.close()
+    if self._watcher is not None:
+      self._watcher.check()
 
   def __enter__(self) -> "CheckpointCallback":
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
+    if exc is None:
+      self.close()
+      return
     self._signals.uninstall()
     try:
       self.manager.__exit__(exc_type, exc, tb)
     finally:
       self._write_metrics()
+      if self._watcher is not None:
+        self._watcher.close()

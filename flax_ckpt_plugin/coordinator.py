@@ -23,12 +23,13 @@ key-value store is a dict. Tests inject a coordinator that runs N
 from __future__ import annotations
 
 import collections
-import os
-import queue
 import threading
 import time
 from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence
 from typing import TypeVar
+
+from flax_ckpt_plugin.deadlines import DEADLINES
+from flax_ckpt_plugin.deadlines import NoAnswer
 
 T = TypeVar("T")
 
@@ -82,6 +83,12 @@ class Coordinator(Protocol):
   def preemption_notifier_installed(self) -> bool:
     """Whether the runtime catches SIGTERM and tells every process."""
 
+  def live_processes(self) -> dict[int, int]:
+    """The live processes and each one's incarnation id (see `liveness`).
+
+    A barrier over the live processes: all of them poll it the same way.
+    """
+
 
 def _is_deadline(exc: BaseException) -> bool:
   """Whether a coordination-service error means "the others did not come".
@@ -109,93 +116,6 @@ def _failure(what: str, e: BaseException, secs: float,
           f" timeout) on {where}: {e}")
 
 
-class _NoAnswer(Exception):
-  """The coordination service did not answer within this process's deadline."""
-
-
-class _Job:
-  """One call, run on a helper thread; the caller waits on `done`."""
-
-  __slots__ = ("fn", "done", "result", "error")
-
-  def __init__(self, fn: Callable[[], Any]):
-    self.fn = fn
-    self.done = threading.Event()
-    self.result: Any = None
-    self.error: BaseException | None = None
-
-  def run(self) -> None:
-    try:
-      self.result = self.fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      self.error = e
-    self.done.set()
-
-
-class _Helper:
-  """A daemon thread that runs jobs, one at a time, until retired."""
-
-  def __init__(self):
-    self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-    threading.Thread(target=self._loop, daemon=True,
-                     name="flax_ckpt_plugin-coordination").start()
-
-  def _loop(self) -> None:
-    while (job := self._jobs.get()) is not None:
-      job.run()
-      del job
-
-  def submit(self, job: _Job) -> None:
-    self._jobs.put(job)
-
-  def retire(self) -> None:
-    """Lets the thread exit once its current job (if any) returns."""
-    self._jobs.put(None)
-
-
-class _Deadlines:
-  """Runs blocking calls on helper threads and waits for each with a deadline.
-
-  An idle helper is reused (a call costs two thread hand-offs, not a thread
-  start); concurrent calls (the train loop's and the commit thread's) each
-  get their own. A helper whose call missed its deadline is abandoned: the
-  call may never return, and the thread, a daemon, exits if it does.
-  """
-
-  def __init__(self):
-    self._idle: list[_Helper] = []
-    self._lock = threading.Lock()
-    # A forked child has none of the parent's threads: forget their helpers.
-    os.register_at_fork(after_in_child=self._forget)
-
-  def _forget(self) -> None:
-    self._idle = []
-    self._lock = threading.Lock()
-
-  def call(self, fn: Callable[[], T], deadline_secs: float) -> T:
-    """`fn()`, or `_NoAnswer` if it did not return within `deadline_secs`."""
-    with self._lock:
-      helper = self._idle.pop() if self._idle else None
-    if helper is None:
-      helper = _Helper()
-    job = _Job(fn)
-    helper.submit(job)
-    try:
-      answered = job.done.wait(deadline_secs)
-    except BaseException:  # KeyboardInterrupt: the helper may still be busy.
-      helper.retire()
-      raise
-    if not answered:
-      helper.retire()
-      raise _NoAnswer
-    with self._lock:
-      self._idle.append(helper)
-    if job.error is not None:
-      raise job.error
-    return job.result
-
-
-_DEADLINES = _Deadlines()
 
 
 class Rounds:
@@ -233,6 +153,12 @@ class JaxCoordinator:
   MIN_MARGIN_SECS = 2.0
   MARGIN_FRACTION = 0.2
   CALL_TIMEOUT_SECS = 30.0
+  # Raises to end every wait at once (a `liveness.Watcher`'s `check`).
+  _abort: Callable[[], None] | None = None
+
+  def abort_when(self, check: Callable[[], None] | None) -> None:
+    """Every call of this coordinator from now on ends when `check` raises."""
+    self._abort = check
 
   def _where(self) -> str:
     return f"process {self.process_index} of {self.process_count}"
@@ -248,9 +174,11 @@ class JaxCoordinator:
       timeout_secs = self.CALL_TIMEOUT_SECS
     deadline = timeout_secs + max(self.MIN_MARGIN_SECS,
                                   self.MARGIN_FRACTION * timeout_secs)
+    if self._abort is not None:
+      self._abort()
     try:
-      return _DEADLINES.call(fn, deadline)
-    except _NoAnswer:
+      return DEADLINES.call(fn, deadline, self._abort)
+    except NoAnswer:
       raise TimeoutError(
           f"the coordination service (process 0) did not answer {what}"
           f" within {deadline:.1f}s on {self._where()} (the call's own"
@@ -352,6 +280,14 @@ class JaxCoordinator:
           del self._local[k]
       return
     self._call(f"kv_delete {key!r}", lambda: client.key_value_delete(key))
+
+  def live_processes(self) -> dict[int, int]:
+    client = self._multi()
+    if client is None:
+      return {self.process_index: 0}
+    everyone = list(range(self.process_count))
+    return dict(self._call("the live processes",
+                           lambda: client.get_live_nodes(everyone)))
 
   def preemption_notifier_installed(self) -> bool:
     from jax._src import distributed  # pylint: disable=g-import-not-at-top

@@ -50,3 +50,27 @@ class RestoreFailedError(RuntimeError):
   The process that failed raises its own error; the others raise this one,
   naming it and its error, at once rather than after a barrier timeout.
   """
+
+
+class PeerLostError(RuntimeError):
+  """Another process of the job died or restarted (see `liveness`).
+
+  Raised on the survivors by the callback and by every coordination call
+  that would otherwise wait for the lost process. The job cannot go on as
+  it was: exit (with `PREEMPTED_EXIT_CODE`, so that the launcher restarts
+  it) and relaunch every process.
+
+  Attributes:
+    lost: each lost process's index, and how it was lost.
+  """
+
+  def __init__(self, lost: dict[int, str], process_index: int,
+               process_count: int):
+    self.lost = dict(lost)
+    names = "; ".join(f"process {p} {why}" for p, why in sorted(lost.items()))
+    super().__init__(
+        f"{names} (noticed on process {process_index} of {process_count}):"
+        " the job cannot go on without it; exit and relaunch every process")
+
+  def __reduce__(self):  # Picklable with its arguments.
+    return (PeerLostError, (self.lost, 0, 0))

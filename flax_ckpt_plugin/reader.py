@@ -33,8 +33,9 @@ from flax_ckpt_plugin.storage import block_checksums
 _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
 # `ByteReader.coalesced`: shards under this size are read together with
-# their neighbours, across gaps of at most `_GAP` bytes (read and dropped),
-# in reads of at most `_SPAN` bytes.
+# the neighbours they touch (small shards lie side by side in a data file),
+# in reads of at most `_SPAN` bytes. Where a read is a request (object
+# stores), across gaps of up to `_GAP` bytes too, read and dropped.
 COALESCE_BYTES = 1 << 20
 _GAP = 64 << 10
 _SPAN = 16 << 20
@@ -150,9 +151,10 @@ class ByteReader:
     """
     spans: dict[str, list[tuple[int, memoryview]]] = {}
     merged: list[list] = []
+    gap = _GAP if self.prefers_few_reads else 0
     for name, lo, size in sorted(ranges):
       last = merged[-1] if merged else None
-      if (last is not None and last[0] == name and lo - last[2] <= _GAP
+      if (last is not None and last[0] == name and lo - last[2] <= gap
           and max(last[2], lo + size) - last[1] <= _SPAN):
         last[2] = max(last[2], lo + size)
       else:
@@ -202,11 +204,19 @@ class LeafReader:
   def small_shard_ranges(self, regions: Iterable[Index]
                          ) -> Iterator[tuple[str, int, int]]:
     """(file, offset, size) of the shards under `COALESCE_BYTES` that
-    `regions` need, for `ByteReader.coalesced`."""
+    `regions` need whole, for `ByteReader.coalesced`.
+
+    Verified reads take each such shard whole anyway (it is one checksum
+    block); unverified ones read exactly the bytes needed, so a shard only
+    partly needed is left to them.
+    """
     regions = list(regions)
     for shard in self._shards:
-      if shard.nbytes < COALESCE_BYTES and any(
-          _intersect(shard.index, r) is not None for r in regions):
+      if shard.nbytes >= COALESCE_BYTES:
+        continue
+      parts = [_intersect(shard.index, r) for r in regions]
+      if any(p == shard.index if not self._verify else p is not None
+             for p in parts):
         yield shard.file, shard.offset, shard.nbytes
 
   def read(self, region: Index, out: np.ndarray | None = None) -> np.ndarray:

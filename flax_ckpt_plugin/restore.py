@@ -370,8 +370,8 @@ def _batches(targets: list[tuple[str, Any]], saved: dict[str, LeafRecord]
 def _regions(saved: LeafRecord, target: Any) -> list[Index]:
   """The regions of `saved` that this process restores for `target`."""
   whole = tuple((0, d) for d in saved.shape)
-  if saved.is_scalar or not isinstance(target, (jax.Array,
-                                                jax.ShapeDtypeStruct)):
+  if (saved.is_scalar or saved.key_impl is not None  # Keys: read whole.
+      or not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))):
     return [whole]
   indices = _target_sharding(target).addressable_devices_indices_map(
       saved.shape).values()

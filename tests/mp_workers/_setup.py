@@ -28,20 +28,29 @@ PROCESS_ID = int(os.environ["PROCESS_ID"])
 NUM_PROCESSES = int(os.environ["NUM_PROCESSES"])
 
 
-def init() -> None:
-  """Joins the multi-controller run; call before touching any jax device."""
+def init(*, recoverable: bool = False,
+         heartbeat_timeout_seconds: int | None = None) -> None:
+  """Joins the multi-controller run; call before touching any jax device.
+
+  `recoverable` keeps the survivors of a dead process alive (JAX's
+  `jax_enable_recoverability`).
+  """
   logging.basicConfig(
       level=logging.INFO, stream=sys.stderr,
       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   # Cross-process device collectives on CPU (the jitted train step and
   # process_allgather) need gloo; the default CPU backend has none.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if recoverable:
+    jax.config.update("jax_enable_recoverability", True)
+  extra = {} if heartbeat_timeout_seconds is None else {
+      "heartbeat_timeout_seconds": heartbeat_timeout_seconds}
   # Short timeouts: a worker whose peer died should fail, not sit for the
   # 5-minute defaults (the launcher's deadline is the last line of defence).
   jax.distributed.initialize(
       f"127.0.0.1:{os.environ['PORT']}", num_processes=NUM_PROCESSES,
       process_id=PROCESS_ID, initialization_timeout=60,
-      shutdown_timeout_seconds=30)
+      shutdown_timeout_seconds=30, **extra)
   assert jax.process_index() == PROCESS_ID
   assert jax.process_count() == NUM_PROCESSES
 

@@ -1,0 +1,158 @@
+"""Which peers are alive: a watcher thread that notices a lost process.
+
+With `jax.config.update("jax_enable_recoverability", True)` set before
+`jax.distributed.initialize`, the coordination service keeps the survivors
+of a dead process running, and answers `get_live_nodes` with the live
+processes and an incarnation id for each (a new one when a process
+restarts). `Watcher` asks it on a daemon thread of every process, every
+`poll_secs`. A peer that is missing from the answer, or back with a new
+incarnation, is lost: from then on `check` raises `PeerLostError` naming
+it, and every coordination call of this process (the barriers and waits of
+saves, restores and `close`) returns with that error at once instead of
+waiting out its timeout for a process that will never come.
+
+How fast: the service declares a process dead once it has missed
+heartbeats for `heartbeat_timeout_seconds` (an argument of
+`jax.distributed.initialize`, 100 s by default); the watcher learns of it
+then, plus at most one poll.
+
+Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
+barrier over the live processes, with no timeout, so every process polls
+with the same period from the same point of the program (the callback's
+creation), and a poll that other processes stopped answering (they closed)
+is abandoned, never waited for. And a process that ends normally looks
+dead to the others once it is gone: before stopping its watcher, a process
+records under the watcher's key that it closed, and a peer that closed is
+not reported lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.errors import PeerLostError
+from flax_ckpt_plugin.logs import log
+
+
+def recoverability_enabled() -> bool:
+  """Whether JAX keeps survivors alive when a peer dies (and polls work)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return bool(getattr(jax.config, "jax_enable_recoverability", False))
+
+
+class Watcher:
+  """Polls the live processes on a daemon thread; see the module doc.
+
+  Args:
+    coord: the processes' coordinator (`Coordinator.live_processes`).
+    key: a key-value prefix unique to this watcher (the same on every
+      process), under which processes record that they closed.
+    poll_secs: the period of the polls.
+  """
+
+  def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
+               poll_secs: float = 0.5):
+    self._coord = coord
+    self._key = key
+    self._poll_secs = poll_secs
+    self._stop = threading.Event()
+    self._lock = threading.Lock()
+    self._lost: dict[int, str] = {}
+    self.lost_at: float | None = None  # time.monotonic() when noticed.
+    self._thread = threading.Thread(target=self._run, daemon=True,
+                                    name="flax_ckpt_plugin-liveness")
+
+  def start(self) -> "Watcher":
+    self._thread.start()
+    return self
+
+  @property
+  def lost(self) -> dict[int, str]:
+    """The lost processes and how each was lost (empty while all live)."""
+    with self._lock:
+      return dict(self._lost)
+
+  def error(self) -> PeerLostError | None:
+    lost = self.lost
+    if not lost:
+      return None
+    return PeerLostError(lost, self._coord.process_index,
+                         self._coord.process_count)
+
+  def check(self) -> None:
+    """Raises `PeerLostError` once a peer was lost."""
+    error = self.error()
+    if error is not None:
+      raise error
+
+  def close(self) -> None:
+    """Records that this process closed, then stops polling (no wait)."""
+    if self._stop.is_set():
+      return
+    try:
+      self._coord.kv_set(f"{self._key}/closed/{self._coord.process_index}",
+                         "1")
+    except Exception:  # pylint: disable=broad-except
+      pass  # The peers may then report this process lost: harmless now.
+    self._stop.set()
+
+  def _closed_peers(self) -> set[int]:
+    try:
+      return {int(k.rsplit("/", 1)[1])
+              for k in self._coord.kv_dir(f"{self._key}/closed")}
+    except Exception:  # pylint: disable=broad-except
+      return set()
+
+  def _run(self) -> None:
+    first: dict[int, int] | None = None
+    me = self._coord.process_index
+    everyone = set(range(self._coord.process_count))
+    while not self._stop.is_set():
+      try:
+        live = self._coord.live_processes()
+      except PeerLostError:
+        return
+      except Exception as e:  # pylint: disable=broad-except
+        if self._stop.is_set():
+          return
+        # No answer within the deadline: the service (process 0) is gone
+        # or hung, and with it the job.
+        self._report({0: f"the coordination service did not answer: {e}"})
+        return
+      if self._stop.is_set():
+        return
+      if first is None:
+        first = dict(live)
+      lost = {p: "is gone (it stopped sending heartbeats)"
+              for p in everyone - set(live) - {me}}
+      lost.update({p: "restarted (it has a new incarnation)"
+                   for p, inc in live.items()
+                   if p != me and p in first and inc != first[p]})
+      if lost:
+        closed = self._closed_peers()
+        lost = {p: why for p, why in lost.items() if p not in closed}
+        everyone -= closed
+      if lost:
+        self._report(lost)
+        return
+      self._stop.wait(self._poll_secs)
+
+  def _report(self, lost: dict[int, str]) -> None:
+    with self._lock:
+      self._lost.update(lost)
+      self.lost_at = time.monotonic()
+    log.error("%s", self.error())
+
+
+def watch(coord: coordinator_lib.Coordinator, name: str, *,
+          poll_secs: float = 0.5) -> Watcher:
+  """A started watcher, which every coordination call of `coord` obeys."""
+  key = f"flax_ckpt_plugin/liveness/{name}/{coord.next_round('liveness/' + name)}"
+  watcher = Watcher(coord, key, poll_secs=poll_secs).start()
+  set_abort: Any = getattr(coord, "abort_when", None)
+  if set_abort is not None:
+    set_abort(watcher.check)
+  return watcher

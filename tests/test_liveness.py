@@ -1,0 +1,130 @@
+"""The liveness watcher against a coordinator whose answers the test sets.
+
+The live-process answers are scripted (a fake coordinator): a real
+coordination service cannot be made to report a restarted incarnation or
+to stop answering on demand. `test_peer_lost.py` kills real processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flax_ckpt_plugin import PeerLostError
+from flax_ckpt_plugin import deadlines
+from flax_ckpt_plugin import liveness
+
+
+class ScriptedCoordinator:
+  """Answers `live_processes` from `answers` (the last one repeats)."""
+
+  def __init__(self, answers, count=3, me=0):
+    self.answers = list(answers)
+    self.process_count, self.process_index = count, me
+    self.kv: dict[str, str] = {}
+    self.polls = 0
+
+  def live_processes(self):
+    self.polls += 1
+    answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+    if isinstance(answer, Exception):
+      raise answer
+    return dict(answer)
+
+  def kv_set(self, key, value):
+    self.kv[key] = value
+
+  def kv_dir(self, prefix):
+    return {k: v for k, v in self.kv.items() if k.startswith(prefix + "/")}
+
+  def next_round(self, name):
+    return 0
+
+
+def _wait_for(predicate, secs=10.0):
+  end = time.monotonic() + secs
+  while not predicate() and time.monotonic() < end:
+    time.sleep(0.01)
+  return predicate()
+
+
+ALL = {0: 10, 1: 11, 2: 12}
+
+
+def test_all_live_raises_nothing():
+  coord = ScriptedCoordinator([ALL])
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: coord.polls >= 5)
+  w.check()
+  assert w.lost == {}
+  w.close()
+
+
+@pytest.mark.parametrize("answer,why", [
+    ({0: 10, 1: 11}, "is gone (it stopped sending heartbeats)"),
+    ({0: 10, 1: 11, 2: 99}, "restarted (it has a new incarnation)"),
+])
+def test_a_missing_or_restarted_peer_is_lost(answer, why):
+  coord = ScriptedCoordinator([ALL, ALL, answer])
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: w.lost)
+  assert w.lost == {2: why}
+  with pytest.raises(PeerLostError, match=f"process 2 {why.split()[0]}") as e:
+    w.check()
+  assert e.value.lost == {2: why}
+  assert "noticed on process 0 of 3" in str(e.value)
+
+
+def test_a_peer_that_closed_is_not_lost():
+  coord = ScriptedCoordinator([ALL, ALL, {0: 10, 1: 11}])
+  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/2", "1")
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: coord.polls >= 6)
+  assert w.lost == {}
+  w.check()
+  w.close()
+  assert coord.kv["flax_ckpt_plugin/liveness/run/0/closed/0"] == "1"
+
+
+def test_no_answer_from_the_service_is_losing_process_0():
+  coord = ScriptedCoordinator([ALL, TimeoutError("no answer in 32 s")])
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: w.lost)
+  assert list(w.lost) == [0]
+  assert "did not answer" in w.lost[0]
+
+
+def test_a_lost_peer_found_after_close_is_not_reported():
+  coord = ScriptedCoordinator([ALL])
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  w.close()
+  coord.answers = [{0: 10}]
+  time.sleep(0.1)
+  assert w.lost == {}
+
+
+def test_a_wait_ends_at_once_when_the_abort_check_raises():
+  """A call stuck on a dead peer returns within 0.1 s of the loss."""
+  release = threading.Event()
+  lost = threading.Event()
+
+  def abort():
+    if lost.is_set():
+      raise PeerLostError({1: "is gone"}, 0, 2)
+
+  threading.Timer(0.3, lost.set).start()
+  start = time.monotonic()
+  with pytest.raises(PeerLostError):
+    deadlines.DEADLINES.call(release.wait, 60, abort)
+  assert time.monotonic() - start < 5
+  release.set()
+
+
+def test_a_wait_without_abort_still_has_its_deadline():
+  release = threading.Event()
+  with pytest.raises(deadlines.NoAnswer):
+    deadlines.DEADLINES.call(release.wait, 0.2)
+  release.set()
+  assert deadlines.DEADLINES.call(lambda: 7, 5, lambda: None) == 7
