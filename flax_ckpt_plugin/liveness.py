@@ -116,8 +116,8 @@ class Watcher:
       except PeerLostError:
         return
       except Exception as e:  # pylint: disable=broad-except
-        if self._stop.is_set():
-          return
+        if self._stop.is_set() or self._closed_peers():
+          return  # A peer closed and stopped polling: nothing to watch.
         # No answer within the deadline: the service (process 0) is gone
         # or hung, and with it the job.
         self._report({0: f"the coordination service did not answer: {e}"})

@@ -96,6 +96,18 @@ def test_no_answer_from_the_service_is_losing_process_0():
   assert "did not answer" in w.lost[0]
 
 
+def test_no_answer_after_a_peer_closed_ends_the_watch_quietly():
+  """A peer that closed stops polling, so polls block until their deadline:
+  that is not a loss."""
+  coord = ScriptedCoordinator([ALL, TimeoutError("no answer in 32 s")])
+  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/1", "1")
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: coord.polls >= 2)
+  time.sleep(0.1)
+  assert w.lost == {}
+  w.check()
+
+
 def test_a_lost_peer_found_after_close_is_not_reported():
   coord = ScriptedCoordinator([ALL])
   w = liveness.watch(coord, "run", poll_secs=0.01)
