@@ -207,15 +207,17 @@ class LeafReader:
     `regions` need whole, for `ByteReader.coalesced`.
 
     Verified reads take each such shard whole anyway (it is one checksum
-    block); unverified ones read exactly the bytes needed, so a shard only
-    partly needed is left to them.
+    block), and where reads are requests a few more bytes cost less than
+    one more; otherwise unverified reads take exactly the bytes needed, so
+    a shard only partly needed is left to them.
     """
     regions = list(regions)
+    any_part = self._verify or self._reader.prefers_few_reads
     for shard in self._shards:
       if shard.nbytes >= COALESCE_BYTES:
         continue
       parts = [_intersect(shard.index, r) for r in regions]
-      if any(p == shard.index if not self._verify else p is not None
+      if any(p is not None if any_part else p == shard.index
              for p in parts):
         yield shard.file, shard.offset, shard.nbytes
 
