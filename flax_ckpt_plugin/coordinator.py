@@ -156,9 +156,15 @@ class JaxCoordinator:
   # Raises to end every wait at once (a `liveness.Watcher`'s `check`).
   _abort: Callable[[], None] | None = None
 
-  def abort_when(self, check: Callable[[], None] | None) -> None:
-    """Every call of this coordinator from now on ends when `check` raises."""
-    self._abort = check
+  def abort_when(self, check: Callable[[], None] | None, *,
+                 replacing: Callable[[], None] | None = None) -> None:
+    """Every call of this coordinator from now on ends when `check` raises.
+
+    With `replacing`, only if that is the check in place (a watcher that
+    closes removes its own check, not a newer watcher's).
+    """
+    if replacing is None or self._abort == replacing:
+      self._abort = check
 
   def _where(self) -> str:
     return f"process {self.process_index} of {self.process_count}"

@@ -89,7 +89,10 @@ class Watcher:
       raise error
 
   def close(self) -> None:
-    """Records that this process closed, then stops polling (no wait)."""
+    """Records that this process closed, then stops polling (no wait).
+
+    Unless a peer was lost, the coordinator's calls stop obeying `check`.
+    """
     if self._stop.is_set():
       return
     try:
@@ -98,6 +101,9 @@ class Watcher:
     except Exception:  # pylint: disable=broad-except
       pass  # The peers may then report this process lost: harmless now.
     self._stop.set()
+    set_abort: Any = getattr(self._coord, "abort_when", None)
+    if set_abort is not None and not self.lost:
+      set_abort(None, replacing=self.check)
 
   def _closed_peers(self) -> set[int]:
     try:

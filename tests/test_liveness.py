@@ -42,6 +42,12 @@ class ScriptedCoordinator:
   def next_round(self, name):
     return 0
 
+  abort = None
+
+  def abort_when(self, check, *, replacing=None):
+    if replacing is None or self.abort == replacing:
+      self.abort = check
+
 
 def _wait_for(predicate, secs=10.0):
   end = time.monotonic() + secs
@@ -106,6 +112,18 @@ def test_no_answer_after_a_peer_closed_ends_the_watch_quietly():
   time.sleep(0.1)
   assert w.lost == {}
   w.check()
+
+
+def test_a_watcher_obeyed_by_the_coordinator_until_it_closes():
+  coord = ScriptedCoordinator([ALL])
+  first = liveness.watch(coord, "a", poll_secs=0.01)
+  assert coord.abort == first.check
+  second = liveness.watch(coord, "b", poll_secs=0.01)
+  assert coord.abort == second.check
+  first.close()  # Not its check any more: left in place.
+  assert coord.abort == second.check
+  second.close()
+  assert coord.abort is None
 
 
 def test_a_lost_peer_found_after_close_is_not_reported():
