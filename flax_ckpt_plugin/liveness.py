@@ -19,8 +19,10 @@ then, plus at most one poll.
 Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
 barrier over the live processes, with no timeout, so every process polls
 with the same period from the same point of the program (the callback's
-creation), and a poll that other processes stopped answering (they closed)
-is abandoned, never waited for. And a process that ends normally looks
+creation); until the first answer (every process polling) a poll that
+times out is tried again, since processes reach that point at different
+times; and a poll that other processes stopped answering (they closed) is
+abandoned, never waited for. And a process that ends normally looks
 dead to the others once it is gone: before stopping its watcher, a process
 records under the watcher's key that it closed, and a peer that closed is
 not reported lost.
@@ -124,6 +126,8 @@ class Watcher:
       except Exception as e:  # pylint: disable=broad-except
         if self._stop.is_set() or self._closed_peers():
           return  # A peer closed and stopped polling: nothing to watch.
+        if first is None:
+          continue  # Until every process has started polling, polls wait.
         # No answer within the deadline: the service (process 0) is gone
         # or hung, and with it the job.
         self._report({0: f"the coordination service did not answer: {e}"})
@@ -156,7 +160,8 @@ class Watcher:
 def watch(coord: coordinator_lib.Coordinator, name: str, *,
           poll_secs: float = 0.5) -> Watcher:
   """A started watcher, which every coordination call of `coord` obeys."""
-  key = f"flax_ckpt_plugin/liveness/{name}/{coord.next_round('liveness/' + name)}"
+  n = coord.next_round(f"liveness/{name}")
+  key = f"flax_ckpt_plugin/liveness/{name}/{n}"
   watcher = Watcher(coord, key, poll_secs=poll_secs).start()
   set_abort: Any = getattr(coord, "abort_when", None)
   if set_abort is not None:

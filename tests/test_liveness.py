@@ -102,6 +102,17 @@ def test_no_answer_from_the_service_is_losing_process_0():
   assert "did not answer" in w.lost[0]
 
 
+def test_no_answer_before_the_first_is_waited_out():
+  """Processes create their callbacks at different times: the first polls
+  wait for the last one to start polling, and may time out meanwhile."""
+  late = TimeoutError("no answer in 32 s")
+  coord = ScriptedCoordinator([late, late, ALL])
+  w = liveness.watch(coord, "run", poll_secs=0.01)
+  assert _wait_for(lambda: coord.polls >= 5)
+  assert w.lost == {}
+  w.close()
+
+
 def test_no_answer_after_a_peer_closed_ends_the_watch_quietly():
   """A peer that closed stops polling, so polls block until their deadline:
   that is not a loss."""
