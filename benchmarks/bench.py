@@ -61,7 +61,7 @@ import machine
 import scaling
 import shapes
 
-SYSTEMS = ("ours", "orbax")
+SYSTEMS = scaling.SYSTEMS
 
 
 def _rss_mb() -> float:
@@ -531,21 +531,19 @@ def main() -> None:
     print(json.dumps(worker(args)))
     return
   results = {name: [] for name in SYSTEMS}
-  for rep in range(args.repeats):
-    order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-    for name in order:
-      proc = subprocess.run(
-          [sys.executable, __file__, *passthrough, "--worker", name],
-          capture_output=True, text=True, check=False)
-      if proc.returncode:
-        sys.exit(f"{name} run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-      run = json.loads(proc.stdout.strip().splitlines()[-1])
-      results[name].append(run)
-      print(f"run {rep + 1}/{args.repeats} {name}: " + ", ".join(
-          f"{k}={v:.3f}" if isinstance(v, float) else
-          f"{k}=[{', '.join(f'{x:.3f}' for x in v)}]"
-          for k, v in run.items() if isinstance(v, (float, list))),
-          flush=True)
+  for rep, name in scaling.in_turn(args.repeats):
+    proc = subprocess.run(
+        [sys.executable, __file__, *passthrough, "--worker", name],
+        capture_output=True, text=True, check=False)
+    if proc.returncode:
+      sys.exit(f"{name} run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    results[name].append(run)
+    print(f"run {rep + 1}/{args.repeats} {name}: " + ", ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else
+        f"{k}=[{', '.join(f'{x:.3f}' for x in v)}]"
+        for k, v in run.items() if isinstance(v, (float, list))),
+        flush=True)
   summary = summarize(results)
   print_table(summary, args.repeats, results["ours"][0]["state_bytes"] / 1e9)
   if args.ab:

@@ -270,6 +270,14 @@ def _brief(run: dict) -> str:
           f" {run['peak_rss_bytes'] / 1e6:.0f} MB")
 
 
+def in_turn(repeats: int) -> Any:
+  """(run, system) for `repeats` runs of each system, alternating which
+  goes first."""
+  for rep in range(repeats):
+    for name in SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]:
+      yield rep, name
+
+
 def main(args: argparse.Namespace, passthrough: list[str],
          script: str) -> None:
   """A worker's phase, or the whole comparison (see the module docstring)."""
@@ -281,20 +289,17 @@ def main(args: argparse.Namespace, passthrough: list[str],
     print(json.dumps(worker(args)))
     return
   results = {name: [] for name in SYSTEMS}
-  for rep in range(args.repeats):
-    order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-    for name in order:
-      root = tempfile.mkdtemp(dir=args.dir)
-      try:
-        run = _run_worker(script, passthrough, name, "save", root)
-        run.update(_run_worker(script, passthrough, name, "restore", root))
-      except RuntimeError as e:
-        sys.exit(str(e))
-      finally:
-        shutil.rmtree(root, ignore_errors=True)
-      results[name].append(run)
-      print(f"run {rep + 1}/{args.repeats} {name}: {_brief(run)}",
-            flush=True)
+  for rep, name in in_turn(args.repeats):
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+      run = _run_worker(script, passthrough, name, "save", root)
+      run.update(_run_worker(script, passthrough, name, "restore", root))
+    except RuntimeError as e:
+      sys.exit(str(e))
+    finally:
+      shutil.rmtree(root, ignore_errors=True)
+    results[name].append(run)
+    print(f"run {rep + 1}/{args.repeats} {name}: {_brief(run)}", flush=True)
   summary = summarize(results)
   print_table(summary, args, results["ours"][0])
   if args.json:

@@ -50,7 +50,7 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
   without copying it, and copies any other (numpy's own allocations are
   only 16-byte aligned, so either may happen to them). Restored CPU arrays
   are not adopted (see `restore._owned_cpu_buffer` and
-  `restore._runtime_copy`); adopted ones are for numpy targets and the
+  `restore._restore_array`); adopted ones are for numpy targets and the
   other cases.
   """
   nbytes = math.prod(shape) * dtype.itemsize

@@ -249,7 +249,7 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
       and not jax.numpy.issubdtype(dtype, jax.numpy.complexfloating)):
     return None
   if math.prod(shape) * dtype.itemsize < staging.REUSE_BYTES:
-    return None  # See `_runtime_copy`: no program compiled per shape.
+    return None  # See `_restore_array`: no program compiled per shape.
   arr = _zeros_on(device)(shape, dtype)
   arr.block_until_ready()
   nbytes = arr.nbytes
