@@ -237,6 +237,53 @@ class LocalBackend(Backend):
     return st.st_size, st.st_mtime
 
 
+class _UnsyncedStepWriter(handles.LocalStepWriter):
+  def sync(self, f: BinaryIO) -> None:
+    del f
+
+
+class MemoryBackend(LocalBackend):
+  """A local file system that lives in memory (tmpfs, ramfs: `/dev/shm`).
+
+  Its files are gone with the machine whatever fsync does, and they are
+  written once a write returns, so nothing here fsyncs: on such a path the
+  order of writes and the atomic rename alone make a step all or nothing.
+  """
+
+  def write_small(self, path: epath.Path, text: str) -> None:
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+      f.write(text)
+
+  def fsync(self, path: epath.Path) -> None:
+    del path
+
+  def step_writer(self, step_dir: epath.Path, identity: Identity | None,
+                  data_dir: str) -> StepWriter:
+    return _UnsyncedStepWriter(step_dir, identity, data_dir)
+
+
+_MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def file_system_type(path: epath.PathLike) -> str | None:
+  """The type of the local file system that holds `path` (or would hold
+  it: its nearest existing parent), from /proc/self/mounts; None if
+  unknown."""
+  real = os.path.realpath(os.fspath(path))
+  try:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+      mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+  except OSError:
+    return None
+  best, kind = "", None
+  for point, fs_type in mounts:
+    point = point.replace("\\040", " ")
+    if (real == point or real.startswith(point.rstrip("/") + "/")
+        ) and len(point) >= len(best):
+      best, kind = point, fs_type
+  return kind
+
+
 # -- object stores -----------------------------------------------------------------
 
 
@@ -330,6 +377,7 @@ class ObjectStoreBackend(Backend):
 
 
 LOCAL = LocalBackend()
+MEMORY = MemoryBackend()
 OBJECT_STORE = ObjectStoreBackend()
 
 # By scheme (None: no `scheme://`). Other schemes go to whatever `epath`
@@ -340,6 +388,11 @@ _BACKENDS: dict[str | None, Backend] = {None: LOCAL}
 def for_path(path: epath.PathLike) -> Backend:
   """The backend of the storage that `path` names."""
   return _BACKENDS.get(object_store.scheme(path), OBJECT_STORE)
+
+
+def for_local_path(path: epath.PathLike) -> Backend:
+  """The backend of a local path: `MEMORY` on a file system in memory."""
+  return MEMORY if file_system_type(path) in _MEMORY_FILE_SYSTEMS else LOCAL
 
 
 def make_path(given: epath.PathLike, backend: Backend | None = None

@@ -32,6 +32,8 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import liveness
+from flax_ckpt_plugin import local_tier
+from flax_ckpt_plugin import peer
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
@@ -117,12 +119,22 @@ class CheckpointCallback:
       processes when `jax_enable_recoverability` is set (without it, JAX
       itself ends every process when one dies).
     watch_poll_secs: the period of those polls.
+    local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
+      local tier (see `local_tier`): every `local_every_steps` steps each
+      process also saves there every shard it holds, apart from the other
+      processes and from the persistent tier's schedule, keeping the newest
+      2 steps. A restore then takes the newest step from the fastest tier
+      that has it. The path must belong to this job.
+    local_every_steps: the local tier's interval, in steps.
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
     should_stop: True once a preemption checkpoint is durable.
     restored_step: the step `restore_or_initialize` restored, or None.
     restored_extra: the `extra` saved with that step, or None.
+    restored_tier: where that step came from: "local", "peer" or
+      "persistent"; None when nothing was restored.
+    local: the `local_tier.LocalTier`, or None.
 
   Raises:
     ValueError: `every_steps` < 1 or `every_secs` <= 0.
@@ -150,9 +162,17 @@ class CheckpointCallback:
                coordinator: coordinator_lib.Coordinator | None = None,
                backend: backend_lib.Backend | None = None,
                watch_peers: bool | None = None,
-               watch_poll_secs: float = 0.5):
+               watch_poll_secs: float = 0.5,
+               local_directory: epath.PathLike | None = None,
+               local_every_steps: int | None = None):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    if (local_directory is None) != (local_every_steps is None):
+      raise ValueError("local_directory and local_every_steps go together;"
+                       f" got {local_directory!r} and {local_every_steps!r}")
+    if local_every_steps is not None and local_every_steps < 1:
+      raise ValueError(
+          f"local_every_steps must be >= 1, got {local_every_steps}")
     if every_secs is not None and not every_secs > 0:
       raise ValueError(f"every_secs must be > 0, got {every_secs}")
     self.every_steps = every_steps
@@ -167,6 +187,12 @@ class CheckpointCallback:
         primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
         name=name, coordinator=coordinator, backend=backend)
     coord = self.manager.coordinator
+    self.local_every_steps = local_every_steps
+    self.local = None if local_directory is None else local_tier.LocalTier(
+        local_directory, local_tier.job_name(os.fspath(directory)),
+        coordinator=coord)
+    # The step `should_save` chose, and whether it saves each tier there.
+    self._chosen: tuple[int, bool, bool] | None = None
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
@@ -190,6 +216,7 @@ class CheckpointCallback:
     self._preempted_at: int | None = None  # The step to stop after.
     self.restored_step: int | None = None
     self.restored_extra: Any = None
+    self.restored_tier: str | None = None
     self._signals = SignalFlag(
         preemption_signals if save_on_preemption else (),
         forward=self.manager.coordinator.preemption_notifier_installed())
@@ -270,18 +297,26 @@ class CheckpointCallback:
       self._watcher.check()
     self._write_metrics()
     self.manager.check_for_errors()
+    if self.local is not None:
+      self.local.manager.check_for_errors()
+    self._chosen = None
     if self.should_stop:
       return False
     step = operator.index(step)
     preempted = self.save_on_preemption and (
         self.manager.coordinator.reached_preemption_sync_point(step)
         or self._signals.triggered)
-    if not (self._due(step) or preempted):
-      return False
-    if step in self.manager.all_steps():
+    persistent = self._due(step) or preempted
+    if persistent and step in self.manager.all_steps():
       self.should_stop = preempted  # That step is already durable.
+      persistent = False
+    local = (self.local is not None and not preempted and step > 0
+             and step % self.local_every_steps == 0
+             and step not in self.local.manager.all_steps())
+    if not (persistent or local):
       return False
     self._preempted_at = step if preempted else None
+    self._chosen = (step, persistent, local)
     return True
 
   def save(self, step: int, state: Any, *, extra: Any = None,
@@ -292,9 +327,15 @@ class CheckpointCallback:
     `should_stop`. Arguments as for `__call__`.
     """
     step = operator.index(step)
-    self.manager.save(step, state, extra=extra, metrics=metrics)
-    if self._every_secs is not None:
-      self._every_secs.saved(self.manager.name)
+    chosen, self._chosen = self._chosen, None
+    persistent, local = (True, False) if chosen is None or chosen[0] != step \
+        else chosen[1:]
+    if persistent:
+      self.manager.save(step, state, extra=extra, metrics=metrics)
+      if self._every_secs is not None:
+        self._every_secs.saved(self.manager.name)
+    if local:
+      self.local.manager.save(step, state, extra=extra, metrics=metrics)
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True
@@ -312,21 +353,46 @@ class CheckpointCallback:
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
     """
-    found = self.manager.restore_newest_valid(state)
+    if self.local is None:
+      found = self.manager.restore_newest_valid(state)
+      found = None if found is None else (found[0], local_tier.PERSISTENT, (
+          found[1], self.manager.metadata(found[0]).extra))
+    else:
+      found = self._restore_from_tiers(state)
     if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)
       return state
-    step, restored = found
-    self.restored_step = step
-    self.restored_extra = self.manager.metadata(step).extra
-    log.info("restored step %d from %s", step, self.directory)
+    step, tier, (restored, self.restored_extra) = found
+    self.restored_step, self.restored_tier = step, tier
+    log.info("restored step %d from the %s tier of %s", step, tier,
+             self.directory)
     return restored
+
+  def _restore_from_tiers(self, state: Any) -> tuple[int, str, Any] | None:
+    coord, timeout_ms = self.manager.coordinator, self.manager.barrier_timeout_ms
+    key = f"{self.manager.name}/tiers"
+    key = f"{key}/{coord.next_round(key)}"
+
+    def from_manager(manager):
+      return lambda step, _: (manager.restore(state, step),
+                              manager.metadata(step).extra)
+
+    return local_tier.restore_newest(
+        coord, key, local=self.local, persistent=self.manager, restore={
+            local_tier.LOCAL: from_manager(self.local.manager),
+            local_tier.PEER: lambda step, holders: peer.restore(
+                coord, f"{key}/peer{step}", step, holders,
+                self.local.directory, state, timeout_ms=timeout_ms),
+            local_tier.PERSISTENT: from_manager(self.manager)},
+        timeout_ms=timeout_ms)
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""
     try:
       self.manager.wait_until_finished()
+      if self.local is not None:
+        self.local.manager.wait_until_finished()
     except Exception as e:
       self._raise_lost_instead(e)
       raise
@@ -341,7 +407,11 @@ class CheckpointCallback:
     """
     self._signals.uninstall()
     try:
-      self.manager.close()
+      try:
+        self.manager.close()
+      finally:
+        if self.local is not None:
+          self.local.manager.close()
     except Exception as e:
       self._raise_lost_instead(e)
       raise
@@ -362,6 +432,8 @@ class CheckpointCallback:
     self._signals.uninstall()
     try:
       self.manager.__exit__(exc_type, exc, tb)
+      if self.local is not None:
+        self.local.manager.__exit__(exc_type, exc, tb)
     finally:
       self._write_metrics()
       if self._watcher is not None:

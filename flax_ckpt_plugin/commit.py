@@ -63,6 +63,7 @@ class CommitInputs(NamedTuple):
   # Raises ConcurrentWriterError (with the given consequence) when another
   # job claimed the directory since this one opened it.
   check_still_writer: Callable[[str], None]
+  scope: storage.Scope | None = None  # One process's shards (local tier).
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -171,7 +172,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
       merged, origins = storage.merge_tables(
           tmp.path, step=step, leaves=inputs.leaves, process_count=count,
           primary=pid, extra=inputs.extra, metrics=inputs.metrics,
-          backend=inputs.backend)
+          backend=inputs.backend, scope=inputs.scope)
       text = checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
       storage.write_manifest(tmp.path, text=text,

@@ -67,28 +67,44 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
   else:
     candidates = json.loads(coord.kv_get(f"{key}/steps",
                                          timeout_ms=timeout_ms))
+  return try_in_turn(coord, key, list(reversed(candidates)), restore,
+                     timeout_ms=timeout_ms, where=where)
+
+
+def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
+                candidates: list[Any], restore: Callable[[Any], Any], *,
+                timeout_ms: int, where: str,
+                describe: Callable[[Any], str] = "step {}".format,
+                ) -> tuple[tuple[Any, Any] | None, list[Any]]:
+  """Restores the first candidate that restores on every process.
+
+  Every process passes the same `candidates` (steps, or (step, tier)
+  pairs), best first; a candidate damaged or missing on any process is
+  skipped. See `restore_newest` for the rest.
+  """
   skipped, why = [], []
-  for step in reversed(candidates):
+  for n, candidate in enumerate(candidates):
     outcome = coordinator_lib.agree(
-        coord, f"{key}/step{step}",
-        lambda step=step: _restore_or_mark(restore, step),
+        coord, f"{key}/try{n}",
+        lambda c=candidate: _restore_or_mark(restore, c),
         timeout_ms=timeout_ms)
     if not outcome.failures:
-      return (step, outcome.result), skipped
+      return (candidate, outcome.result), skipped
+    name = describe(candidate)
     if outcome.error is not None and not isinstance(outcome.error, _Damaged):
       raise outcome.error
     others = {p: f for p, f in outcome.failed_elsewhere(coord.process_index)
               .items() if f[0] != _Damaged.__name__}
     if others:
       raise RestoreFailedError(
-          f"restoring step {step} of {where} failed on other processes, so"
+          f"restoring {name} of {where} failed on other processes, so"
           " no process restores it:"
           f" {coordinator_lib.describe_failures(others)}")
     reason = (str(outcome.error) if outcome.error is not None
-              else "damaged on another process")
-    log.warning("skipping step %d of %s: %s", step, where, reason)
-    skipped.append(step)
-    why.append(f"step {step}: {reason}")
+              else "damaged or missing on another process")
+    log.warning("skipping %s of %s: %s", name, where, reason)
+    skipped.append(candidate)
+    why.append(f"{name}: {reason}")
   if skipped:
     raise CheckpointCorruptedError(
         f"no finalized step in {where} restores: " + "; ".join(why))

@@ -70,6 +70,8 @@ class CheckpointManager:
     commit_hooks: callables run with the `SaveStats` of each step once it is
       finalized (to notify, start an evaluation, copy the step elsewhere);
       see `add_commit_hook`.
+    scope: save, for the process it names, every distinct shard that
+      process holds, alone (the local tier's steps; see `local_tier`).
 
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
@@ -96,7 +98,8 @@ class CheckpointManager:
                coordinator: coordinator_lib.Coordinator | None = None,
                backend: backend_lib.Backend | None = None,
                read_only: bool = False,
-               commit_hooks: Sequence[CommitHook] = ()):
+               commit_hooks: Sequence[CommitHook] = (),
+               scope: storage.Scope | None = None):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     if keep_every_n_steps is not None and keep_every_n_steps < 1:
@@ -117,6 +120,7 @@ class CheckpointManager:
                                                      self.backend)
     self.primary_host = primary_host
     self.read_only = read_only
+    self.scope = scope
     self.is_primary = self.coordinator.process_index == primary_host
     self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
     base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
@@ -251,7 +255,8 @@ class CheckpointManager:
           f"step {step} is already finalized in {self.directory}")
     coord = self.coordinator
     leaves = take_snapshot(state, process_count=coord.process_count,
-                           is_primary=self.is_primary, staging=self._staging)
+                           is_primary=self.is_primary, staging=self._staging,
+                           own_copy=self.scope is not None)
     inputs = commit_lib.CommitInputs(
         coordinator=coord, directory=self.directory, backend=self.backend,
         step=step,
@@ -261,7 +266,7 @@ class CheckpointManager:
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
-        check_still_writer=self._still_writer)
+        check_still_writer=self._still_writer, scope=self.scope)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -400,10 +405,10 @@ class CheckpointManager:
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)
-      self._set_aside(skipped)
+      self.set_aside(skipped)
     return found
 
-  def _set_aside(self, steps: list[int]) -> None:
+  def set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
 
     Otherwise the resumed run would never save those step numbers again,

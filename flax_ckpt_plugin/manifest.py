@@ -181,6 +181,9 @@ class Manifest:
   leaves: tuple[LeafRecord, ...]
   extra: Any = None
   metrics: Any = None
+  # For a step of one process's shards (the local tier): that process's
+  # index and the job's process count; None for a whole step.
+  scope: tuple[int, int] | None = None
 
   @property
   def total_bytes(self) -> int:
@@ -211,17 +214,19 @@ def _safe_relative(name: str) -> bool:
           all(p not in ("", ".", "..") for p in parts))
 
 
-def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
-                       lw: str) -> None:
+def _check_grid(indices: list[list[list[int]]], shape: list[int], lw: str,
+                *, whole: bool = True) -> None:
   """Shards must tile the array: no element missing, none twice.
 
   Every layout of a JAX sharding is a grid: along each axis, the intervals
   the shards use partition [0, dim). Distinct cells of a grid never overlap,
   so with the volumes summing to the array's size they cover it exactly.
-  Checked in O(n log n) for n shards; other layouts are refused.
+  Checked in O(n log n) for n shards; other layouts are refused. Without
+  `whole` (the shards of one process, see `Manifest.scope`), cells of a
+  grid, none twice: whether they hold what a restore needs is checked then.
   """
   total = sum(_volume(i) for i in indices)
-  if total != math.prod(shape):
+  if whole and total != math.prod(shape):
     raise _corrupt(lw, f"shards cover {total} elements of"
                    f" {math.prod(shape)}")
   boxes = [tuple(map(tuple, i)) for i in indices if _volume(i)]
@@ -233,11 +238,11 @@ def _check_exact_cover(indices: list[list[list[int]]], shape: list[int],
       if start < prev[1]:
         raise _corrupt(lw, f"shards overlap or do not form a grid: along"
                        f" axis {axis}, {list(prev)} and {[start, stop]}")
-      if start > prev[1]:
+      if whole and start > prev[1]:
         raise _corrupt(lw, f"shards leave a gap along axis {axis}:"
                        f" {[prev[1], start]}")
       prev = (start, stop)
-    if prev[1] != dim:
+    if whole and prev[1] != dim:
       raise _corrupt(lw, f"shards leave a gap along axis {axis}:"
                      f" {[prev[1], dim]}")
   if len(set(boxes)) != len(boxes):
@@ -285,7 +290,7 @@ def _shard(s: Any, lw: str, shape: list[int], dtype: np.dtype,
 
 
 def _leaf(leaf: Any, where: str, files: dict[str, int],
-          block: int) -> LeafRecord:
+          block: int, partial: bool = False) -> LeafRecord:
   if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
     raise _corrupt(where, "a leaf entry has no path")
   lw = f"{where}, leaf {leaf['path']!r}"
@@ -306,7 +311,7 @@ def _leaf(leaf: Any, where: str, files: dict[str, int],
   if not isinstance(shards, list):
     raise _corrupt(lw, "no shard list")
   records = tuple(_shard(s, lw, shape, dtype, files, block) for s in shards)
-  _check_exact_cover([s["index"] for s in shards], shape, lw)
+  _check_grid([s["index"] for s in shards], shape, lw, whole=not partial)
   key_impl = leaf.get("key_impl")
   if "key_impl" in leaf and not (isinstance(key_impl, str)
                                  and _KEY_IMPL.fullmatch(key_impl)):
@@ -359,10 +364,18 @@ def parse(raw: bytes, where: str) -> Manifest:
   leaves = manifest.get("leaves")
   if not isinstance(leaves, list):
     raise _corrupt(where, "no 'leaves' list")
+  scope = manifest.get("scope")
+  if scope is not None:
+    if not (isinstance(scope, dict) and all(
+        _is_int(scope.get(k)) for k in ("process_index", "process_count"))
+            and 0 <= scope["process_index"] < scope["process_count"]):
+      raise _corrupt(where, f"bad 'scope' entry {scope!r:.200}")
+    scope = (scope["process_index"], scope["process_count"])
   records, paths = [], set()
   for leaf in leaves:
     try:
-      record = _leaf(leaf, where, files, checksum["block_bytes"])
+      record = _leaf(leaf, where, files, checksum["block_bytes"],
+                     partial=scope is not None)
     except CheckpointCorruptedError as e:  # Which leaf, for the writer.
       e.leaf_path = leaf.get("path") if isinstance(leaf, dict) else None
       raise
@@ -378,7 +391,8 @@ def parse(raw: bytes, where: str) -> Manifest:
       byte_order=_optional(manifest.get("byte_order"), (str,)),
       files=dict(files), checksum_algorithm=checksum["algorithm"],
       checksum_block_bytes=checksum["block_bytes"], leaves=tuple(records),
-      extra=manifest.get("extra"), metrics=manifest.get("metrics"))
+      extra=manifest.get("extra"), metrics=manifest.get("metrics"),
+      scope=scope)
 
 
 def read(step_dir: epath.Path, step: int | None = None,

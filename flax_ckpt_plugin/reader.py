@@ -66,6 +66,12 @@ def _intersect(a: Index, b: Index) -> Index | None:
   return out
 
 
+def held_elements(shards: Iterable[ShardRecord], region: Index) -> int:
+  """How many elements of `region` the (non-overlapping) `shards` hold."""
+  return sum(math.prod(hi - lo for lo, hi in inter) for inter in (
+      _intersect(s.index, region) for s in shards) if inter is not None)
+
+
 class ByteReader:
   """Reads byte ranges of a step's data files; one open handle per file.
 

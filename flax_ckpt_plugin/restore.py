@@ -27,12 +27,14 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import staging
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.manifest import describe
 from flax_ckpt_plugin.manifest import Index
 from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.manifest import Manifest
 from flax_ckpt_plugin.reader import ByteReader
+from flax_ckpt_plugin.reader import held_elements
 from flax_ckpt_plugin.reader import host_buffer
 from flax_ckpt_plugin.reader import LeafReader
 from flax_ckpt_plugin.staging import bits_dtype
@@ -142,7 +144,7 @@ def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
   return None if ok else f"{head()} {t_desc()}"
 
 
-def _match_structure(saved: dict[str, LeafRecord],
+def match_structure(saved: dict[str, LeafRecord],
                      targets: list[tuple[str, Any]],
                      step_dir: epath.Path) -> None:
   """Raises StructureMismatchError naming every leaf that does not fit.
@@ -184,7 +186,7 @@ def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
   return sharding
 
 
-def _on_context_mesh(path: str, leaf: Any) -> Any:
+def on_context_mesh(path: str, leaf: Any) -> Any:
   """`leaf`, with a sharding over an `AbstractMesh` put on the set mesh.
 
   `nnx.eval_shape` (or `jax.eval_shape`) under `jax.set_mesh(mesh)` gives
@@ -317,7 +319,9 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
   return _assemble(shape, lr.dtype, sharding, devices, pieces)
 
 
-def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
+  """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
+  a Python scalar, whose value is in the manifest)."""
   if saved.is_scalar:  # `_mismatch` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
@@ -327,24 +331,25 @@ def _restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
       return host if isinstance(target, np.ndarray) else host[()]
     return jax.device_put(host, _target_sharding(target))
   lr = LeafReader(leaf=saved, **lr_args)
-  whole = tuple((0, d) for d in lr.shape)
+  if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
+      or lr.dtype.byteorder == ">" or saved.key_impl is not None):
+    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
+  return _restore_array(lr, lr.shape, _target_sharding(target))
+
+
+def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
+  """A leaf like `target` from all of `saved`'s values, on the host."""
   if isinstance(target, (bool, int, float)):
-    return type(target)(lr.read(whole)[()].item())
+    return type(target)(host[()].item())
   if isinstance(target, np.ndarray | np.generic):
-    host = lr.read(whole)
     if host.dtype != target.dtype:  # Byte order only (see `_same_dtype`).
       host = host.astype(target.dtype)
     return host if isinstance(target, np.ndarray) else host[()]
-  sharding = _target_sharding(target)
-  if lr.dtype.byteorder == ">":  # Saved big-endian by an older version.
-    host = lr.read(whole)
-    return jax.device_put(host.astype(host.dtype.newbyteorder("=")),
-                          sharding)
+  if host.dtype.byteorder == ">":  # Saved big-endian by an older version.
+    host = host.astype(host.dtype.newbyteorder("="))
   if saved.key_impl is not None:
-    data = lr.read(whole)
-    keys = jax.random.wrap_key_data(data, impl=saved.key_impl)
-    return jax.device_put(keys, sharding)
-  return _restore_array(lr, lr.shape, sharding)
+    host = jax.random.wrap_key_data(host, impl=saved.key_impl)
+  return jax.device_put(host, _target_sharding(target))
 
 
 _BATCH_BYTES = 8 << 20  # Small leaves restored per task, in bytes.
@@ -379,6 +384,27 @@ def _regions(saved: LeafRecord, target: Any) -> list[Index]:
           for i in indices]
 
 
+def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
+                where: str) -> None:
+  """For a step of one process's shards (`Manifest.scope`): raises unless
+  it holds every region this process restores (same shardings as saved).
+
+  Raises:
+    CheckpointNotFoundError: names the first leaf and region not held.
+  """
+  for path, target in targets:
+    leaf = saved[path]
+    if leaf.is_scalar:
+      continue
+    for region in _regions(leaf, target):
+      if held_elements(leaf.shards, region) != math.prod(
+          hi - lo for lo, hi in region):
+        raise CheckpointNotFoundError(
+            f"{where}, leaf {path!r}: holds only this process's shards as"
+            f" saved, and not region {[list(r) for r in region]} that the"
+            " target places here (another sharding or process layout?)")
+
+
 def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
                    ) -> list[Any]:
   ranges = [] if len(batch) < 2 else [
@@ -386,7 +412,7 @@ def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
       for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
           _regions(saved, target))]
   with lr_args["reader"].coalesced(ranges):
-    return [_restore_leaf(saved, target, lr_args) for saved, target in batch]
+    return [restore_leaf(saved, target, lr_args) for saved, target in batch]
 
 
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
@@ -410,14 +436,18 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       names every such leaf and both sides. Raised before any data is read.
     CheckpointCorruptedError: data files are missing, short, inconsistent
       or fail their checksums; the message names the file, step and leaf.
+    CheckpointNotFoundError: a step of one process's shards does not hold
+      what this process restores (raised before any data is read).
   """
   saved = manifest.leaf_by_path
   targets, treedef = leaf_paths(target)
   where = f"step {manifest.step} in {step_dir}"
-  _match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
+  match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
   for path, _, _ in targets:  # Now each impl is the target's, so known.
     check_key_impl(saved[path], where)
-  targets = [(p, _on_context_mesh(p, leaf)) for p, _, leaf in targets]
+  targets = [(p, on_context_mesh(p, leaf)) for p, _, leaf in targets]
+  if manifest.scope is not None:
+    _check_held(saved, targets, where)
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes,

@@ -109,22 +109,28 @@ def _check_array_alive(path: str, arr: jax.Array) -> None:
         " returned, before passing it to the next step.")
 
 
-def _owned_shards(arr: jax.Array, *, single_writer: bool,
-                  is_primary: bool) -> list[tuple[Index, Any, bool]]:
-  """(index, shard array, on a CPU?) of each shard this process writes."""
-  if single_writer and not is_primary:
+def _owned_shards(arr: jax.Array, *, single_writer: bool, is_primary: bool,
+                  own_copy: bool) -> list[tuple[Index, Any, bool]]:
+  """(index, shard array, on a CPU?) of each shard this process writes.
+
+  With `own_copy`, every distinct shard this process holds (a copy for it
+  alone to restore from), else only the replicas the job's plan gives it.
+  """
+  if single_writer and not is_primary and not own_copy:
     return []
   plan = shard_plan(arr.sharding, arr.shape)
-  out = []
+  out, seen = [], set()
   for s in arr.addressable_shards:
     index, replica = plan[s.device]
-    if replica == 0:
+    if (index not in seen) if own_copy else replica == 0:
+      seen.add(index)
       out.append((index, s.data, s.device.platform == "cpu"))
   return out
 
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
-                  staging: HostStaging) -> list[LeafSnapshot]:
+                  staging: HostStaging, own_copy: bool = False
+                  ) -> list[LeafSnapshot]:
   """Copies the shards this process writes to host memory.
 
   Args:
@@ -133,6 +139,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
     is_primary: whether this process writes host-local values.
     staging: the buffers CPU shards are copied into (reused by the next
       call, so the previous snapshot must no longer be in use).
+    own_copy: take every distinct shard this process holds, replicas
+      included (a copy that restores this process alone: the local tier).
 
   Returns:
     One `LeafSnapshot` per leaf, in flattening order, on every process (so
@@ -148,7 +156,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
         impl = str(jax.random.key_impl(leaf))
         arr = jax.random.key_data(leaf)
       single = process_count > 1 and arr.is_fully_addressable
-      shards = _owned_shards(arr, single_writer=single, is_primary=is_primary)
+      shards = _owned_shards(arr, single_writer=single, is_primary=is_primary,
+                             own_copy=own_copy)
       plans.append((path, keys, leaf, arr, impl, shards))
     else:
       plans.append((path, keys, leaf, None, None, None))

@@ -27,7 +27,7 @@ import hashlib
 import json
 import time
 import threading
-from typing import Any, TYPE_CHECKING
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import crc32c
 from etils import epath
@@ -51,6 +51,14 @@ CHECKSUM_BLOCK = 4 << 20
 
 # The most bytes of one process's shard table (the manifest's own cap).
 MAX_TABLE_BYTES = 256 << 20
+
+
+class Scope(NamedTuple):
+  """A step that holds only the shards of one process of a job (every
+  distinct shard it held, replicas included): what that process needs to
+  restore itself, in the local tier. Its arrays are not covered whole."""
+  process_index: int
+  process_count: int
 
 
 def data_file(process_index: int) -> str:
@@ -274,12 +282,13 @@ def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
 def merge_tables(step_dir: epath.Path, *, step: int,
                  leaves: list[LeafSnapshot], process_count: int,
                  primary: int, extra: Any, metrics: dict[str, Any] | None,
-                 backend: backend_lib.Backend
+                 backend: backend_lib.Backend, scope: Scope | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
   """Merges every process's shard table into the manifest (primary host).
 
   After all processes wrote. Checks that every process saw each leaf as the
-  primary does and that its data file holds what its table says.
+  primary does and that its data file holds what its table says. With
+  `scope`, the step holds one process's shards only (see `Scope`).
 
   Returns:
     The manifest, and per leaf path the shard indices each process wrote.
@@ -311,7 +320,9 @@ def merge_tables(step_dir: epath.Path, *, step: int,
     else:
       del leaf["shards"]
   now = time.time()
+  held = {} if scope is None else {"scope": scope._asdict()}
   return {
+      **held,
       "format": FORMAT_NAME,
       "format_version": FORMAT_VERSION,
       "step": step,

@@ -1,0 +1,151 @@
+"""The local tier on one process: what it writes, keeps and restores."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointNotFoundError
+from flax_ckpt_plugin import local_tier
+from flax_ckpt_plugin import manifest as manifest_lib
+
+from helpers import sorted_entries
+from helpers import two_device_mesh
+
+
+def _process_dir(local, ckpt_dir) -> str:
+  return os.path.join(local, local_tier.job_name(str(ckpt_dir)),
+                      "process_00000")
+
+
+def _run(cb, make_state, train_step, steps):
+  state = cb.restore_or_initialize(make_state())
+  for step in steps:
+    state = train_step(state)
+    cb(step, state)
+  cb.close()
+  return state
+
+
+def test_the_local_tier_keeps_its_newest_two_steps_apart_from_the_persistent(
+    tmp_path, ckpt_dir, make_state, train_step):
+  local = tmp_path / "local"
+  cb = CheckpointCallback(ckpt_dir, every_steps=5, max_to_keep=None,
+                          local_directory=local, local_every_steps=2)
+  _run(cb, make_state, train_step, range(1, 10))
+  assert sorted_entries(ckpt_dir) == ["5"]
+  mine = _process_dir(local, ckpt_dir)
+  assert sorted_entries(mine) == ["6", "8"]
+  text = open(os.path.join(mine, "8", "manifest.json"), "rb").read()
+  parsed = manifest_lib.parse(text, "local step 8")
+  assert parsed.scope == (0, 1)
+
+
+def test_a_restore_takes_the_newest_step_from_the_fastest_tier(
+    tmp_path, ckpt_dir, make_state, train_step, assert_trees_equal,
+    host_copy):
+  local = tmp_path / "local"
+  kwargs = dict(every_steps=5, local_directory=local, local_every_steps=2)
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  # A target whose step is an array, as in the states saved.
+  target = lambda: jax.tree.map(jnp.zeros_like, train_step(make_state()))
+  state = cb.restore_or_initialize(make_state())
+  at = {}
+  for step in range(1, 10):
+    state = train_step(state)
+    cb(step, state, extra={"step": step})
+    at[step] = host_copy(state)
+  cb.close()
+
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  restored = cb.restore_or_initialize(target())
+  assert (cb.restored_step, cb.restored_tier) == (8, "local")
+  assert cb.restored_extra == {"step": 8}
+  assert_trees_equal(host_copy(restored), at[8])
+  cb.close()
+
+  # Damage the newest local step: the older local one (6) is newer than
+  # the persistent tier's 5.
+  data = os.path.join(_process_dir(local, ckpt_dir), "8", "data",
+                      "process_00000.bin")
+  with open(data, "r+b") as f:
+    f.seek(10)
+    byte = f.read(1)
+    f.seek(10)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  restored = cb.restore_or_initialize(target())
+  assert (cb.restored_step, cb.restored_tier) == (6, "local")
+  assert_trees_equal(host_copy(restored), at[6])
+  cb.close()
+
+  # The local tier gone (a new host): the persistent tier serves.
+  shutil.rmtree(local)
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  restored = cb.restore_or_initialize(target())
+  assert (cb.restored_step, cb.restored_tier) == (5, "persistent")
+  assert_trees_equal(host_copy(restored), at[5])
+  cb.close()
+
+
+def test_a_step_of_one_process_holds_every_distinct_shard_it_had(
+    tmp_path, ckpt_dir):
+  """Replicas included, each distinct shard once; and a target that places
+  shards it does not hold is a clear miss, before any read."""
+  mesh = two_device_mesh()
+  replicated = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P()))
+  split = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+  state = {"r": replicated, "s": split}
+  tier = local_tier.LocalTier(tmp_path / "local", "job",
+                              coordinator=_Process(1, 4))
+  tier.manager.save(3, state)
+  tier.manager.wait_until_finished()
+  m = manifest_lib.read(tier.directory / "3")
+  assert m.scope == (1, 4)
+  shards = {leaf.path: [s.index for s in leaf.shards] for leaf in m.leaves}
+  assert shards == {"r": [((0, 8),)], "s": [((0, 4),), ((4, 8),)]}
+  restored = tier.manager.restore(state, 3)
+  np.testing.assert_array_equal(restored["s"], np.arange(8.0))
+
+  # A step that holds half an array, read for a target that wants all of it.
+  text = json.loads((tier.directory / "3" / "manifest.json").read_text())
+  text["leaves"][1]["shards"] = text["leaves"][1]["shards"][:1]
+  (tier.directory / "3" / "manifest.json").write_text(json.dumps(text))
+  with pytest.raises(CheckpointNotFoundError, match=r"leaf 's'.*region"):
+    tier.manager.restore(state, 3)
+  tier.manager.close()
+
+
+class _Process:
+  """A coordinator that names a process of a bigger job (the tier only asks
+  who it is)."""
+
+  def __init__(self, index, count):
+    self.process_index, self.process_count = index, count
+
+
+def test_nothing_is_fsynced_on_a_file_system_in_memory(tmp_path,
+                                                        small_tmpfs):
+  assert backend_lib.for_local_path(small_tmpfs / "x") is backend_lib.MEMORY
+  assert backend_lib.for_local_path(tmp_path) is backend_lib.LOCAL
+  tier = local_tier.LocalTier(small_tmpfs, "job", coordinator=_Process(0, 1))
+  assert tier.manager.backend is backend_lib.MEMORY
+  tier.manager.save(1, {"w": jnp.ones(4)})
+  tier.manager.close()
+  assert (tier.directory / "1" / "_COMMITTED").exists()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"local_directory": "/tmp/x"}, {"local_every_steps": 3},
+    {"local_directory": "/tmp/x", "local_every_steps": 0}])
+def test_the_local_tier_needs_a_path_and_an_interval(ckpt_dir, kwargs):
+  with pytest.raises(ValueError, match="local"):
+    CheckpointCallback(ckpt_dir, **kwargs)

@@ -1,0 +1,71 @@
+"""Restoring from the fastest tier, in real multi-process runs.
+
+Real JAX processes (each with 2 CPU devices) train a data-parallel model
+whose shards every process holds a replica of (`mp_workers/tiers.py`); each
+has a local tier of its own (a per-host path) under the shared persistent
+one. Runs are compared bit for bit with a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from launcher import run_workers
+
+TIMEOUT = 120
+END, PERSISTENT_EVERY, LOCAL_EVERY = 12, 5, 2
+
+
+def _run(directory, end, n):
+  return [r.json for r in run_workers(
+      "tiers", n, args=[str(directory), str(end), str(PERSISTENT_EVERY),
+                        str(LOCAL_EVERY)], timeout=TIMEOUT)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(8 * TIMEOUT)
+def test_a_restart_restores_from_local_tiers_then_peers_then_persistent(
+    tmp_path):
+  n = 2
+  reference = _run(tmp_path / "reference", END, n)
+  run = tmp_path / "run"
+  first = _run(run, 9, n)  # Persistent: 5; local: 6 and 8.
+  assert [r["restored_tier"] for r in first] == [None] * n
+  # The local tier belongs to the checkpoint directory by its path: each
+  # case starts from a copy of this run, put back at the same path.
+  shutil.copytree(run, tmp_path / "after_9")
+
+  def again():
+    shutil.rmtree(run)
+    shutil.copytree(tmp_path / "after_9", run)
+
+  resumed = _run(run, END, n)
+  for r, ref in zip(resumed, reference):
+    assert (r["restored_step"], r["restored_tier"]) == (8, "local")
+    assert r["restored_extra"] == {"step": 8}
+    assert r["persistent_restores"] == 0
+    assert r["digests"] == ref["digests"]
+
+  # A replaced host: process 1's local tier is gone; process 0 holds a
+  # replica of every shard, so process 1 gets them from it, and nothing is
+  # read from the persistent tier.
+  again()
+  shutil.rmtree(run / "local_1")
+  resumed = _run(run, END, n)
+  for r, ref in zip(resumed, reference):
+    assert (r["restored_step"], r["restored_tier"]) == (8, "peer"), r
+    assert r["restored_extra"] == {"step": 8}
+    assert r["persistent_restores"] == 0
+    assert r["digests"] == ref["digests"]
+
+  # Every local tier gone: the persistent tier serves.
+  again()
+  for p in range(n):
+    shutil.rmtree(run / f"local_{p}")
+  resumed = _run(run, END, n)
+  for r, ref in zip(resumed, reference):
+    assert (r["restored_step"], r["restored_tier"]) == (5, "persistent")
+    assert r["persistent_restores"] == 1
+    assert r["digests"] == ref["digests"]
