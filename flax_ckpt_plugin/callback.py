@@ -34,6 +34,7 @@ from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin import peer
+from flax_ckpt_plugin import rescue
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
@@ -196,9 +197,14 @@ class CheckpointCallback:
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._watcher = liveness.watch(
-        coord, self.manager.name, poll_secs=watch_poll_secs) if (
-            watch_peers and coord.process_count > 1) else None
+    self._watcher = self._rescue = None
+    if watch_peers and coord.process_count > 1:
+      self._rescue = rescue.Rescue(self.manager, self.local,
+                                   exit_code=PREEMPTED_EXIT_CODE)
+      self._watcher = liveness.watch(
+          coord, self.manager.name, poll_secs=watch_poll_secs,
+          on_lost=self._rescue.on_lost)
+      self._rescue.watching(self._watcher)
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -436,5 +442,5 @@ class CheckpointCallback:
         self.local.manager.__exit__(exc_type, exc, tb)
     finally:
       self._write_metrics()
-      if self._watcher is not None:
-        self._watcher.close()
+      # The watcher goes on: the error may be a collective's with a peer
+      # that is dying, which the exit hook then learns (see `rescue`).

@@ -64,6 +64,7 @@ class CommitInputs(NamedTuple):
   # job claimed the directory since this one opened it.
   check_still_writer: Callable[[str], None]
   scope: storage.Scope | None = None  # One process's shards (local tier).
+  writers: Sequence[int] | None = None  # Who writes; None: every process.
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -172,11 +173,11 @@ def commit(inputs: CommitInputs) -> SaveStats:
       merged, origins = storage.merge_tables(
           tmp.path, step=step, leaves=inputs.leaves, process_count=count,
           primary=pid, extra=inputs.extra, metrics=inputs.metrics,
-          backend=inputs.backend, scope=inputs.scope)
+          backend=inputs.backend, scope=inputs.scope, writers=inputs.writers)
       text = checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
-      storage.write_manifest(tmp.path, text=text,
-                             process_count=count, backend=inputs.backend)
+      storage.write_manifest(tmp.path, text=text, process_count=count,
+                             backend=inputs.backend, writers=inputs.writers)
       tmp.finalize()
 
   _phase(inputs, "committed", finalize)

@@ -23,6 +23,7 @@ key-value store is a dict. Tests inject a coordinator that runs N
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import time
 from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence
@@ -166,6 +167,13 @@ class JaxCoordinator:
     if replacing is None or self._abort == replacing:
       self._abort = check
 
+  def unguarded(self) -> "JaxCoordinator":
+    """This coordinator, but deaf to `abort_when`: for the survivors of a
+    lost peer, who meet each other after the watcher ended every wait."""
+    other = copy.copy(self)
+    other._abort = None  # pylint: disable=protected-access
+    return other
+
   def _where(self) -> str:
     return f"process {self.process_index} of {self.process_count}"
 
@@ -308,47 +316,6 @@ class JaxCoordinator:
       return False
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return bool(multihost_utils.reached_preemption_sync_point(int(step)))
-
-
-class SoloCoordinator(Rounds):
-  """One process by itself, whatever the job: the coordinator of what a
-  process keeps for itself alone (the local tier). Barriers pass at once
-  and the key-value store is its own."""
-
-  process_index = 0
-  process_count = 1
-
-  def __init__(self):
-    super().__init__()
-    self._kv: dict[str, str] = {}
-
-  def barrier(self, key: str, *, timeout_ms: int,
-              process_ids: Sequence[int] | None = None) -> None:
-    del key, timeout_ms, process_ids
-
-  def kv_set(self, key: str, value: str) -> None:
-    self._kv[key] = value
-
-  def kv_get(self, key: str, *, timeout_ms: int) -> str:
-    if key not in self._kv:
-      raise TimeoutError(f"key {key!r} was never set")
-    return self._kv[key]
-
-  def kv_dir(self, prefix: str) -> dict[str, str]:
-    return {k: v for k, v in self._kv.items() if k.startswith(prefix + "/")}
-
-  def kv_delete(self, key: str) -> None:
-    for k in [k for k in self._kv if k == key or k.startswith(key + "/")]:
-      del self._kv[k]
-
-  def live_processes(self) -> dict[int, int]:
-    return {0: 0}
-
-  def reached_preemption_sync_point(self, step: int) -> bool:
-    return False
-
-  def preemption_notifier_installed(self) -> bool:
-    return False
 
 
 _DEFAULT: JaxCoordinator | None = None

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import PeerLostError
@@ -53,11 +53,16 @@ class Watcher:
     key: a key-value prefix unique to this watcher (the same on every
       process), under which processes record that they closed.
     poll_secs: the period of the polls.
+    on_lost: called on the watcher's thread with the lost processes, once
+      they are reported (see `rescue`).
   """
 
   def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
-               poll_secs: float = 0.5):
+               poll_secs: float = 0.5,
+               on_lost: Callable[[dict[int, str]], None] | None = None):
     self._coord = coord
+    self._on_lost = on_lost
+    self.rounds = 0  # Polls answered so far.
     self._key = key
     self._poll_secs = poll_secs
     self._stop = threading.Event()
@@ -83,6 +88,24 @@ class Watcher:
       return None
     return PeerLostError(lost, self._coord.process_index,
                          self._coord.process_count)
+
+  @property
+  def closed(self) -> bool:
+    return self._stop.is_set()
+
+  def settle(self, timeout: float) -> bool:
+    """Waits until a peer is lost, the watch ends, or two polls that began
+    after this call found everyone alive; True if a peer was lost.
+
+    A poll waits while a peer is gone but not yet declared dead (it is a
+    barrier over the live processes), so a process that ends because of a
+    peer's death (a failed collective) learns of it here.
+    """
+    end, start = time.monotonic() + timeout, self.rounds
+    while (not self.lost and not self.closed and self._thread.is_alive()
+           and self.rounds < start + 2 and time.monotonic() < end):
+      time.sleep(0.05)
+    return bool(self.lost)
 
   def check(self) -> None:
     """Raises `PeerLostError` once a peer was lost."""
@@ -147,7 +170,10 @@ class Watcher:
         everyone -= closed
       if lost:
         self._report(lost)
+        if self._on_lost is not None:
+          self._on_lost(lost)
         return
+      self.rounds += 1
       self._stop.wait(self._poll_secs)
 
   def _report(self, lost: dict[int, str]) -> None:
@@ -158,11 +184,13 @@ class Watcher:
 
 
 def watch(coord: coordinator_lib.Coordinator, name: str, *,
-          poll_secs: float = 0.5) -> Watcher:
+          poll_secs: float = 0.5,
+          on_lost: Callable[[dict[int, str]], None] | None = None
+          ) -> Watcher:
   """A started watcher, which every coordination call of `coord` obeys."""
   n = coord.next_round(f"liveness/{name}")
   key = f"flax_ckpt_plugin/liveness/{name}/{n}"
-  watcher = Watcher(coord, key, poll_secs=poll_secs).start()
+  watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost).start()
   set_abort: Any = getattr(coord, "abort_when", None)
   if set_abort is not None:
     set_abort(watcher.check)

@@ -29,6 +29,7 @@ from etils import epath
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
@@ -59,7 +60,7 @@ class LocalTier:
     path = epath.Path(os.path.abspath(os.fspath(directory)))
     path = path / job / f"process_{pid:05d}"
     self.manager = CheckpointManager(
-        path, max_to_keep=keep, coordinator=coordinator_lib.SoloCoordinator(),
+        path, max_to_keep=keep, coordinator=groups.SoloCoordinator(),
         backend=backend_lib.for_local_path(path), name=f"local/{job}/{pid}",
         scope=storage.Scope(pid, coordinator.process_count))
 

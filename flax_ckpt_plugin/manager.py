@@ -82,6 +82,9 @@ class CheckpointManager:
     last_save_stats: `SaveStats` of the newest save this manager finalized,
       or None.
     last_restore_stats: `RestoreStats` of the newest restore, or None.
+    check_still_writer: raises `ConcurrentWriterError` (ending with the
+      given consequence) if another job claimed the directory since this
+      manager opened it (writers only).
 
   Every method raises `RuntimeError` after `close`. As a context manager it
   closes on exit; an error raised while closing after an exception in the
@@ -143,7 +146,7 @@ class CheckpointManager:
           self.coordinator, self.directory, self.backend, self._base,
           is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
       self.name = f"{self._base}/{token}"
-      self._still_writer = functools.partial(
+      self.check_still_writer = functools.partial(
           atomicity_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
       self._steps = atomicity_lib.finalized_steps(self.directory)
@@ -266,7 +269,7 @@ class CheckpointManager:
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
-        check_still_writer=self._still_writer, scope=self.scope)
+        check_still_writer=self.check_still_writer, scope=self.scope)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -308,11 +311,17 @@ class CheckpointManager:
       commit_lib.run_retention(
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
           delete=lambda: self.is_primary and atomicity_lib.delete_steps(
-              self.directory, doomed, self._still_writer, self.backend))
+              self.directory, doomed, self.check_still_writer, self.backend))
 
-  def wait_until_finished(self) -> None:
-    """Blocks until the running save is finalized; raises its error."""
-    self._committer.wait()
+  def wait_until_finished(self, timeout: float | None = None) -> bool:
+    """Blocks until the running save is finalized; raises its error.
+
+    Returns False, raising nothing, if it still runs after `timeout` secs.
+    """
+    if not self._committer.join(timeout):
+      return False
+    self._committer.check()
+    return True
 
   def check_for_errors(self) -> None:
     """Raises the error of a finished background save, without waiting."""

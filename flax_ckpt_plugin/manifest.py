@@ -214,7 +214,7 @@ def _safe_relative(name: str) -> bool:
           all(p not in ("", ".", "..") for p in parts))
 
 
-def _check_grid(indices: list[list[list[int]]], shape: list[int], lw: str,
+def check_grid(indices: list[list[list[int]]], shape: list[int], lw: str,
                 *, whole: bool = True) -> None:
   """Shards must tile the array: no element missing, none twice.
 
@@ -311,7 +311,7 @@ def _leaf(leaf: Any, where: str, files: dict[str, int],
   if not isinstance(shards, list):
     raise _corrupt(lw, "no shard list")
   records = tuple(_shard(s, lw, shape, dtype, files, block) for s in shards)
-  _check_grid([s["index"] for s in shards], shape, lw, whole=not partial)
+  check_grid([s["index"] for s in shards], shape, lw, whole=not partial)
   key_impl = leaf.get("key_impl")
   if "key_impl" in leaf and not (isinstance(key_impl, str)
                                  and _KEY_IMPL.fullmatch(key_impl)):

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -44,23 +45,6 @@ from flax_ckpt_plugin.reader import LeafReader
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.treepaths import leaf_paths
 from flax_ckpt_plugin.treepaths import normalize_index
-
-_CHUNK = 1 << 20  # Bytes per key-value entry of a shared manifest.
-
-
-def _share(coord: coordinator_lib.Coordinator, key: str, raw: bytes) -> None:
-  text = raw.decode("utf-8")
-  chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
-  for n, chunk in enumerate(chunks):
-    coord.kv_set(f"{key}/{n}", chunk)
-  coord.kv_set(f"{key}/count", str(len(chunks)))
-
-
-def _fetch(coord: coordinator_lib.Coordinator, key: str,
-           timeout_ms: int) -> bytes:
-  count = int(coord.kv_get(f"{key}/count", timeout_ms=timeout_ms))
-  return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
-                 for n in range(count)).encode("utf-8")
 
 
 def _agree(coord: coordinator_lib.Coordinator, key: str, fn, where: str,
@@ -171,13 +155,14 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
 
   def share():
     if me == source:
-      _share(coord, f"{key}/manifest", local_read(step_dir))
+      groups.share_text(coord, f"{key}/manifest",
+                        local_read(step_dir).decode("utf-8"))
 
   _agree(coord, f"{key}/shared", share, where, timeout_ms)
 
   def prepare():
-    saved = manifest_lib.parse(_fetch(coord, f"{key}/manifest", timeout_ms),
-                               where)
+    saved = manifest_lib.parse(groups.fetch_text(
+        coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
     return _prepare(saved, target, step_dir if holding else None,
                     me == source, set(holders), where)
 

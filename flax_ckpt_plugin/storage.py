@@ -27,7 +27,7 @@ import hashlib
 import json
 import time
 import threading
-from typing import Any, NamedTuple, TYPE_CHECKING
+from typing import Any, NamedTuple, Sequence, TYPE_CHECKING
 
 import crc32c
 from etils import epath
@@ -282,13 +282,15 @@ def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
 def merge_tables(step_dir: epath.Path, *, step: int,
                  leaves: list[LeafSnapshot], process_count: int,
                  primary: int, extra: Any, metrics: dict[str, Any] | None,
-                 backend: backend_lib.Backend, scope: Scope | None = None
+                 backend: backend_lib.Backend, scope: Scope | None = None,
+                 writers: Sequence[int] | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
   """Merges every process's shard table into the manifest (primary host).
 
   After all processes wrote. Checks that every process saw each leaf as the
   primary does and that its data file holds what its table says. With
-  `scope`, the step holds one process's shards only (see `Scope`).
+  `scope`, the step holds one process's shards only (see `Scope`). Only
+  `writers` wrote (default: every process).
 
   Returns:
     The manifest, and per leaf path the shard indices each process wrote.
@@ -299,10 +301,11 @@ def merge_tables(step_dir: epath.Path, *, step: int,
     (The save is abandoned either way.)
   """
   by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
-  tables = [_read_table(step_dir, p, backend) for p in range(process_count)]
+  writers = range(process_count) if writers is None else writers
+  tables = {p: _read_table(step_dir, p, backend) for p in writers}
   digest = tables[primary]["views_sha256"]
   files, origins = {}, {}
-  for p, table in enumerate(tables):
+  for p, table in tables.items():
     if table["views_sha256"] != digest:  # Only then read the whole views.
       mine, theirs = (json.loads(backend.read_small(
           step_dir / views_file(q), within=step_dir, limit=MAX_TABLE_BYTES))
@@ -340,11 +343,12 @@ def merge_tables(step_dir: epath.Path, *, step: int,
 
 
 def write_manifest(step_dir: epath.Path, *, text: str, process_count: int,
-                   backend: backend_lib.Backend) -> None:
+                   backend: backend_lib.Backend,
+                   writers: Sequence[int] | None = None) -> None:
   """Writes a manifest (checked by the caller) durably and removes the
-  shard tables. Primary host only."""
+  shard tables (of `writers`, default all). Primary host only."""
   backend.write_small(step_dir / MANIFEST, text)
-  for p in range(process_count):
+  for p in range(process_count) if writers is None else writers:
     (step_dir / index_file(p)).unlink(missing_ok=True)
     (step_dir / views_file(p)).unlink(missing_ok=True)
   backend.fsync(step_dir / DATA_DIR)

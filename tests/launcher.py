@@ -127,6 +127,8 @@ class WorkerGroup:
     # full pipe while the test waits for it.
     self._log_dir = tempfile.mkdtemp(prefix="mp_workers_")
     self._procs: list[subprocess.Popen] = []
+    # Per worker, the wall-clock time `wait` saw it end (within 0.05 s).
+    self.ended_at: dict[int, float] = {}
 
   def _worker_env(self, i: int) -> dict[str, str]:
     env = dict(os.environ)
@@ -207,6 +209,9 @@ class WorkerGroup:
     """
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in self._procs):
+      for i, p in enumerate(self._procs):
+        if i not in self.ended_at and p.poll() is not None:
+          self.ended_at[i] = time.time()
       if time.monotonic() > deadline:
         hung = [i for i, p in enumerate(self._procs) if p.poll() is None]
         self.kill_all()
@@ -216,6 +221,8 @@ class WorkerGroup:
                     f" killed all {self.num_processes}\n"
                     + format_logs(results), pytrace=False)
       time.sleep(0.05)
+    for i in range(len(self._procs)):
+      self.ended_at.setdefault(i, time.time())
     results = self.results()
     self.close()
     if check and any(r.returncode != 0 for r in results):

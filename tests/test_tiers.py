@@ -28,7 +28,7 @@ def _run(directory, end, n):
 @pytest.mark.timeout(8 * TIMEOUT)
 def test_a_restart_restores_from_local_tiers_then_peers_then_persistent(
     tmp_path):
-  n = 2
+  n = 4  # The acceptance setup: 4 processes x 2 CPU devices.
   reference = _run(tmp_path / "reference", END, n)
   run = tmp_path / "run"
   first = _run(run, 9, n)  # Persistent: 5; local: 6 and 8.
@@ -48,8 +48,8 @@ def test_a_restart_restores_from_local_tiers_then_peers_then_persistent(
     assert r["persistent_restores"] == 0
     assert r["digests"] == ref["digests"]
 
-  # A replaced host: process 1's local tier is gone; process 0 holds a
-  # replica of every shard, so process 1 gets them from it, and nothing is
+  # A replaced host: process 1's local tier is gone; the others hold a
+  # replica of every shard, so process 1 gets them from them, and nothing is
   # read from the persistent tier.
   again()
   shutil.rmtree(run / "local_1")

@@ -10,8 +10,8 @@ the processes. Each process's local tier is DIR/local_<process> (a per-host
 path). The loop restores from the tiers, trains to END, and reports what it
 restored, from which tier, and a digest of the final state.
 
-With VICTIM, that process SIGKILLs itself just before KILL_STEP's train
-step (writing the time to DIR/killed_at), with JAX's recoverability on and
+With VICTIM, that process SIGKILLs itself once it finished step
+KILL_STEP - 1 (writing the time to DIR/killed_at), with JAX's recoverability on and
 heartbeat HEARTBEAT seconds; the survivors report how their loop ended and
 leave as the documented loop does.
 """
@@ -104,6 +104,9 @@ step = int(state.step)
 try:
   for step in range(step + 1, END + 1):
     if _setup.PROCESS_ID == VICTIM and step == KILL_STEP:
+      # Steps run asynchronously: the victim dies having finished the
+      # steps before KILL_STEP (their all-reduces done on every process).
+      jax.block_until_ready(state)
       (DIR / "killed_at").write_text(repr(time.time()))
       os.kill(os.getpid(), signal.SIGKILL)
     state = train_step(state)

@@ -1,0 +1,117 @@
+"""Coordinators for other groups of processes than the whole job.
+
+`SoloCoordinator` is one process by itself: what a process keeps for
+itself alone (the local tier) meets nobody. `Survivors` is the processes
+left after a peer was lost: their barriers name them (`process_ids=`), and
+their calls ignore the watcher that ended every wait of the job's
+coordinator (see `rescue`). `share_text` and `fetch_text` pass a text of
+any size through the key-value store, in chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.coordinator import Rounds
+
+_CHUNK = 1 << 20  # Characters per key-value entry of a shared text.
+
+
+class SoloCoordinator(Rounds):
+  """One process by itself, whatever the job: barriers pass at once and the
+  key-value store is its own."""
+
+  process_index = 0
+  process_count = 1
+
+  def __init__(self):
+    super().__init__()
+    self._kv: dict[str, str] = {}
+
+  def barrier(self, key: str, *, timeout_ms: int,
+              process_ids: Sequence[int] | None = None) -> None:
+    del key, timeout_ms, process_ids
+
+  def kv_set(self, key: str, value: str) -> None:
+    self._kv[key] = value
+
+  def kv_get(self, key: str, *, timeout_ms: int) -> str:
+    if key not in self._kv:
+      raise TimeoutError(f"key {key!r} was never set")
+    return self._kv[key]
+
+  def kv_dir(self, prefix: str) -> dict[str, str]:
+    return {k: v for k, v in self._kv.items() if k.startswith(prefix + "/")}
+
+  def kv_delete(self, key: str) -> None:
+    for k in [k for k in self._kv if k == key or k.startswith(key + "/")]:
+      del self._kv[k]
+
+  def live_processes(self) -> dict[int, int]:
+    return {0: 0}
+
+  def reached_preemption_sync_point(self, step: int) -> bool:
+    return False
+
+  def preemption_notifier_installed(self) -> bool:
+    return False
+
+
+class Survivors:
+  """The job's coordinator, for `members` only (the survivors of a loss).
+
+  Process indices stay the job's; every barrier names `members`. Calls
+  ignore the job coordinator's abort (`JaxCoordinator.unguarded`).
+  """
+
+  def __init__(self, coord: coordinator_lib.Coordinator,
+               members: Sequence[int]):
+    unguarded = getattr(coord, "unguarded", None)
+    self._coord = unguarded() if unguarded is not None else coord
+    self.members = sorted(members)
+
+  @property
+  def process_index(self) -> int:
+    return self._coord.process_index
+
+  @property
+  def process_count(self) -> int:
+    return self._coord.process_count
+
+  def barrier(self, key: str, *, timeout_ms: int,
+              process_ids: Sequence[int] | None = None) -> None:
+    del process_ids
+    self._coord.barrier(key, timeout_ms=timeout_ms, process_ids=self.members)
+
+  def kv_set(self, key: str, value: str) -> None:
+    self._coord.kv_set(key, value)
+
+  def kv_get(self, key: str, *, timeout_ms: int) -> str:
+    return self._coord.kv_get(key, timeout_ms=timeout_ms)
+
+  def kv_dir(self, prefix: str) -> dict[str, str]:
+    return self._coord.kv_dir(prefix)
+
+  def kv_delete(self, key: str) -> None:
+    self._coord.kv_delete(key)
+
+  def next_round(self, name: str) -> int:
+    return self._coord.next_round(name)
+
+
+def share_text(coord: coordinator_lib.Coordinator, key: str,
+               text: str) -> None:
+  """Sets `text` under `key` for `fetch_text`, in chunks."""
+  chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
+  for n, chunk in enumerate(chunks):
+    coord.kv_set(f"{key}/{n}", chunk)
+  coord.kv_set(f"{key}/count", str(len(chunks)))
+
+
+def fetch_text(coord: coordinator_lib.Coordinator, key: str,
+               timeout_ms: int) -> str:
+  """The text another process shared under `key` (waits for it)."""
+  count = int(coord.kv_get(f"{key}/count", timeout_ms=timeout_ms))
+  return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
+                 for n in range(count))

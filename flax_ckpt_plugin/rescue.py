@@ -1,0 +1,230 @@
+"""What the survivors of a lost process do: save what it cannot, then leave.
+
+When the watcher (`liveness`) reports a lost peer, on its thread, every
+survivor:
+
+1. waits for its own background commits: the local tier's ends by itself,
+   and the persistent tier's at once (its waits obey the watcher);
+2. lists its local steps to the other survivors; they pick the newest step
+   that all of them hold, unless the persistent tier has it or a newer one;
+3. shares which shards of it it holds; if together they hold every shard
+   (the lost process's shards have replicas on survivors, as in data
+   parallelism), each writes from its local tier the shards it is the
+   lowest holder of, and the step is committed to the persistent tier as
+   a save is (`commit.commit`), with barriers over the survivors only;
+4. ends the process with `PREEMPTED_EXIT_CODE`, so that the launcher starts
+   the job again: from the exit hook at once if the program is exiting
+   (its loop raised `PeerLostError`, or the error of a collective with the
+   dead peer), or after `GRACE_SECS` if the main thread is still running
+   (it may be stuck in such a collective, which on CPU fails only after
+   `--xla_cpu_collective_timeout_seconds`). JAX's own shutdown would abort
+   the process (status -6) with a peer gone, so the hook exits first.
+
+When the survivors do not hold every shard, nothing is saved and the
+local tiers (the lost process's too, if its host lives) serve the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from flax_ckpt_plugin import atomicity as atomicity_lib
+from flax_ckpt_plugin import commit as commit_lib
+from flax_ckpt_plugin import groups
+from flax_ckpt_plugin import liveness
+from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import local_tier as local_tier_lib
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.manager import CheckpointManager
+from flax_ckpt_plugin.reader import ByteReader
+from flax_ckpt_plugin.reader import LeafReader
+from flax_ckpt_plugin.snapshot import LeafSnapshot
+from flax_ckpt_plugin.snapshot import ShardData
+
+# How long the main thread has, once the survivors' save is done, to reach
+# the exit hook by itself before the process ends anyway.
+GRACE_SECS = 3.0
+# The most a survivor waits for the others at each phase of the save.
+TIMEOUT_SECS = 60.0
+# How long a survivor waits for its own background saves to end.
+WAIT_SECS = 5.0
+# How long an exiting program waits to learn whether a peer was lost.
+SETTLE_SECS = 120.0
+
+
+class Rescue:
+  """The survivors' save and exit, for one callback; see the module doc.
+
+  Args:
+    manager: the persistent tier.
+    local: this process's local tier, or None (then nothing is saved).
+    exit_code: the status the process ends with after a loss.
+  """
+
+  def __init__(self, manager: CheckpointManager,
+               local: local_tier_lib.LocalTier | None, *, exit_code: int):
+    self._manager = manager
+    self._local = local
+    self._exit_code = exit_code
+    self._watcher: liveness.Watcher | None = None
+    self._started = threading.Event()
+    self._done = threading.Event()
+    self.saved_step: int | None = None  # What the survivors saved.
+    register = getattr(threading, "_register_atexit", None)
+    try:  # Before `atexit` handlers: JAX's shutdown is one.
+      register(self._at_exit)
+    except (TypeError, RuntimeError):
+      import atexit  # pylint: disable=g-import-not-at-top
+      atexit.register(self._at_exit)
+
+  def watching(self, watcher: liveness.Watcher) -> None:
+    self._watcher = watcher
+
+  def on_lost(self, lost: dict[int, str]) -> None:
+    """The watcher's thread, once peers are lost: save, then leave."""
+    self._started.set()
+    try:
+      self._save(set(lost))
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("the survivors' save failed: %r", e)
+    finally:
+      self._done.set()
+    time.sleep(GRACE_SECS)
+    log.error("the main thread did not end within %.0fs of the survivors'"
+              " save (stuck in a collective with the lost process?);"
+              " ending the process with status %d", GRACE_SECS,
+              self._exit_code)
+    _leave(self._exit_code)
+
+  def _at_exit(self) -> None:
+    """The program is exiting: if a peer is lost (or being lost), finish
+    the survivors' save and end with the preemption status."""
+    watcher = self._watcher
+    if watcher is None or (watcher.closed and not watcher.lost):
+      return
+    if not self._started.is_set() and not watcher.settle(SETTLE_SECS):
+      watcher.close()  # No peer is lost: the others must not think so.
+      return
+    self._done.wait(TIMEOUT_SECS * 4)
+    _leave(self._exit_code)
+
+  def _save(self, lost: set[int]) -> None:
+    manager, local = self._manager, self._local
+    for m in (manager, local.manager if local else None):
+      try:
+        if m is not None and not m.wait_until_finished(WAIT_SECS):
+          log.warning("the background save to %s still runs after %.0fs;"
+                      " the survivors' save goes on without it",
+                      m.directory, WAIT_SECS)
+      except Exception:  # pylint: disable=broad-except
+        pass  # A save the loss broke; the loop raises PeerLostError.
+    if local is None:
+      log.warning("a peer was lost and there is no local tier to save from")
+      return
+    coord = manager.coordinator
+    members = sorted(set(range(coord.process_count)) - lost)
+    group = groups.Survivors(coord, members)
+    key = f"{manager.name}/rescue/{'-'.join(map(str, members))}"
+    timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
+                     * 1000)
+    step = _common_step(group, key, local, timeout_ms)
+    latest = manager.latest_step()
+    if step is None or (latest is not None and latest >= step):
+      log.warning("survivors %s: no local step newer than the persistent"
+                  " tier's %s to save", members, latest)
+      return
+    leaves, tmp = _assigned(group, key, local, step, timeout_ms), None
+    if leaves is None:
+      return
+    primary = (manager.primary_host if manager.primary_host in members
+               else members[0])
+    me = coord.process_index
+    tmp = atomicity_lib.temporary_path(manager.directory, step,
+                                       manager.atomicity, manager.backend)
+    stats = commit_lib.commit(commit_lib.CommitInputs(
+        coordinator=group, directory=manager.directory,
+        backend=manager.backend, step=step, key=f"{key}/commit",
+        tmp=tmp, leaves=leaves, extra=local.manager.metadata(step).extra,
+        metrics=None, blocking_secs=0.0, is_primary=me == primary,
+        timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,
+        writers=members))
+    self.saved_step = step
+    log.warning("survivors %s saved step %d from their local tiers to %s"
+                " (%d bytes written here)", members, step,
+                manager.directory, stats.process_bytes)
+
+
+def _leave(code: int) -> None:
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _common_step(group: groups.Survivors, key: str,
+                 local: local_tier_lib.LocalTier, timeout_ms: int
+                 ) -> int | None:
+  """The newest local step that every survivor holds."""
+  me = group.process_index
+  group.kv_set(f"{key}/steps/{me}", json.dumps(local.manager.all_steps()))
+  group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
+  held = [set(json.loads(v)) for v in group.kv_dir(f"{key}/steps").values()]
+  common = set.intersection(*held) if held else set()
+  return max(common) if common else None
+
+
+def _assigned(group: groups.Survivors, key: str,
+              local: local_tier_lib.LocalTier, step: int, timeout_ms: int
+              ) -> list[LeafSnapshot] | None:
+  """This survivor's share of `step`: for each shard, the lowest survivor
+  that holds it writes it. None (on every survivor) if they do not hold
+  every shard."""
+  me = group.process_index
+  step_dir = local.directory / str(step)
+  m = manifest_lib.read(step_dir, step, local.manager.backend)
+  groups.share_text(group, f"{key}/held/{me}", json.dumps(
+      {leaf.path: [s.index_list for s in leaf.shards] for leaf in m.leaves
+       if leaf.is_array}))
+  group.barrier(f"{key}/shared", timeout_ms=timeout_ms)
+  owner: dict[tuple[str, tuple], int] = {}
+  for p in reversed(group.members):
+    held = json.loads(groups.fetch_text(group, f"{key}/held/{p}", timeout_ms))
+    for path, indices in held.items():
+      for index in indices:
+        owner[path, tuple(map(tuple, index))] = p
+  for leaf in m.leaves:
+    if not leaf.is_array:
+      continue
+    indices = [list(map(list, i)) for (path, i) in owner if path == leaf.path]
+    try:
+      manifest_lib.check_grid(indices, list(leaf.shape), leaf.path)
+    except ValueError as e:
+      log.warning("the survivors do not hold all of step %d (%s); the local"
+                  " tiers serve the restart", step, e)
+      return None
+  reader = ByteReader(step_dir, m.files, local.manager.backend)
+  try:
+    return [_leaf_share(leaf, owner, me, reader, m) for leaf in m.leaves]
+  finally:
+    reader.close()
+
+
+def _leaf_share(leaf: manifest_lib.LeafRecord, owner: dict, me: int,
+                reader: ByteReader, m: manifest_lib.Manifest
+                ) -> LeafSnapshot:
+  shards = []
+  if leaf.is_array:
+    lr = LeafReader(reader=reader, leaf=leaf, where=f"local step {m.step}",
+                    verify=True, block=m.checksum_block_bytes)
+    shards = [ShardData(s.index, lr.read(s.index)) for s in leaf.shards
+              if owner[leaf.path, s.index] == me]
+  return LeafSnapshot(
+      leaf.path, list(leaf.keys), leaf.kind,
+      None if leaf.dtype is None else str(leaf.dtype), leaf.shape, shards,
+      value=leaf.value, key_impl=leaf.key_impl)
