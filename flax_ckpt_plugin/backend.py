@@ -237,9 +237,34 @@ class LocalBackend(Backend):
     return st.st_size, st.st_mtime
 
 
-class _UnsyncedStepWriter(handles.LocalStepWriter):
+class _MemoryStepWriter(handles.LocalStepWriter):
+  """Never syncs; a data file reuses a deleted step's (see `MemoryBackend`)."""
+
+  def __init__(self, step_dir: epath.Path, identity: Identity | None,
+               data_dir: str):
+    super().__init__(step_dir, identity, data_dir)
+    self._spare = step_dir.parent / SPARE_FILE
+
+  def open(self, name: str) -> BinaryIO:
+    if name.endswith(".bin"):
+      try:  # Its pages are in memory already: overwritten, not allocated.
+        os.rename(os.fspath(self._spare), self._base(name),
+                  dst_dir_fd=self._data_fd)
+      except FileNotFoundError:
+        pass
+      else:
+        fd = os.open(self._base(name), os.O_WRONLY | os.O_CLOEXEC,
+                     dir_fd=self._data_fd)
+        return open(fd, "wb", buffering=0)
+    return super().open(name)
+
   def sync(self, f: BinaryIO) -> None:
     del f
+
+
+# Where `MemoryBackend` keeps a deleted step's data file for the next save,
+# beside the steps (never a step's name, so never listed nor cleaned up).
+SPARE_FILE = "_spare.bin"
 
 
 class MemoryBackend(LocalBackend):
@@ -248,6 +273,11 @@ class MemoryBackend(LocalBackend):
   Its files are gone with the machine whatever fsync does, and they are
   written once a write returns, so nothing here fsyncs: on such a path the
   order of writes and the atomic rename alone make a step all or nothing.
+  And a step that retention deletes leaves its data file for the next
+  save to overwrite in place: new pages of a file in memory cost more to
+  allocate and free than the copy itself (measured: a 1 GB write into a
+  new file on tmpfs took 0.45 s, into the pages of an old one 0.22 s, and
+  unlinking it 0.14 s).
   """
 
   def write_small(self, path: epath.Path, text: str) -> None:
@@ -259,7 +289,20 @@ class MemoryBackend(LocalBackend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
-    return _UnsyncedStepWriter(step_dir, identity, data_dir)
+    return _MemoryStepWriter(step_dir, identity, data_dir)
+
+  def delete_step(self, directory: epath.Path, step: int) -> None:
+    doomed = directory / f"{step}{layout.DELETING_SUFFIX}"
+    self.remove(doomed)
+    try:  # First: from now on it is not a step (see `LocalBackend`).
+      (directory / str(step)).rename(doomed)
+    except FileNotFoundError:
+      return
+    files = sorted((doomed / layout.DATA_DIR).glob("*.bin")) if (
+        doomed / layout.DATA_DIR).is_dir() else []
+    if files:
+      os.replace(os.fspath(files[-1]), os.fspath(directory / SPARE_FILE))
+    self.remove(doomed)
 
 
 _MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")

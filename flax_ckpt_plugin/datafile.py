@@ -88,8 +88,13 @@ class DataFile:
       self._direct = None
 
   def close(self) -> None:
+    """Closes the file, cut to what was placed (it may reuse a longer one)."""
     self._close_direct()
-    self.f.close()
+    try:
+      if os.fstat(self.f.fileno()).st_size > self.end:
+        os.ftruncate(self.f.fileno(), self.end)
+    finally:
+      self.f.close()
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

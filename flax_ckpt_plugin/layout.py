@@ -14,6 +14,7 @@ them; `storage` fills a step.
 from __future__ import annotations
 
 COMMIT_MARKER = "_COMMITTED"
+DATA_DIR = "data"  # A step's data files and shard tables.
 WRITER_FILE = "_WRITER"
 # Object stores: a random token that `CommitFilePath.prepare` writes into the
 # step, standing in for the inode that identifies a local directory.

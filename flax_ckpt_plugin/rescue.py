@@ -139,9 +139,10 @@ class Rescue:
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
       return
-    leaves, tmp = _assigned(group, key, local, step, timeout_ms), None
-    if leaves is None:
+    found = _assigned(group, key, local, step, timeout_ms)
+    if found is None:
       return
+    leaves, extra = found
     primary = (manager.primary_host if manager.primary_host in members
                else members[0])
     me = coord.process_index
@@ -150,7 +151,7 @@ class Rescue:
     stats = commit_lib.commit(commit_lib.CommitInputs(
         coordinator=group, directory=manager.directory,
         backend=manager.backend, step=step, key=f"{key}/commit",
-        tmp=tmp, leaves=leaves, extra=local.manager.metadata(step).extra,
+        tmp=tmp, leaves=leaves, extra=extra,
         metrics=None, blocking_secs=0.0, is_primary=me == primary,
         timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,
         writers=members))
@@ -181,10 +182,13 @@ def _common_step(group: groups.Survivors, key: str,
 
 def _assigned(group: groups.Survivors, key: str,
               local: local_tier_lib.LocalTier, step: int, timeout_ms: int
-              ) -> list[LeafSnapshot] | None:
-  """This survivor's share of `step`: for each shard, the lowest survivor
-  that holds it writes it. None (on every survivor) if they do not hold
-  every shard."""
+              ) -> tuple[list[LeafSnapshot], Any] | None:
+  """This survivor's share of `step` (for each shard, the lowest survivor
+  that holds it writes it), and the step's `extra`. None (on every
+  survivor) if they do not hold every shard.
+
+  Reads the local step from disk: the loop may have closed the managers.
+  """
   me = group.process_index
   step_dir = local.directory / str(step)
   m = manifest_lib.read(step_dir, step, local.manager.backend)
@@ -210,7 +214,8 @@ def _assigned(group: groups.Survivors, key: str,
       return None
   reader = ByteReader(step_dir, m.files, local.manager.backend)
   try:
-    return [_leaf_share(leaf, owner, me, reader, m) for leaf in m.leaves]
+    return [_leaf_share(leaf, owner, me, reader, m)
+            for leaf in m.leaves], m.extra
   finally:
     reader.close()
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
+from flax_ckpt_plugin import layout
 from flax_ckpt_plugin.errors import SaveFailedError
 
 if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
 FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DATA_DIR = "data"
+DATA_DIR = layout.DATA_DIR
 # Every shard carries a CRC-32C per block of this many bytes (the last block
 # may be shorter), so a reader of part of a shard verifies whole blocks only.
 CHECKSUM_BLOCK = 4 << 20

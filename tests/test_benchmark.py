@@ -128,3 +128,31 @@ def test_many_shape_has_the_leaves_bytes_and_mix_asked_for():
   assert set(dtypes) == {"float32", "bfloat16", "int8", "int32"}
   assert dtypes["float32"] > len(leaves) / 2
   assert len({(s.shape, str(s.dtype)) for s in leaves}) == 30
+
+
+TIERS = BENCH.parent / "tiers.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
+  out = tmp_path / "tiers.json"
+  local = tmp_path / "local"
+  local.mkdir()
+  proc = subprocess.run(
+      [sys.executable, str(TIERS), "--layers", "2", "--width", "128",
+       "--batch", "4", "--steps", "4", "--local-every", "2", "--rounds", "1",
+       "--restores", "1", "--dir", str(tmp_path), "--local-dir", str(local),
+       "--json", str(out)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  one = result["one_process"]
+  assert one["local_restore_read_persistent"] is False
+  for key in ("local_restore_secs", "persistent_restore_secs",
+              "orbax_restore_secs", "loop_overhead_rounds"):
+    assert len(one[key]) == 1 and one[key][0] == one[key][0], key
+  assert set(result["processes_summary"]) == {"local", "peer", "persistent"}
+  assert len(result["processes"]) == 2
+  # Everything it wrote is gone.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "tiers.json"]
+  assert not list(local.iterdir())

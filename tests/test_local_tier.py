@@ -149,3 +149,36 @@ def test_nothing_is_fsynced_on_a_file_system_in_memory(tmp_path,
 def test_the_local_tier_needs_a_path_and_an_interval(ckpt_dir, kwargs):
   with pytest.raises(ValueError, match="local"):
     CheckpointCallback(ckpt_dir, **kwargs)
+
+
+def test_without_a_local_tier_the_restored_tier_is_the_persistent_one(
+    ckpt_dir):
+  cb = CheckpointCallback(ckpt_dir, every_steps=1)
+  cb(1, {"w": jnp.ones(3)})
+  cb.close()
+  cb = CheckpointCallback(ckpt_dir)
+  assert cb.restored_tier is None
+  cb.restore_or_initialize({"w": jnp.zeros(3)})
+  assert (cb.restored_step, cb.restored_tier) == (1, "persistent")
+  cb.close()
+
+
+def test_in_memory_a_new_step_overwrites_the_data_file_of_a_deleted_one(
+    small_tmpfs):
+  tier = local_tier.LocalTier(small_tmpfs, "job", coordinator=_Process(0, 1),
+                              keep=1)
+  data = lambda step: tier.directory / str(step) / "data/process_00000.bin"
+  spare = tier.directory / backend_lib.SPARE_FILE
+  tier.manager.save(1, {"w": jnp.arange(100_000.0)})
+  tier.manager.save(2, {"w": jnp.arange(100_000.0) + 2})
+  tier.manager.wait_until_finished()
+  assert spare.exists() and not (tier.directory / "1").exists()
+  inode = os.stat(spare).st_ino
+  # A smaller state: the reused file is cut to its new size.
+  tier.manager.save(3, {"w": jnp.arange(1000.0) + 3})
+  tier.manager.wait_until_finished()
+  assert os.stat(data(3)).st_ino == inode
+  assert os.stat(data(3)).st_size == 4000
+  restored = tier.manager.restore({"w": jnp.zeros(1000)}, 3)
+  np.testing.assert_array_equal(restored["w"], np.arange(1000.0) + 3)
+  tier.manager.close()
