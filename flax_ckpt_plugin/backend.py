@@ -300,7 +300,9 @@ class MemoryBackend(LocalBackend):
       return
     files = sorted((doomed / layout.DATA_DIR).glob("*.bin")) if (
         doomed / layout.DATA_DIR).is_dir() else []
-    if files:
+    if files and os.stat(os.fspath(files[-1])).st_nlink == 1:
+      # (A file linked elsewhere too, a copy made with hard links, is
+      # never written over.)
       os.replace(os.fspath(files[-1]), os.fspath(directory / SPARE_FILE))
     self.remove(doomed)
 

@@ -125,7 +125,9 @@ class CheckpointCallback:
       process also saves there every shard it holds, apart from the other
       processes and from the persistent tier's schedule, keeping the newest
       2 steps. A restore then takes the newest step from the fastest tier
-      that has it. The path must belong to this job.
+      that has it (see `restored_tier`). The path must belong to this job.
+      A failure of the local tier is logged, never raised (see
+      docs/fault_tolerance.md).
     local_every_steps: the local tier's interval, in steps.
 
   Attributes:
@@ -303,8 +305,7 @@ class CheckpointCallback:
       self._watcher.check()
     self._write_metrics()
     self.manager.check_for_errors()
-    if self.local is not None:
-      self.local.manager.check_for_errors()
+    self._local_quietly("save", lambda m: m.check_for_errors())
     self._chosen = None
     if self.should_stop:
       return False
@@ -341,12 +342,27 @@ class CheckpointCallback:
       if self._every_secs is not None:
         self._every_secs.saved(self.manager.name)
     if local:
-      self.local.manager.save(step, state, extra=extra, metrics=metrics)
+      self._local_quietly("save", lambda m: m.save(
+          step, state, extra=extra, metrics=metrics))
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True
       log.warning("preemption checkpoint of step %d is durable in %s; the"
                   " loop should stop", step, self.directory)
+
+  def _local_quietly(self, what: str, fn: Callable[[Any], Any]) -> None:
+    """`fn(local manager)`; an error is logged, never raised: the local
+    tier is this process's alone, and a loop that stopped on one process
+    would leave the others waiting for it in the next collective. A step
+    it failed to save is simply missing there (restores fall through)."""
+    if self.local is None:
+      return
+    try:
+      fn(self.local.manager)
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("the local tier's %s in %s failed (training goes on; the"
+                " persistent tier is unaffected): %r", what,
+                self.local.directory, e)
 
   def restore_or_initialize(self, state: Any) -> Any:
     """The newest good finalized step restored like `state`, else `state`.
@@ -365,6 +381,10 @@ class CheckpointCallback:
           found[1], self.manager.metadata(found[0]).extra))
     else:
       found = self._restore_from_tiers(state)
+    if self.local is not None:  # Newer local steps belong to another past.
+      newer = [s for s in self.local.manager.all_steps()
+               if found is None or s > found[0]]
+      self._local_quietly("discard", lambda m: m.discard(newer))
     if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)
@@ -397,8 +417,7 @@ class CheckpointCallback:
     """Blocks until the running save is durable; raises its error."""
     try:
       self.manager.wait_until_finished()
-      if self.local is not None:
-        self.local.manager.wait_until_finished()
+      self._local_quietly("save", lambda m: m.wait_until_finished())
     except Exception as e:
       self._raise_lost_instead(e)
       raise
@@ -416,8 +435,7 @@ class CheckpointCallback:
       try:
         self.manager.close()
       finally:
-        if self.local is not None:
-          self.local.manager.close()
+        self._local_quietly("save", lambda m: m.close())
     except Exception as e:
       self._raise_lost_instead(e)
       raise
@@ -438,8 +456,7 @@ class CheckpointCallback:
     self._signals.uninstall()
     try:
       self.manager.__exit__(exc_type, exc, tb)
-      if self.local is not None:
-        self.local.manager.__exit__(exc_type, exc, tb)
+      self._local_quietly("save", lambda m: m.close())
     finally:
       self._write_metrics()
       # The watcher goes on: the error may be a collective's with a peer

@@ -21,8 +21,10 @@ barrier over the live processes, with no timeout, so every process polls
 with the same period from the same point of the program (the callback's
 creation); until the first answer (every process polling) a poll that
 times out is tried again, since processes reach that point at different
-times; and a poll that other processes stopped answering (they closed) is
-abandoned, never waited for. And a process that ends normally looks
+times, and after it a poll that times out is tried again too (a dead
+peer is only declared dead after the heartbeat timeout, which may be
+longer than a call's deadline); a poll that other processes stopped
+answering (they closed) is abandoned, never waited for. And a process that ends normally looks
 dead to the others once it is gone: before stopping its watcher, a process
 records under the watcher's key that it closed, and a peer that closed is
 not reported lost.
@@ -146,15 +148,15 @@ class Watcher:
         live = self._coord.live_processes()
       except PeerLostError:
         return
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception:  # pylint: disable=broad-except
         if self._stop.is_set() or self._closed_peers():
           return  # A peer closed and stopped polling: nothing to watch.
-        if first is None:
-          continue  # Until every process has started polling, polls wait.
-        # No answer within the deadline: the service (process 0) is gone
-        # or hung, and with it the job.
-        self._report({0: f"the coordination service did not answer: {e}"})
-        return
+        # No answer within the call's deadline. Before the first answer,
+        # every process has not started polling yet; after it, a peer is
+        # gone but not yet declared dead (the poll waits for that, up to
+        # JAX's heartbeat timeout, 100 s by default). Either way: ask again.
+        # (Were the service itself gone, JAX would end this process.)
+        continue
       if self._stop.is_set():
         return
       if first is None:

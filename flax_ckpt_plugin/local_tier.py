@@ -31,6 +31,7 @@ from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
 
@@ -97,6 +98,10 @@ def _inventory(coord: coordinator_lib.Coordinator, key: str,
                                   timeout_ms=timeout_ms)
   if outcome.error is not None:
     raise outcome.error
+  if outcome.failures:  # All stop, rather than wait for a list never set.
+    raise RestoreFailedError(
+        "listing the steps of each tier failed on other processes:"
+        f" {coordinator_lib.describe_failures(outcome.failures)}")
   local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
                  for k, v in coord.kv_dir(f"{key}/local").items()}
   listed = json.loads(coord.kv_get(f"{key}/persistent",

@@ -417,6 +417,16 @@ class CheckpointManager:
       self.set_aside(skipped)
     return found
 
+  def discard(self, steps: list[int]) -> None:
+    """Deletes finalized steps, for a run that resumed before them and
+    will save those step numbers anew. Writers only; called on every
+    process (the primary deletes)."""
+    with self._lock:
+      self._steps = [s for s in self._steps if s not in steps]
+    if self.is_primary and steps:
+      atomicity_lib.delete_steps(self.directory, sorted(steps),
+                                 self.check_still_writer, self.backend)
+
   def set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
 

@@ -181,7 +181,9 @@ def local_read(step_dir: Any) -> bytes:
 def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
              is_source: bool, holders: set[int], where: str):
   """Checks the target, plans every leaf, reads the bytes this process
-  sends. Returns the arguments of `_run`."""
+  sends, and builds and compiles the program, so that anything that can
+  fail here fails before any process enters a collective. Returns the
+  arguments of `_run`."""
   targets, treedef = leaf_paths(target)
   records = saved.leaf_by_path
   restore_lib.match_structure(records, [(p, t) for p, _, t in targets],
@@ -235,12 +237,13 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
   finally:
     if mine is not None:
       reader.close()
-  return treedef, plans, flat, sum(flat_parts), saved.extra
+  return (treedef, plans, *_program(plans, flat, sum(flat_parts)),
+          saved.extra)
 
 
-def _run(treedef: Any, plans: list[tuple], flat: list[np.ndarray],
-         flat_bytes: int, extra: Any) -> tuple[Any, Any]:
-  """The collective part: every process, the same program."""
+def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int
+             ) -> tuple[Any, tuple[Any, Any]]:
+  """The compiled gather, and its inputs."""
   stacked = [p for p in plans if p[0] == "stacked"]
   arrays = [jax.make_array_from_single_device_arrays(
       (plan.replicas,) + leaf.shape + (leaf.dtype.itemsize,), plan.stacked,
@@ -264,7 +267,14 @@ def _run(treedef: Any, plans: list[tuple], flat: list[np.ndarray],
       functools.partial(_sum_of_bytes, dtypes=dtypes),
       out_shardings=([plan.sharding for _, _, plan, *_ in stacked],
                      flat_out_sharding))
-  out, flat_out = gather(arrays, flat_in)
+  return gather.lower(arrays, flat_in).compile(), (arrays, flat_in)
+
+
+def _run(treedef: Any, plans: list[tuple], compiled: Any,
+         inputs: tuple[Any, Any], extra: Any) -> tuple[Any, Any]:
+  """The collective part: every process, the same program."""
+  out, flat_out = compiled(*inputs)
+  del inputs
   host = None if flat_out is None else np.asarray(
       flat_out.addressable_shards[0].data)
   leaves, gathered, offset = [], iter(out), 0

@@ -36,6 +36,7 @@ from typing import Any
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import commit as commit_lib
+from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import manifest as manifest_lib
@@ -54,8 +55,10 @@ GRACE_SECS = 3.0
 TIMEOUT_SECS = 60.0
 # How long a survivor waits for its own background saves to end.
 WAIT_SECS = 5.0
-# How long an exiting program waits to learn whether a peer was lost.
-SETTLE_SECS = 120.0
+# How long an exiting program waits to learn whether a peer was lost: a
+# dead peer is declared dead after JAX's heartbeat timeout (100 s by
+# default); when none died, two polls (about 1 s) settle it.
+SETTLE_SECS = 600.0
 
 
 class Rescue:
@@ -111,7 +114,8 @@ class Rescue:
     if not self._started.is_set() and not watcher.settle(SETTLE_SECS):
       watcher.close()  # No peer is lost: the others must not think so.
       return
-    self._done.wait(TIMEOUT_SECS * 4)
+    if self._started.wait(2.0):  # The watcher reports, then starts it.
+      self._done.wait(TIMEOUT_SECS * 4)
     _leave(self._exit_code)
 
   def _save(self, lost: set[int]) -> None:
@@ -133,8 +137,7 @@ class Rescue:
     key = f"{manager.name}/rescue/{'-'.join(map(str, members))}"
     timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
                      * 1000)
-    step = _common_step(group, key, local, timeout_ms)
-    latest = manager.latest_step()
+    step, latest = _common_step(group, key, local, manager, timeout_ms)
     if step is None or (latest is not None and latest >= step):
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
@@ -145,14 +148,13 @@ class Rescue:
     leaves, extra = found
     primary = (manager.primary_host if manager.primary_host in members
                else members[0])
-    me = coord.process_index
     tmp = atomicity_lib.temporary_path(manager.directory, step,
                                        manager.atomicity, manager.backend)
     stats = commit_lib.commit(commit_lib.CommitInputs(
         coordinator=group, directory=manager.directory,
         backend=manager.backend, step=step, key=f"{key}/commit",
-        tmp=tmp, leaves=leaves, extra=extra,
-        metrics=None, blocking_secs=0.0, is_primary=me == primary,
+        tmp=tmp, leaves=leaves, extra=extra, metrics=None,
+        blocking_secs=0.0, is_primary=coord.process_index == primary,
         timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,
         writers=members))
     self.saved_step = step
@@ -168,16 +170,30 @@ def _leave(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
+def _agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
+            what: str) -> Any:
+  """`fn()` on every survivor; None on all of them if it failed on any."""
+  outcome = coordinator_lib.agree(group, key, fn, timeout_ms=timeout_ms)
+  if outcome.failures:
+    log.warning("the survivors' save stops: %s failed: %s", what,
+                coordinator_lib.describe_failures(outcome.failures))
+    return None
+  return outcome.result
+
+
 def _common_step(group: groups.Survivors, key: str,
-                 local: local_tier_lib.LocalTier, timeout_ms: int
-                 ) -> int | None:
-  """The newest local step that every survivor holds."""
+                 local: local_tier_lib.LocalTier, manager: CheckpointManager,
+                 timeout_ms: int) -> tuple[int | None, int | None]:
+  """The newest local step that every survivor holds, and the newest
+  persistent step any survivor knows of (the same on every survivor)."""
   me = group.process_index
-  group.kv_set(f"{key}/steps/{me}", json.dumps(local.manager.all_steps()))
+  group.kv_set(f"{key}/steps/{me}", json.dumps(
+      [local.manager.all_steps(), manager.latest_step()]))
   group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
-  held = [set(json.loads(v)) for v in group.kv_dir(f"{key}/steps").values()]
-  common = set.intersection(*held) if held else set()
-  return max(common) if common else None
+  listed = [json.loads(v) for v in group.kv_dir(f"{key}/steps").values()]
+  common = set.intersection(*(set(steps) for steps, _ in listed))
+  latest = [s for _, s in listed if s is not None]
+  return max(common, default=None), max(latest, default=None)
 
 
 def _assigned(group: groups.Survivors, key: str,
@@ -185,50 +201,64 @@ def _assigned(group: groups.Survivors, key: str,
               ) -> tuple[list[LeafSnapshot], Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
   that holds it writes it), and the step's `extra`. None (on every
-  survivor) if they do not hold every shard.
+  survivor) if they do not hold every shard, or one failed to read.
 
   Reads the local step from disk: the loop may have closed the managers.
   """
   me = group.process_index
   step_dir = local.directory / str(step)
-  m = manifest_lib.read(step_dir, step, local.manager.backend)
-  groups.share_text(group, f"{key}/held/{me}", json.dumps(
-      {leaf.path: [s.index_list for s in leaf.shards] for leaf in m.leaves
-       if leaf.is_array}))
-  group.barrier(f"{key}/shared", timeout_ms=timeout_ms)
-  owner: dict[tuple[str, tuple], int] = {}
-  for p in reversed(group.members):
+
+  def share() -> manifest_lib.Manifest:
+    m = manifest_lib.read(step_dir, step, local.manager.backend)
+    groups.share_text(group, f"{key}/held/{me}", json.dumps(
+        {leaf.path: [s.index_list for s in leaf.shards] for leaf in m.leaves
+         if leaf.is_array}))
+    return m
+
+  m = _agreed(group, f"{key}/held", share, timeout_ms,
+              f"reading local step {step}")
+  if m is None:
+    return None
+  owner: dict[str, dict[tuple, int]] = {}
+  for p in reversed(group.members):  # The lowest holder wins.
     held = json.loads(groups.fetch_text(group, f"{key}/held/{p}", timeout_ms))
     for path, indices in held.items():
       for index in indices:
-        owner[path, tuple(map(tuple, index))] = p
+        owner.setdefault(path, {})[tuple(map(tuple, index))] = p
   for leaf in m.leaves:
     if not leaf.is_array:
       continue
-    indices = [list(map(list, i)) for (path, i) in owner if path == leaf.path]
     try:
-      manifest_lib.check_grid(indices, list(leaf.shape), leaf.path)
+      manifest_lib.check_grid(
+          [list(map(list, i)) for i in owner.get(leaf.path, {})],
+          list(leaf.shape), leaf.path)
     except ValueError as e:
       log.warning("the survivors do not hold all of step %d (%s); the local"
                   " tiers serve the restart", step, e)
       return None
-  reader = ByteReader(step_dir, m.files, local.manager.backend)
-  try:
-    return [_leaf_share(leaf, owner, me, reader, m)
-            for leaf in m.leaves], m.extra
-  finally:
-    reader.close()
+
+  def read() -> list[LeafSnapshot]:
+    reader = ByteReader(step_dir, m.files, local.manager.backend)
+    try:
+      return [_leaf_share(leaf, owner.get(leaf.path, {}), me, reader, m)
+              for leaf in m.leaves]
+    finally:
+      reader.close()
+
+  leaves = _agreed(group, f"{key}/read", read, timeout_ms,
+                   f"reading the shards of local step {step}")
+  return None if leaves is None else (leaves, m.extra)
 
 
-def _leaf_share(leaf: manifest_lib.LeafRecord, owner: dict, me: int,
-                reader: ByteReader, m: manifest_lib.Manifest
+def _leaf_share(leaf: manifest_lib.LeafRecord, owner: dict[tuple, int],
+                me: int, reader: ByteReader, m: manifest_lib.Manifest
                 ) -> LeafSnapshot:
   shards = []
   if leaf.is_array:
     lr = LeafReader(reader=reader, leaf=leaf, where=f"local step {m.step}",
                     verify=True, block=m.checksum_block_bytes)
     shards = [ShardData(s.index, lr.read(s.index)) for s in leaf.shards
-              if owner[leaf.path, s.index] == me]
+              if owner[s.index] == me]
   return LeafSnapshot(
       leaf.path, list(leaf.keys), leaf.kind,
       None if leaf.dtype is None else str(leaf.dtype), leaf.shape, shards,

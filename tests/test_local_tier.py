@@ -182,3 +182,47 @@ def test_in_memory_a_new_step_overwrites_the_data_file_of_a_deleted_one(
   restored = tier.manager.restore({"w": jnp.zeros(1000)}, 3)
   np.testing.assert_array_equal(restored["w"], np.arange(1000.0) + 3)
   tier.manager.close()
+
+
+def test_local_steps_newer_than_the_restored_one_are_discarded_and_saved_anew(
+    tmp_path, ckpt_dir):
+  """A run that resumes before them replays those steps: keeping the old
+  copies would mix two pasts in a later restore."""
+  local = tmp_path / "local"
+  kwargs = dict(every_steps=5, local_directory=local, local_every_steps=2)
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  for step in range(1, 10):
+    cb(step, {"w": jnp.full(3, step)})
+  cb.close()
+  mine = _process_dir(local, ckpt_dir)
+  for step in ("6", "8"):  # Both local steps damaged: step 5 restores.
+    with open(os.path.join(mine, step, "data", "process_00000.bin"),
+              "r+b") as f:
+      f.write(b"\xff" * 4)
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  restored = cb.restore_or_initialize({"w": jnp.zeros(3, jnp.int32)})
+  assert (cb.restored_step, cb.restored_tier) == (5, "persistent")
+  assert [e for e in sorted_entries(mine) if e.isdigit()] == []
+  for step in range(6, 10):  # A different past: values + 100.
+    cb(step, {"w": jnp.full(3, step + 100)})
+  cb.close()
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  restored = cb.restore_or_initialize({"w": jnp.zeros(3, jnp.int32)})
+  assert (cb.restored_step, cb.restored_tier) == (8, "local")
+  np.testing.assert_array_equal(restored["w"], [108] * 3)
+  cb.close()
+
+
+def test_a_failing_local_tier_is_logged_and_the_loop_goes_on(
+    small_tmpfs, ckpt_dir, caplog):
+  """The 8 MiB tmpfs cannot hold a 16 MiB state: the local save fails on
+  this process only, which must not stop its loop (its peers would wait
+  for it in their next collective)."""
+  cb = CheckpointCallback(ckpt_dir, every_steps=2, local_directory=small_tmpfs,
+                          local_every_steps=1)
+  for step in range(1, 5):
+    assert cb(step, {"w": jnp.full(4 << 20, step, jnp.float32)})
+  cb.close()
+  assert sorted_entries(ckpt_dir) == ["2", "4"]
+  assert "the local tier's save" in caplog.text
+  assert "No space left" in caplog.text

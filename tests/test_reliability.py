@@ -1065,7 +1065,7 @@ def test_processes_agree_on_the_fallback_step(tmp_path):
     assert out["restored"] == saved[0]["saved"]["1"], f"process {p}"
     assert re.search(r"WARNING .*skipping step 2 of", results[p].stderr), (
         f"process {p}{logs}")
-  assert "damaged on another process" in results[0].stderr, logs
+  assert "damaged or missing on another process" in results[0].stderr, logs
   # The primary set the damaged step aside, once, for both processes.
   assert (ckpt / "2.damaged" / "_COMMITTED").exists() and not (
       ckpt / "2").exists()
