@@ -191,9 +191,9 @@ class CheckpointCallback:
         name=name, coordinator=coordinator, backend=backend)
     coord = self.manager.coordinator
     self.local_every_steps = local_every_steps
-    self.local = None if local_directory is None else local_tier.LocalTier(
+    self.local = None if local_directory is None else local_tier.open_tier(
         local_directory, local_tier.job_name(os.fspath(directory)),
-        coordinator=coord)
+        coordinator=coord, timeout_ms=self.manager.barrier_timeout_ms)
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
     if watch_peers is None:

@@ -70,6 +70,29 @@ class LocalTier:
     return self.manager.directory
 
 
+def open_tier(directory: epath.PathLike, job: str, *,
+              coordinator: coordinator_lib.Coordinator, timeout_ms: int
+              ) -> LocalTier | None:
+  """Every process opens its local tier; None on all if any failed.
+
+  All processes must take the same path through a restore (see
+  `restore_newest`), so a tier that cannot open on one process (a path
+  not writable there) is off everywhere, with an error in the log.
+  """
+  outcome = coordinator_lib.agree(
+      coordinator, f"flax_ckpt_plugin/local/{job}/open/"
+      f"{coordinator.next_round(f'local/{job}/open')}",
+      lambda: LocalTier(directory, job, coordinator=coordinator),
+      timeout_ms=timeout_ms)
+  if not outcome.failures:
+    return outcome.result
+  if outcome.result is not None:
+    outcome.result.manager.close()
+  log.error("the local tier in %s is off: it failed to open on %s",
+            directory, coordinator_lib.describe_failures(outcome.failures))
+  return None
+
+
 class Plan(NamedTuple):
   """What every process learned before restoring: who holds which steps."""
   local: dict[int, list[int]]  # Per process, its local steps.

@@ -17,6 +17,7 @@ from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin import manifest as manifest_lib
 
+from fake_coordinator import run_threads
 from helpers import sorted_entries
 from helpers import two_device_mesh
 
@@ -226,3 +227,24 @@ def test_a_failing_local_tier_is_logged_and_the_loop_goes_on(
   assert sorted_entries(ckpt_dir) == ["2", "4"]
   assert "the local tier's save" in caplog.text
   assert "No space left" in caplog.text
+
+
+def test_a_local_tier_that_fails_to_open_on_one_process_is_off_on_all(
+    tmp_path, caplog):
+  """Every process must take the same path through a restore: a local
+  path that is not a directory on process 1 turns the tier off on both."""
+  (tmp_path / "local_1").write_text("a file, not a directory")
+
+  def open_on(coord):
+    return local_tier.open_tier(tmp_path / f"local_{coord.process_index}",
+                                "job", coordinator=coord, timeout_ms=10_000)
+
+  assert run_threads(2, open_on) == [None, None]
+  assert "the local tier in" in caplog.text and "is off" in caplog.text
+  good = run_threads(2, lambda c: local_tier.open_tier(
+      tmp_path / f"fine_{c.process_index}", "job", coordinator=c,
+      timeout_ms=10_000))
+  assert [t.directory.name for t in good] == ["process_00000",
+                                              "process_00001"]
+  for t in good:
+    t.manager.close()
