@@ -24,7 +24,7 @@ import operator
 import os
 import signal
 import time
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from etils import epath
 
@@ -33,9 +33,10 @@ from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin import peer
 from flax_ckpt_plugin import rescue
 from flax_ckpt_plugin.commit import CommitHook
+from flax_ckpt_plugin.stats import MetricWriter
+from flax_ckpt_plugin.stats import save_metrics
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
@@ -46,25 +47,6 @@ from flax_ckpt_plugin.schedule import EverySecs
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
 # being killed by SIGTERM before saving (143).
 PREEMPTED_EXIT_CODE = os.EX_TEMPFAIL
-
-
-class MetricWriter(Protocol):
-  """What the callback needs of a metric writer (clu's `MetricWriter` fits)."""
-
-  def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
-    ...
-
-
-def save_metrics(stats: SaveStats, secs_since_last_durable: float
-                 ) -> dict[str, float]:
-  """The scalars written per save (names under 'checkpoint/')."""
-  return {
-      "checkpoint/blocking_secs": stats.blocking_secs,
-      "checkpoint/commit_secs": stats.commit_secs,
-      "checkpoint/bytes": float(stats.total_bytes),
-      "checkpoint/gbytes_per_sec": stats.gbytes_per_sec,
-      "checkpoint/secs_since_last_durable": secs_since_last_durable,
-  }
 
 
 class CheckpointCallback:
@@ -380,7 +362,7 @@ class CheckpointCallback:
       found = None if found is None else (found[0], local_tier.PERSISTENT, (
           found[1], self.manager.metadata(found[0]).extra))
     else:
-      found = self._restore_from_tiers(state)
+      found = local_tier.restore_into(state, self.local, self.manager)
     if self.local is not None:  # Newer local steps belong to another past.
       newer = [s for s in self.local.manager.all_steps()
                if found is None or s > found[0]]
@@ -394,24 +376,6 @@ class CheckpointCallback:
     log.info("restored step %d from the %s tier of %s", step, tier,
              self.directory)
     return restored
-
-  def _restore_from_tiers(self, state: Any) -> tuple[int, str, Any] | None:
-    coord, timeout_ms = self.manager.coordinator, self.manager.barrier_timeout_ms
-    key = f"{self.manager.name}/tiers"
-    key = f"{key}/{coord.next_round(key)}"
-
-    def from_manager(manager):
-      return lambda step, _: (manager.restore(state, step),
-                              manager.metadata(step).extra)
-
-    return local_tier.restore_newest(
-        coord, key, local=self.local, persistent=self.manager, restore={
-            local_tier.LOCAL: from_manager(self.local.manager),
-            local_tier.PEER: lambda step, holders: peer.restore(
-                coord, f"{key}/peer{step}", step, holders,
-                self.local.directory, state, timeout_ms=timeout_ms),
-            local_tier.PERSISTENT: from_manager(self.manager)},
-        timeout_ms=timeout_ms)
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""

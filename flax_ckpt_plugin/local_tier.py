@@ -30,6 +30,7 @@ from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import groups
+from flax_ckpt_plugin import peer
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
@@ -197,3 +198,27 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
   if damaged:
     persistent.set_aside(damaged)
   return step, tier, tree
+
+
+def restore_into(state: Any, local: LocalTier,
+                 persistent: CheckpointManager) -> tuple[int, str, Any] | None:
+  """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
+
+  Called on every process, like `state`; see `restore_newest`.
+  """
+  coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
+  key = f"{persistent.name}/tiers"
+  key = f"{key}/{coord.next_round(key)}"
+
+  def from_manager(manager):
+    return lambda step, _: (manager.restore(state, step),
+                            manager.metadata(step).extra)
+
+  return restore_newest(
+      coord, key, local=local, persistent=persistent, restore={
+          LOCAL: from_manager(local.manager),
+          PEER: lambda step, holders: peer.restore(
+              coord, f"{key}/peer{step}", step, holders, local.directory,
+              state, timeout_ms=timeout_ms),
+          PERSISTENT: from_manager(persistent)},
+      timeout_ms=timeout_ms)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import operator
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from etils import epath
 
@@ -30,6 +29,7 @@ from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.stats import step_metadata
 from flax_ckpt_plugin.stats import StepMetadata
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -209,13 +209,7 @@ class CheckpointManager:
       CheckpointCorruptedError: its manifest is missing or damaged.
     """
     self._check_open()
-    step, _, m = self._manifest(step)
-    return StepMetadata(
-        step=step, created="" if m.created is None else m.created,
-        created_unix=math.nan if m.created_unix is None else m.created_unix,
-        extra=m.extra, metrics=m.metrics,
-        process_count=1 if m.process_count is None else m.process_count,
-        total_bytes=m.total_bytes)
+    return step_metadata(self._manifest(step)[2])
 
   # -- save ------------------------------------------------------------------
 
@@ -421,11 +415,8 @@ class CheckpointManager:
     """Deletes finalized steps, for a run that resumed before them and
     will save those step numbers anew. Writers only; called on every
     process (the primary deletes)."""
-    with self._lock:
-      self._steps = [s for s in self._steps if s not in steps]
-    if self.is_primary and steps:
-      atomicity_lib.delete_steps(self.directory, sorted(steps),
-                                 self.check_still_writer, self.backend)
+    self._forget(steps, lambda: atomicity_lib.delete_steps(
+        self.directory, sorted(steps), self.check_still_writer, self.backend))
 
   def set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
@@ -434,12 +425,17 @@ class CheckpointManager:
     and a preemption at one would stop on the damaged copy. A read-only
     manager changes nothing.
     """
-    if self.read_only:
+    self._forget(steps, lambda: fallback.set_aside(self.directory, steps,
+                                                   self.backend))
+
+  def _forget(self, steps: list[int], remove: Callable[[], None]) -> None:
+    """Takes `steps` out of the list; the primary runs `remove`."""
+    if self.read_only or not steps:
       return
     with self._lock:
       self._steps = [s for s in self._steps if s not in steps]
     if self.is_primary:
-      fallback.set_aside(self.directory, steps, self.backend)
+      remove()
 
   # -- lifetime --------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import numpy as np
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import matching
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.reader import ByteReader
@@ -186,7 +187,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
   arguments of `_run`."""
   targets, treedef = leaf_paths(target)
   records = saved.leaf_by_path
-  restore_lib.match_structure(records, [(p, t) for p, _, t in targets],
+  matching.match_structure(records, [(p, t) for p, _, t in targets],
                               where)
   targets = [(p, restore_lib.on_context_mesh(p, t)) for p, _, t in targets]
   mine = None

@@ -6,8 +6,9 @@ may carry `sharding=`. The result has the target's tree type, so non-array
 parts of a `TrainState` (`apply_fn`, `tx`) come from the target. Each process
 reads only the byte ranges that its addressable target shards need, so a
 checkpoint written by any number of devices can be read by any other.
-Every leaf is matched against the target (paths, shapes, dtypes) before any
-data is read; `reader.LeafReader` then reads the regions.
+Every leaf is matched against the target (paths, shapes, dtypes; see
+`matching`) before any data is read; `reader.LeafReader` then reads the
+regions.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import staging
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
-from flax_ckpt_plugin.errors import StructureMismatchError
-from flax_ckpt_plugin.manifest import describe
 from flax_ckpt_plugin.manifest import Index
 from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.manifest import Manifest
@@ -37,148 +35,14 @@ from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import held_elements
 from flax_ckpt_plugin.reader import host_buffer
 from flax_ckpt_plugin.reader import LeafReader
+from flax_ckpt_plugin.matching import check_key_impl
+from flax_ckpt_plugin.matching import match_structure
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.treepaths import leaf_paths
 from flax_ckpt_plugin.treepaths import normalize_index
 
 # Leaves restored at once: reads and checksums release the GIL.
 _THREADS = min(8, os.cpu_count() or 1)
-# A structure mismatch names at most this many leaves of each list, and this
-# many leaves whose shape or dtype differs.
-_MAX_LISTED = 10
-_MAX_MISMATCHES = 20
-
-
-def _count(names: list[str], limit: int) -> str:
-  """The first `limit` of `names`, and how many more there are."""
-  more = len(names) - limit
-  return f"{names[:limit]}" + (f" and {more} more" if more > 0 else "")
-
-
-def check_key_impl(leaf: LeafRecord, where: str) -> None:
-  """Checks that JAX can wrap `leaf`'s key data with its PRNG impl.
-
-  Abstract (no data is read or computed); `restore_tree` calls it for every
-  leaf before any data is read, once the structure matched: the impl is
-  then the target's, registered with JAX (an impl this JAX lacks is a
-  mismatch, since it depends on the environment, not damage).
-
-  Raises:
-    CheckpointCorruptedError: the impl is not registered with JAX, or the
-      key data's shape or dtype do not fit it; the message starts with
-      `where` and names the leaf.
-  """
-  if leaf.key_impl is None:
-    return
-  try:
-    jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=leaf.key_impl),
-                   jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-  except (TypeError, ValueError) as e:
-    raise CheckpointCorruptedError(
-        f"{where}, leaf {leaf.path!r}: key data of PRNG impl"
-        f" {leaf.key_impl!r} cannot be restored: {e!s:.200}") from e
-
-
-def _category(dtype: Any) -> str:
-  """What a dtype's values mean: 'bool', 'int', 'float', 'complex' or other."""
-  for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
-                    ("float", jax.numpy.floating),
-                    ("complex", jax.numpy.complexfloating)):
-    if jax.numpy.issubdtype(dtype, cat):
-      return name
-  return str(dtype)
-
-
-def _fits(value: bool | int | float, dtype: np.dtype) -> bool:
-  """Whether `dtype` holds the Python scalar `value` (of the same kind)."""
-  if isinstance(value, bool) or not isinstance(value, int):
-    if isinstance(value, float) and np.isfinite(value):
-      with np.errstate(over="ignore"):
-        return bool(np.isfinite(np.asarray(value).astype(dtype)))
-    return True
-  info = jax.numpy.iinfo(dtype)
-  return int(info.min) <= value <= int(info.max)
-
-
-def _same_dtype(a: Any, b: np.dtype) -> bool:
-  """Equal dtypes; byte order aside (the values are the same)."""
-  a = np.dtype(a)
-  return a == b or a.newbyteorder("=") == b.newbyteorder("=")
-
-
-def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
-  """Where `saved` cannot restore into `target`: both sides, else None.
-
-  Depends on the target only, so a mismatch is never damage. A scalar
-  restores only into a target of the same kind (bool, int, float) that
-  holds its value: 0.7 never becomes an int 0, nor 2**40 an int32.
-  """
-  def head() -> str:  # Only for a mismatch: 5000 leaves match in 0.1 s.
-    return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
-
-  saved_cat = saved.kind if saved.is_scalar else _category(saved.dtype)
-  if isinstance(target, (bool, int, float)):
-    t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
-    if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
-      return f"{head()} Python {type(target).__name__}"
-    return None
-  t_dtype = target.dtype
-  is_key = jax.numpy.issubdtype(t_dtype, jax.dtypes.prng_key)
-  if is_key != (saved.key_impl is not None):
-    return f"{head()} {t_dtype}"
-  if is_key:
-    t_shape = tuple(jax.eval_shape(jax.random.key_data, target).shape)
-    t_desc = lambda: f"{t_dtype}{list(target.shape)}"
-    if t_dtype._impl.name != saved.key_impl:  # pylint: disable=protected-access
-      return f"{head()} {t_desc()}"
-  else:
-    t_shape = tuple(np.shape(target))
-    t_desc = lambda: describe(t_dtype, t_shape)
-  if saved.dtype is None:  # A Python scalar saved; an array of shape () wanted.
-    ok = t_shape == () and not is_key and _category(t_dtype) == saved_cat
-    if ok and not _fits(saved.value, np.dtype(t_dtype)):
-      return f"{head()} {t_desc()}, which cannot hold that value"
-  else:
-    ok = t_shape == saved.shape and (is_key
-                                     or _same_dtype(t_dtype, saved.dtype))
-  return None if ok else f"{head()} {t_desc()}"
-
-
-def match_structure(saved: dict[str, LeafRecord],
-                     targets: list[tuple[str, Any]],
-                     step_dir: epath.Path) -> None:
-  """Raises StructureMismatchError naming every leaf that does not fit.
-
-  Leaves missing on either side, and every leaf whose shape or dtype
-  differs, all in one message (each list cut at `_MAX_LISTED`, the
-  differing leaves at `_MAX_MISMATCHES`), before any data is read.
-  """
-  target_paths = [p for p, _ in targets]
-  missing = [p for p in target_paths if p not in saved]
-  unexpected = sorted(set(saved) - set(target_paths))
-  differ = [m for m in (_mismatch(p, saved[p], t) for p, t in targets
-                        if p in saved) if m is not None]
-  if not missing and not unexpected and len(differ) <= 1:
-    if differ:
-      raise StructureMismatchError(differ[0])
-    return
-  parts = []
-  if missing:
-    parts.append("target leaves not in the checkpoint:"
-                 f" {_count(missing, _MAX_LISTED)}")
-  if unexpected:
-    parts.append("checkpoint leaves not in the target:"
-                 f" {_count(unexpected, _MAX_LISTED)}")
-  if differ:
-    more = len(differ) - _MAX_MISMATCHES
-    parts.append(f"{len(differ)} leaves differ in shape or dtype: "
-                 + "; ".join(differ[:_MAX_MISMATCHES])
-                 + (f"; and {more} more" if more > 0 else ""))
-  raise StructureMismatchError(
-      f"the tree in {step_dir} does not match the restore target; "
-      + "; ".join(parts))
-
-
 def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
   sharding = getattr(leaf, "sharding", None)
   if sharding is None:
@@ -322,7 +186,7 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
 def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
   a Python scalar, whose value is in the manifest)."""
-  if saved.is_scalar:  # `_mismatch` checked that the target holds it.
+  if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
       return type(target)(value)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Protocol
 
 from etils import epath
 
@@ -43,3 +44,33 @@ class RestoreStats:
   step: int  # The step restored.
   secs: float  # Wall-clock seconds of the whole `restore` call.
   nbytes_read: int  # Bytes this process read from data files.
+
+
+def step_metadata(m: Any) -> StepMetadata:
+  """A step's `StepMetadata`, from its `manifest.Manifest`; informational
+  fields the manifest lacks get defaults."""
+  return StepMetadata(
+      step=m.step, created="" if m.created is None else m.created,
+      created_unix=math.nan if m.created_unix is None else m.created_unix,
+      extra=m.extra, metrics=m.metrics,
+      process_count=1 if m.process_count is None else m.process_count,
+      total_bytes=m.total_bytes)
+
+
+class MetricWriter(Protocol):
+  """What the callback needs of a metric writer (clu's `MetricWriter` fits)."""
+
+  def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+    ...
+
+
+def save_metrics(stats: SaveStats, secs_since_last_durable: float
+                 ) -> dict[str, float]:
+  """The scalars written per save (names under 'checkpoint/')."""
+  return {
+      "checkpoint/blocking_secs": stats.blocking_secs,
+      "checkpoint/commit_secs": stats.commit_secs,
+      "checkpoint/bytes": float(stats.total_bytes),
+      "checkpoint/gbytes_per_sec": stats.gbytes_per_sec,
+      "checkpoint/secs_since_last_durable": secs_since_last_durable,
+  }
