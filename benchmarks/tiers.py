@@ -1,19 +1,24 @@
 """The local tier: what it costs the train loop, and a restore from each tier.
 
     python benchmarks/tiers.py                     # ~1 GB TrainState
-    python benchmarks/tiers.py --layers 2 --width 256 --steps 20 \\
-        --rounds 1 --restores 1 --json /tmp/t.json # seconds, for CI
+    python benchmarks/tiers.py --layers 2 --width 256 --pairs 2 \\
+        --restores 1 --json /tmp/t.json            # seconds, for CI
 
 One process with 2 CPU devices trains bench.py's TrainState (`--layers`
 Dense layers of `--width`^2 float32, Adam, a donating jitted step whose loss
 is read each step):
 
-1. loop cost: `--steps` steps with the local tier every `--local-every`
-   steps (on `--local-dir`, /dev/shm by default; the persistent tier saves
-   nothing), the wait for the last local save included, against the mean
-   of the same steps without checkpoints run just before and just after;
-   `--rounds` times with one callback, after a warm-up loop of 3 local
-   saves (a long run's steady state); the median counts;
+1. loop cost: `--pairs` pairs of blocks of `--local-every` steps, one
+   with the callback and its local tier every `--local-every` steps (on
+   `--local-dir`, /dev/shm by default; the persistent tier saves nothing),
+   so one local save at the block's first step and the wait for it at its
+   end, one without checkpoints; the blocks alternate (ABBA...), so the
+   two halves share the machine's drift. After a warm-up of 3 local saves
+   (a long run's steady state), with one callback throughout. The cost is
+   the total time with saves over the total time without, minus 1; the
+   median and quartiles of the pairs show the spread, and the same ratio
+   of the process's CPU time (all threads), which the other tenants of a
+   shared machine disturb less;
 2. restores of one step, the files warm in the page cache: from the local
    tier and from the persistent tier (`--dir`, a disk) through
    `CheckpointCallback.restore_or_initialize`, and Orbax restoring the
@@ -49,8 +54,8 @@ import bench
 import scaling
 
 
-def _loop(state, train_step, steps, cb=None, first=1):
-  t0 = time.perf_counter()
+def _loop(state, train_step, steps, cb=None, first=1, cpu=None):
+  t0, c0 = time.perf_counter(), time.process_time()
   for step in range(first, first + steps):
     state, loss = train_step(state)
     float(loss)  # A loop that logs its loss waits for each step.
@@ -58,6 +63,8 @@ def _loop(state, train_step, steps, cb=None, first=1):
       cb(step, state)
   if cb is not None:
     cb.wait_until_finished()
+  if cpu is not None:  # All threads' CPU time: the VM's steal is not in it.
+    cpu.append(time.process_time() - c0)
   return time.perf_counter() - t0, state
 
 
@@ -70,26 +77,37 @@ def one_process(args: argparse.Namespace) -> dict:
   local = tempfile.mkdtemp(dir=args.local_dir)
   out = {"state_bytes": sum(a.nbytes for a in jax.tree.leaves(state))}
   try:
-    # One callback through every round, as in a long run: its first saves
-    # (new staging memory, new files) happen in a warm-up loop before them.
+    # One callback throughout, as in a long run: its first saves (new
+    # staging memory, new files) happen in a warm-up before the pairs.
+    k = args.local_every
     cb = CheckpointCallback(os.path.join(root, "loop"),
                             local_directory=os.path.join(local, "loop"),
-                            local_every_steps=args.local_every)
-    _, state = _loop(state, train_step, 3 * args.local_every, cb)
-    first = 3 * args.local_every + 1
-    without, overhead = [], []
-    t, state = _loop(state, train_step, args.steps)
-    without.append(t)
-    for _ in range(args.rounds):
-      t, state = _loop(state, train_step, args.steps, cb, first)
-      first += args.steps
-      t_after, state = _loop(state, train_step, args.steps)
-      overhead.append(t / ((without[-1] + t_after) / 2) - 1)
-      without.append(t_after)
+                            local_every_steps=k)
+    _, state = _loop(state, train_step, 3 * k, cb, first=k)
+    first = 4 * k  # Each block with saves starts at a multiple of k.
+    with_saves, without, cpu_with, cpu_without = [], [], [], []
+    for i in range(args.pairs):
+      order = (True, False) if i % 2 == 0 else (False, True)
+      for saving in order:
+        if saving:
+          t, state = _loop(state, train_step, k, cb, first, cpu_with)
+          first += k
+          with_saves.append(t)
+        else:
+          t, state = _loop(state, train_step, k, cpu=cpu_without)
+          without.append(t)
     cb.close()
     shutil.rmtree(os.path.join(local, "loop"), ignore_errors=True)
-    out.update(loop_secs_without=without, loop_overhead_rounds=overhead,
-               loop_overhead=statistics.median(overhead))
+    ratios = sorted(a / b - 1 for a, b in zip(with_saves, without))
+    out.update(loop_secs_with_saves=with_saves, loop_secs_without=without,
+               loop_overhead_pairs=ratios,
+               loop_overhead=sum(with_saves) / sum(without) - 1,
+               loop_cpu_secs_with_saves=cpu_with,
+               loop_cpu_secs_without=cpu_without,
+               loop_cpu_overhead=sum(cpu_with) / sum(cpu_without) - 1,
+               loop_overhead_median=statistics.median(ratios),
+               loop_overhead_quartiles=statistics.quantiles(ratios, n=4)
+               if len(ratios) > 1 else ratios * 3)
 
     # 2: one step in both tiers (ours) and in Orbax's format.
     directory = os.path.join(root, "restore")
@@ -232,9 +250,8 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--width", type=int, default=3200)
   parser.add_argument("--batch", type=int, default=32)
-  parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--local-every", type=int, default=10)
-  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--pairs", type=int, default=40)
   parser.add_argument("--restores", type=int, default=3)
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--dir", default=None, help="the persistent tier's"
@@ -259,9 +276,12 @@ def main() -> None:
   one = result["one_process"]
   print(f"state {one['state_bytes'] / 1e9:.2f} GB; local tier on"
         f" {args.local_dir}, persistent tier on {args.dir or tempfile.gettempdir()}")
-  print(f"loop of {args.steps} steps, local tier every {args.local_every}:"
-        f" {one['loop_overhead']:+.1%} (rounds:"
-        f" {', '.join(f'{x:+.1%}' for x in one['loop_overhead_rounds'])})")
+  q1, _, q3 = one["loop_overhead_quartiles"]
+  print(f"loop, local tier every {args.local_every} steps:"
+        f" {one['loop_overhead']:+.1%} ({args.pairs} pairs of"
+        f" {args.local_every}-step blocks; per pair median"
+        f" {one['loop_overhead_median']:+.1%}, quartiles {q1:+.1%}"
+        f" {q3:+.1%}); CPU time {one['loop_cpu_overhead']:+.1%}")
   print("restore of one step, warm, median (s): local"
         f" {med(one['local_restore_secs']):.3f}, persistent"
         f" {med(one['persistent_restore_secs']):.3f}, Orbax"

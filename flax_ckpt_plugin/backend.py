@@ -21,6 +21,7 @@ from etils import epath
 
 from flax_ckpt_plugin import handles
 from flax_ckpt_plugin import layout
+from flax_ckpt_plugin import memfile
 from flax_ckpt_plugin import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 
@@ -117,6 +118,16 @@ class Backend(abc.ABC):
     if len(data) > limit:
       raise CheckpointCorruptedError(f"{path}: over the limit of {limit} bytes")
     return data
+
+  def close_directory(self, directory: epath.Path) -> None:
+    """Lets go of what was kept for `directory` (its manager closed)."""
+    del directory
+
+  def staging_arena(self, directory: epath.Path) -> object | None:
+    """Where snapshots for `directory` are taken, when one process alone
+    writes it (`memfile.SpareArena`); None: the manager's own memory."""
+    del directory
+    return None
 
   def remove(self, path: epath.Path) -> None:
     """Removes a file or a directory tree, if it exists."""
@@ -237,34 +248,7 @@ class LocalBackend(Backend):
     return st.st_size, st.st_mtime
 
 
-class _MemoryStepWriter(handles.LocalStepWriter):
-  """Never syncs; a data file reuses a deleted step's (see `MemoryBackend`)."""
-
-  def __init__(self, step_dir: epath.Path, identity: Identity | None,
-               data_dir: str):
-    super().__init__(step_dir, identity, data_dir)
-    self._spare = step_dir.parent / SPARE_FILE
-
-  def open(self, name: str) -> BinaryIO:
-    if name.endswith(".bin"):
-      try:  # Its pages are in memory already: overwritten, not allocated.
-        os.rename(os.fspath(self._spare), self._base(name),
-                  dst_dir_fd=self._data_fd)
-      except FileNotFoundError:
-        pass
-      else:
-        fd = os.open(self._base(name), os.O_WRONLY | os.O_CLOEXEC,
-                     dir_fd=self._data_fd)
-        return open(fd, "wb", buffering=0)
-    return super().open(name)
-
-  def sync(self, f: BinaryIO) -> None:
-    del f
-
-
-# Where `MemoryBackend` keeps a deleted step's data file for the next save,
-# beside the steps (never a step's name, so never listed nor cleaned up).
-SPARE_FILE = "_spare.bin"
+SPARE_FILE = memfile.SPARE_FILE
 
 
 class MemoryBackend(LocalBackend):
@@ -276,8 +260,9 @@ class MemoryBackend(LocalBackend):
   And a step that retention deletes leaves its data file for the next
   save to overwrite in place: new pages of a file in memory cost more to
   allocate and free than the copy itself (measured: a 1 GB write into a
-  new file on tmpfs took 0.45 s, into the pages of an old one 0.22 s, and
-  unlinking it 0.14 s).
+  new file on tmpfs took 0.45 s, into the pages of an old one 0.19 s, and
+  unlinking it 0.14 s). Data files are written through mappings kept from
+  save to save (`memfile`): a copy into mapped pages took 0.07 s per GB.
   """
 
   def write_small(self, path: epath.Path, text: str) -> None:
@@ -289,7 +274,7 @@ class MemoryBackend(LocalBackend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
-    return _MemoryStepWriter(step_dir, identity, data_dir)
+    return memfile.MemoryStepWriter(step_dir, identity, data_dir)
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     doomed = directory / f"{step}{layout.DELETING_SUFFIX}"
@@ -305,6 +290,13 @@ class MemoryBackend(LocalBackend):
       # never written over.)
       os.replace(os.fspath(files[-1]), os.fspath(directory / SPARE_FILE))
     self.remove(doomed)
+    memfile.MAPPINGS.sweep()
+
+  def close_directory(self, directory: epath.Path) -> None:
+    memfile.MAPPINGS.release(os.fspath(directory))
+
+  def staging_arena(self, directory: epath.Path) -> memfile.SpareArena:
+    return memfile.SpareArena(directory)
 
 
 _MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")

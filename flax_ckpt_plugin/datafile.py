@@ -42,6 +42,7 @@ class DataFile:
     self._out = out
     self.f = out.open(name)
     self._direct = out.open_direct(name) if O_DIRECT else None
+    self._view: memoryview | None | bool = False  # False: not asked yet.
     self.end = 0
 
   @property
@@ -57,6 +58,14 @@ class DataFile:
     return offset
 
   def write(self, buf: np.ndarray, offset: int) -> None:
+    """Writes `buf` (uint8, one dimension) at `offset`, from `place`;
+    every buffer is placed before the first is written."""
+    if not self.direct and self._mapped() is not None:
+      dst = np.frombuffer(self._view, np.uint8, buf.nbytes, offset)
+      if buf.nbytes and dst.ctypes.data == buf.ctypes.data:
+        return  # The snapshot was taken into these pages (`memfile`).
+      np.copyto(dst, buf)  # Into the file's pages; numpy releases the GIL.
+      return
     view = memoryview(buf)
     head = tail = len(view)
     if self.direct and buf.nbytes >= DIRECT_MIN_BYTES:
@@ -82,6 +91,11 @@ class DataFile:
   def sync(self) -> None:
     self._out.sync(self.f)
 
+  def _mapped(self) -> memoryview | None:
+    if self._view is False:
+      self._view = self._out.mapping(self.f, self.end)
+    return self._view
+
   def _close_direct(self) -> None:
     if self._direct is not None:
       os.close(self._direct)
@@ -90,6 +104,9 @@ class DataFile:
   def close(self) -> None:
     """Closes the file, cut to what was placed (it may reuse a longer one)."""
     self._close_direct()
+    if self._view:
+      self._view.release()
+    self._view = None
     try:
       if os.fstat(self.f.fileno()).st_size > self.end:
         os.ftruncate(self.f.fileno(), self.end)

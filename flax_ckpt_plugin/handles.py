@@ -61,6 +61,12 @@ class StepWriter(abc.ABC):
     del name
     return None
 
+  def mapping(self, f: BinaryIO, size: int) -> memoryview | None:
+    """A writable view of the first `size` bytes of `f` (from `open`), to
+    copy into instead of writing; None where writes are better."""
+    del f, size
+    return None
+
   def sync(self, f: BinaryIO) -> None:
     """Makes what was written to `f` durable (before it is closed)."""
     del f

@@ -131,7 +131,9 @@ class CheckpointManager:
     self.name = self._base
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
     # Host copies of CPU shards, reused by each save (see staging.py).
-    self._staging = HostStaging()
+    # A directory of this process alone may hold its snapshots (tmpfs).
+    self._staging = HostStaging(arena=None if scope is None else
+                                self.backend.staging_arena(self.directory))
     self._saves, self._closed, self._lock = 0, False, threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
@@ -454,6 +456,7 @@ class CheckpointManager:
     finally:
       self._committer.close()
       self._staging.clear()
+      self.backend.close_directory(self.directory)
 
   def __enter__(self) -> "CheckpointManager":
     return self

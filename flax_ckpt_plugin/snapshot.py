@@ -169,14 +169,15 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
         data.copy_to_host_async()
 
   # CPU shards: copied on their devices into staging memory (enqueued, not
-  # awaited), or, for dtypes that cannot travel as unsigned bits, copied by
-  # threads from views of the runtime's buffers right here.
+  # awaited), or, for dtypes that cannot travel as unsigned bits and for
+  # every dtype where the staging memory is an arena (`memfile`), copied
+  # by threads from views of the runtime's buffers right here.
   on_device, cpu_items = [], []
   for path, _, _, arr, _, shards in plans:
     for index, data, cpu in shards or ():
       if not cpu:
         continue
-      if bits_dtype(arr.dtype) is not None:
+      if bits_dtype(arr.dtype) is not None and staging.arena is None:
         on_device.append(data)
       else:
         cpu_items.append(((path, index), np.asarray(data)))
@@ -191,7 +192,7 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       for index, shard, cpu in shards:
         if not cpu:
           data.append(ShardData(index, _c_order(np.asarray(shard))))
-        elif bits_dtype(arr.dtype) is not None:
+        elif bits_dtype(arr.dtype) is not None and staging.arena is None:
           data.append(ShardData(index, next(device_copies),
                                 np.dtype(arr.dtype)))
         else:

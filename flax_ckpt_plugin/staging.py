@@ -234,8 +234,12 @@ class HostStaging:
   this process writes; `clear` frees them.
   """
 
-  def __init__(self, threads: int | None = None):
+  def __init__(self, threads: int | None = None, *, arena: Any = None):
     self._threads = threads or min(4, os.cpu_count() or 1)
+    # Where `copy` takes its buffers, fresh at every save, if not None
+    # (`memfile.SpareArena`); the snapshot then copies every CPU shard
+    # with `copy`.
+    self.arena = arena
     self._buffers: dict[tuple[Any, ...], np.ndarray] = {}
     # Per group of large shards: the copies that the next save reuses.
     self._device: dict[Any, list[jax.Array]] = {}
@@ -302,18 +306,22 @@ class HostStaging:
            ) -> list[np.ndarray]:
     """Copies each source into its buffer (by key); returns the buffers.
 
-    Buffers not named by `items` are freed: the tree changed shape.
+    Buffers not named by `items` are freed: the tree changed shape. With
+    an arena, the buffers are the arena's, new at every call.
     """
     with self._lock:
       old, self._buffers = self._buffers, {}
-      out = []
-      for key, src in items:
-        full = (key, src.shape, src.dtype.str)
-        buf = old.pop(full, None)
-        if buf is None:
-          buf = np.empty(src.shape, src.dtype)
-        self._buffers[full] = buf
-        out.append(buf)
+      out = None if self.arena is None else self.arena.buffers(
+          [src for _, src in items])
+      if out is None:
+        out = []
+        for key, src in items:
+          full = (key, src.shape, src.dtype.str)
+          buf = old.pop(full, None)
+          if buf is None:
+            buf = np.empty(src.shape, src.dtype)
+          self._buffers[full] = buf
+          out.append(buf)
       del old
       chunks = []
       for buf, (_, src) in zip(out, items):

@@ -140,7 +140,7 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
   local.mkdir()
   proc = subprocess.run(
       [sys.executable, str(TIERS), "--layers", "2", "--width", "128",
-       "--batch", "4", "--steps", "4", "--local-every", "2", "--rounds", "1",
+       "--batch", "4", "--local-every", "2", "--pairs", "3",
        "--restores", "1", "--dir", str(tmp_path), "--local-dir", str(local),
        "--json", str(out)],
       capture_output=True, text=True, timeout=300, check=False)
@@ -149,8 +149,12 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
   one = result["one_process"]
   assert one["local_restore_read_persistent"] is False
   for key in ("local_restore_secs", "persistent_restore_secs",
-              "orbax_restore_secs", "loop_overhead_rounds"):
+              "orbax_restore_secs"):
     assert len(one[key]) == 1 and one[key][0] == one[key][0], key
+  for key in ("loop_secs_with_saves", "loop_secs_without",
+              "loop_overhead_pairs"):
+    assert len(one[key]) == 3, key
+  assert one["loop_overhead"] > -1 and len(one["loop_overhead_quartiles"]) == 3
   assert set(result["processes_summary"]) == {"local", "peer", "persistent"}
   assert len(result["processes"]) == 2
   # Everything it wrote is gone.
