@@ -31,8 +31,8 @@ import sys
 import time
 
 
-def launch(args: argparse.Namespace) -> int:
-  """Starts `args.launch` copies of this script as one jax.distributed job.
+def launch(args: argparse.Namespace, script: str = __file__) -> int:
+  """Starts `args.launch` copies of `script` as one jax.distributed job.
 
   Prints each process's pid, so that one of them can be sent a signal, and
   each one's exit code. A SIGTERM to this launcher is passed on to every
@@ -48,7 +48,7 @@ def launch(args: argparse.Namespace) -> int:
   i = argv.index("--launch")
   del argv[i:i + 2]
   procs = [subprocess.Popen(
-      [sys.executable, __file__, *argv, "--coordinator", f"127.0.0.1:{port}",
+      [sys.executable, script, *argv, "--coordinator", f"127.0.0.1:{port}",
        "--num-processes", str(args.launch), "--process-id", str(p)], env=env)
            for p in range(args.launch)]
   for p, proc in enumerate(procs):

@@ -11,6 +11,7 @@ from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
+from flax_ckpt_plugin.errors import DataStateMismatchError
 from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import RestoreFailedError
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommitHookError",
     "ConcurrentWriterError",
+    "DataStateMismatchError",
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
     "RestoreFailedError",

@@ -31,6 +31,7 @@ from etils import epath
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin import rescue
@@ -111,6 +112,17 @@ class CheckpointCallback:
       A failure of the local tier is logged, never raised (see
       docs/fault_tolerance.md).
     local_every_steps: the local tier's interval, in steps.
+    data_iterator: this process's data iterator, or any object with
+      `get_state()` / `set_state(state)` (Grain's iterators; bytes or a
+      JSON value, see `datastate`): each save stores this process's
+      `get_state()` with the step, in both tiers, and
+      `restore_or_initialize` gives each process its own state back. Call
+      the callback after the step that consumed the batch, before the
+      next batch is drawn; a prefetching loader must not run ahead of the
+      step (see docs/integrations.md).
+    restore_data_state: False: restore the train state but leave the data
+      iterator as it is (a job relaunched on another process count, whose
+      saved data positions mean nothing to it).
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -149,7 +161,9 @@ class CheckpointCallback:
                watch_peers: bool | None = None,
                watch_poll_secs: float = 0.5,
                local_directory: epath.PathLike | None = None,
-               local_every_steps: int | None = None):
+               local_every_steps: int | None = None,
+               data_iterator: datastate.DataIterator | None = None,
+               restore_data_state: bool = True):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
     if (local_directory is None) != (local_every_steps is None):
@@ -166,6 +180,8 @@ class CheckpointCallback:
     self.last_step = last_step
     self.save_on_preemption = save_on_preemption
     self.metric_writer = metric_writer
+    self.data_iterator = data_iterator
+    self.restore_data_state = restore_data_state
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep,
         keep_every_n_steps=keep_every_n_steps, atomicity=atomicity,
@@ -319,13 +335,16 @@ class CheckpointCallback:
     chosen, self._chosen = self._chosen, None
     persistent, local = (True, False) if chosen is None or chosen[0] != step \
         else chosen[1:]
+    data = None if self.data_iterator is None else (
+        self.data_iterator.get_state())
     if persistent:
-      self.manager.save(step, state, extra=extra, metrics=metrics)
+      self.manager.save(step, state, extra=extra, metrics=metrics,
+                        data_state=data)
       if self._every_secs is not None:
         self._every_secs.saved(self.manager.name)
     if local:
       self._local_quietly("save", lambda m: m.save(
-          step, state, extra=extra, metrics=metrics))
+          step, state, extra=extra, metrics=metrics, data_state=data))
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True
@@ -357,12 +376,14 @@ class CheckpointCallback:
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
     """
+    it = self.data_iterator if self.restore_data_state else None
     if self.local is None:
-      found = self.manager.restore_newest_valid(state)
+      found = self.manager.restore_newest_valid(state, data_iterator=it)
       found = None if found is None else (found[0], local_tier.PERSISTENT, (
           found[1], self.manager.metadata(found[0]).extra))
     else:
-      found = local_tier.restore_into(state, self.local, self.manager)
+      found = local_tier.restore_into(state, self.local, self.manager,
+                                      data_iterator=it)
     if self.local is not None:  # Newer local steps belong to another past.
       newer = [s for s in self.local.manager.all_steps()
                if found is None or s > found[0]]

@@ -33,6 +33,7 @@ import numpy as np
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
@@ -65,6 +66,7 @@ class CommitInputs(NamedTuple):
   check_still_writer: Callable[[str], None]
   scope: storage.Scope | None = None  # One process's shards (local tier).
   writers: Sequence[int] | None = None  # Who writes; None: every process.
+  data_state: datastate.Encoded | None = None  # This process's, if any.
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -165,7 +167,8 @@ def commit(inputs: CommitInputs) -> SaveStats:
       inputs, "written",
       lambda: storage.write_process_files(tmp.path, inputs.leaves, pid,
                                           identity=identity,
-                                          backend=inputs.backend))
+                                          backend=inputs.backend,
+                                          data_state=inputs.data_state))
 
   def finalize():
     if inputs.is_primary:

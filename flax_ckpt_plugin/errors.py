@@ -74,3 +74,8 @@ class PeerLostError(RuntimeError):
 
   def __reduce__(self):  # Picklable with its arguments.
     return (PeerLostError, (self.lost, 0, 0))
+
+
+class DataStateMismatchError(ValueError):
+  """A step's data states were saved by another number of processes: each
+  process's data position means nothing to a job split otherwise."""

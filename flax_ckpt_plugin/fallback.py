@@ -23,13 +23,27 @@ from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 
 
+class Unsuitable(Exception):
+  """Raised by a restore function: the step is whole but cannot serve this
+  restore (it lacks this process's data state): skip it, keep it."""
+
+
 class _Damaged(Exception):
   """A step's files are damaged here: skip it (the original is its cause)."""
+
+
+class _Unsuitable(Exception):
+  """`Unsuitable` here: skip the step, but it is not damaged."""
+
+
+_SKIPPED = (_Damaged.__name__, _Unsuitable.__name__)
 
 
 def _restore_or_mark(restore: Callable[[int], Any], step: int) -> Any:
   try:
     return restore(step)
+  except Unsuitable as e:
+    raise _Unsuitable(str(e)) from e
   except (CheckpointCorruptedError, FileNotFoundError) as e:
     raise _Damaged(str(e)) from e
 
@@ -79,8 +93,9 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
   """Restores the first candidate that restores on every process.
 
   Every process passes the same `candidates` (steps, or (step, tier)
-  pairs), best first; a candidate damaged or missing on any process is
-  skipped. See `restore_newest` for the rest.
+  pairs), best first; a candidate damaged, missing or `Unsuitable` on any
+  process is skipped (only damaged or missing ones are returned as
+  skipped). See `restore_newest` for the rest.
   """
   skipped, why = [], []
   for n, candidate in enumerate(candidates):
@@ -91,10 +106,11 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
     if not outcome.failures:
       return (candidate, outcome.result), skipped
     name = describe(candidate)
-    if outcome.error is not None and not isinstance(outcome.error, _Damaged):
+    if outcome.error is not None and not isinstance(
+        outcome.error, (_Damaged, _Unsuitable)):
       raise outcome.error
-    others = {p: f for p, f in outcome.failed_elsewhere(coord.process_index)
-              .items() if f[0] != _Damaged.__name__}
+    elsewhere = outcome.failed_elsewhere(coord.process_index)
+    others = {p: f for p, f in elsewhere.items() if f[0] not in _SKIPPED}
     if others:
       raise RestoreFailedError(
           f"restoring {name} of {where} failed on other processes, so"
@@ -103,9 +119,11 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
     reason = (str(outcome.error) if outcome.error is not None
               else "damaged or missing on another process")
     log.warning("skipping %s of %s: %s", name, where, reason)
-    skipped.append(candidate)
+    if isinstance(outcome.error, _Damaged) or any(
+        f[0] == _Damaged.__name__ for f in elsewhere.values()):
+      skipped.append(candidate)
     why.append(f"{name}: {reason}")
-  if skipped:
+  if why:
     raise CheckpointCorruptedError(
         f"no finalized step in {where} restores: " + "; ".join(why))
   return None, []

@@ -28,6 +28,7 @@ from etils import epath
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import peer
@@ -201,24 +202,32 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
 
 
 def restore_into(state: Any, local: LocalTier,
-                 persistent: CheckpointManager) -> tuple[int, str, Any] | None:
+                 persistent: CheckpointManager, *,
+                 data_iterator: datastate.DataIterator | None = None
+                 ) -> tuple[int, str, Any] | None:
   """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
 
-  Called on every process, like `state`; see `restore_newest`.
+  Called on every process, like `state`; see `restore_newest`. With a
+  `data_iterator`, each process also restores its data state, and peers
+  are not tried: a process that lacks the local step lacks its data state
+  too (it was lost with its disk).
   """
   coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
   key = f"{persistent.name}/tiers"
   key = f"{key}/{coord.next_round(key)}"
 
   def from_manager(manager):
-    return lambda step, _: (manager.restore(state, step),
-                            manager.metadata(step).extra)
+    return lambda step, _: (
+        manager.restore(state, step, data_iterator=data_iterator),
+        manager.metadata(step).extra)
 
-  return restore_newest(
-      coord, key, local=local, persistent=persistent, restore={
-          LOCAL: from_manager(local.manager),
-          PEER: lambda step, holders: peer.restore(
-              coord, f"{key}/peer{step}", step, holders, local.directory,
-              state, timeout_ms=timeout_ms),
-          PERSISTENT: from_manager(persistent)},
-      timeout_ms=timeout_ms)
+  tiers = {
+      LOCAL: from_manager(local.manager),
+      PEER: lambda step, holders: peer.restore(
+          coord, f"{key}/peer{step}", step, holders, local.directory,
+          state, timeout_ms=timeout_ms),
+      PERSISTENT: from_manager(persistent)}
+  if data_iterator is not None:
+    del tiers[PEER]
+  return restore_newest(coord, key, local=local, persistent=persistent,
+                        restore=tiers, timeout_ms=timeout_ms)

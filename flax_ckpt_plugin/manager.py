@@ -22,6 +22,7 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import storage
@@ -213,10 +214,26 @@ class CheckpointManager:
     self._check_open()
     return step_metadata(self._manifest(step)[2])
 
+  def data_state(self, step: int | None = None) -> Any:
+    """This process's data state saved with `step` (default: the newest):
+    bytes or the JSON value it was saved as; None if it has none.
+
+    Raises:
+      CheckpointNotFoundError: no such finalized step.
+      DataStateMismatchError: the step was saved by another number of
+        processes (the message names both counts).
+      CheckpointCorruptedError: the state's file is missing or damaged.
+    """
+    self._check_open()
+    _, step_dir, manifest = self._manifest(step)
+    return datastate.of_step(step_dir, manifest, self.coordinator,
+                             self.backend)
+
   # -- save ------------------------------------------------------------------
 
   def save(self, step: int, state: Any, *, extra: Any = None,
-           metrics: dict[str, Any] | None = None) -> None:
+           metrics: dict[str, Any] | None = None,
+           data_state: Any = None) -> None:
     """Starts saving `state` as `step`; returns once a host snapshot exists.
 
     The caller may donate or overwrite the state's buffers as soon as this
@@ -228,6 +245,9 @@ class CheckpointManager:
       extra: JSON-serializable user state, e.g. a data iterator position;
         read back with `metadata(step).extra`.
       metrics: numbers recorded with the step.
+      data_state: this process's own data state (each process passes its
+        own, e.g. its data iterator's `get_state()`): bytes, or a JSON
+        value; read back on each process with `data_state(step)`.
 
     Raises:
       CheckpointExistsError: `step` is already finalized.
@@ -247,6 +267,7 @@ class CheckpointManager:
       raise ValueError(f"step must be >= 0, got {step}")
     extra = storage.extra_to_json(extra)
     metrics = storage.metrics_to_json(metrics)
+    encoded = None if data_state is None else datastate.encode(data_state)
     t0 = time.perf_counter()
     self._committer.wait()  # Only blocks if the previous commit still runs.
     if step in self.all_steps():
@@ -265,7 +286,8 @@ class CheckpointManager:
         leaves=leaves, extra=extra, metrics=metrics,
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
-        check_still_writer=self.check_still_writer, scope=self.scope)
+        check_still_writer=self.check_still_writer, scope=self.scope,
+        data_state=encoded)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -331,7 +353,8 @@ class CheckpointManager:
   # -- restore ---------------------------------------------------------------
 
   def restore(self, target: Any, step: int | None = None, *,
-              verify: bool = True) -> Any:
+              verify: bool = True,
+              data_iterator: datastate.DataIterator | None = None) -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Runs on this process alone (it meets no other process), so it may be
@@ -346,6 +369,8 @@ class CheckpointManager:
       step: which step; None for the newest.
       verify: check the CRC-32C of every block read (a partial read of a
         shard then reads the whole 4 MiB blocks around what it needs).
+      data_iterator: if given, gets this process's data state of the step
+        (`set_state`), once the tree restored (see `datastate`).
 
     Returns:
       A pytree of the target's type.
@@ -355,6 +380,7 @@ class CheckpointManager:
       StructureMismatchError: the trees differ; names every mismatched leaf
         by its key path.
       CheckpointCorruptedError: the step's files are damaged.
+      DataStateMismatchError: see `data_state`.
     """
     self._check_open()
     self._committer.check()
@@ -364,14 +390,19 @@ class CheckpointManager:
     self._staging.clear()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
+    hand_over = None if data_iterator is None else datastate.prepare(
+        data_iterator, step_dir, manifest, self.coordinator, self.backend)
     tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
                                 backend=self.backend)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
+    if hand_over is not None:
+      hand_over()
     return tree
 
-  def restore_newest_valid(self, target: Any, *,
-                           verify: bool = True) -> tuple[int, Any] | None:
+  def restore_newest_valid(self, target: Any, *, verify: bool = True,
+                           data_iterator: datastate.DataIterator | None = None
+                           ) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
 
     Called on every process; see `fallback`. A step whose files fail
@@ -383,6 +414,8 @@ class CheckpointManager:
     Args:
       target: what to restore into, as for `restore`.
       verify: check checksums, as for `restore`.
+      data_iterator: as for `restore`; a step without this process's data
+        state (but others') is skipped, and kept.
 
     Returns:
       (step, restored tree), or None when the directory has no finalized
@@ -401,7 +434,8 @@ class CheckpointManager:
     key = f"{key}/{self.coordinator.next_round(key)}"
     found, skipped = fallback.restore_newest(
         self.coordinator, key, steps=self.all_steps,
-        restore=lambda step: self.restore(target, step, verify=verify),
+        restore=lambda step: self.restore(target, step, verify=verify,
+                                          data_iterator=data_iterator),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
     if found is not None:  # Every process restored it.

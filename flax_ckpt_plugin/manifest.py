@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.storage import FORMAT_NAME
@@ -184,6 +185,9 @@ class Manifest:
   # For a step of one process's shards (the local tier): that process's
   # index and the job's process count; None for a whole step.
   scope: tuple[int, int] | None = None
+  # Per process index, its data state's file (see `datastate`); None if
+  # the step has none.
+  data_states: dict[int, datastate.Record] | None = None
 
   @property
   def total_bytes(self) -> int:
@@ -392,7 +396,8 @@ def parse(raw: bytes, where: str) -> Manifest:
       files=dict(files), checksum_algorithm=checksum["algorithm"],
       checksum_block_bytes=checksum["block_bytes"], leaves=tuple(records),
       extra=manifest.get("extra"), metrics=manifest.get("metrics"),
-      scope=scope)
+      scope=scope,
+      data_states=datastate.parse(manifest.get("data_states"), where))
 
 
 def read(step_dir: epath.Path, step: int | None = None,

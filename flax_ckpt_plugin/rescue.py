@@ -37,6 +37,7 @@ from typing import Any
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import manifest as manifest_lib
@@ -145,7 +146,7 @@ class Rescue:
     found = _assigned(group, key, local, step, timeout_ms)
     if found is None:
       return
-    leaves, extra = found
+    leaves, extra, data_state = found
     primary = (manager.primary_host if manager.primary_host in members
                else members[0])
     tmp = atomicity_lib.temporary_path(manager.directory, step,
@@ -156,7 +157,7 @@ class Rescue:
         tmp=tmp, leaves=leaves, extra=extra, metrics=None,
         blocking_secs=0.0, is_primary=coord.process_index == primary,
         timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,
-        writers=members))
+        writers=members, data_state=data_state))
     self.saved_step = step
     log.warning("survivors %s saved step %d from their local tiers to %s"
                 " (%d bytes written here)", members, step,
@@ -198,10 +199,11 @@ def _common_step(group: groups.Survivors, key: str,
 
 def _assigned(group: groups.Survivors, key: str,
               local: local_tier_lib.LocalTier, step: int, timeout_ms: int
-              ) -> tuple[list[LeafSnapshot], Any] | None:
+              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
-  that holds it writes it), and the step's `extra`. None (on every
-  survivor) if they do not hold every shard, or one failed to read.
+  that holds it writes it), the step's `extra`, and this survivor's data
+  state (`datastate.Encoded`, or None). None (on every survivor) if they
+  do not hold every shard, or one failed to read.
 
   Reads the local step from disk: the loop may have closed the managers.
   """
@@ -237,17 +239,20 @@ def _assigned(group: groups.Survivors, key: str,
                   " tiers serve the restart", step, e)
       return None
 
-  def read() -> list[LeafSnapshot]:
+  def read() -> tuple[list[LeafSnapshot], datastate.Encoded | None]:
     reader = ByteReader(step_dir, m.files, local.manager.backend)
     try:
-      return [_leaf_share(leaf, owner.get(leaf.path, {}), me, reader, m)
-              for leaf in m.leaves]
+      leaves = [_leaf_share(leaf, owner.get(leaf.path, {}), me, reader, m)
+                for leaf in m.leaves]
     finally:
       reader.close()
+    data = datastate.of_step(step_dir, m, local.manager.coordinator,
+                             local.manager.backend)
+    return leaves, None if data is None else datastate.encode(data)
 
-  leaves = _agreed(group, f"{key}/read", read, timeout_ms,
-                   f"reading the shards of local step {step}")
-  return None if leaves is None else (leaves, m.extra)
+  found = _agreed(group, f"{key}/read", read, timeout_ms,
+                  f"reading the shards of local step {step}")
+  return None if found is None else (found[0], m.extra, found[1])
 
 
 def _leaf_share(leaf: manifest_lib.LeafRecord, owner: dict[tuple, int],

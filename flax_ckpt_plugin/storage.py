@@ -35,6 +35,7 @@ import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datafile
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import layout
 from flax_ckpt_plugin.errors import SaveFailedError
 
@@ -125,7 +126,8 @@ def _as_bytes(arr: np.ndarray) -> np.ndarray:
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
                         process_index: int, *,
                         identity: backend_lib.Identity | None = None,
-                        backend: backend_lib.Backend | None = None) -> int:
+                        backend: backend_lib.Backend | None = None,
+                        data_state: datastate.Encoded | None = None) -> int:
   """Writes this process's shards and shard table; returns the shards' bytes.
 
   Called on every process, each into the same temporary step directory. The
@@ -139,6 +141,7 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
       (local disks); a different directory there raises
       `ConcurrentWriterError`.
     backend: the directory's storage backend (default: by its scheme).
+    data_state: this process's data state, if it has one (`datastate`).
   """
   backend = backend or backend_lib.for_path(step_dir)
   out = backend.step_writer(step_dir, identity, DATA_DIR)
@@ -162,6 +165,11 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
       _write_all(f, memoryview(views.encode()))
     table = {"process_index": process_index, "file": name if shards else None,
              "nbytes": offset, "shards": entries, "views_sha256": digest}
+    if data_state is not None:
+      with out.open(datastate.state_file(process_index)) as f:
+        _write_all(f, memoryview(data_state.data))
+        out.sync(f)
+      table["data_state"] = datastate.table_entry(process_index, data_state)
     with out.open(index_file(process_index)) as f:
       _write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
@@ -218,11 +226,13 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
 
 def extra_to_json(value: Any, what: str = "extra") -> Any:
   """`extra` as the JSON it is stored as; TypeError if it cannot be."""
-  try:
-    return json.loads(json.dumps(value, allow_nan=False))
+  try:  # (numpy scalars and arrays too: what data loaders hand out.)
+    return json.loads(json.dumps(value, allow_nan=False,
+                                 default=datastate.to_plain))
   except (TypeError, ValueError) as e:
     raise TypeError(f"{what} must be JSON-serializable (dicts, lists, str,"
-                    f" int, finite float, bool, None): {e}") from e
+                    f" int, finite float, bool, None, numpy scalars): {e}"
+                    ) from e
 
 
 def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -325,6 +335,8 @@ def merge_tables(step_dir: epath.Path, *, step: int,
       del leaf["shards"]
   now = time.time()
   held = {} if scope is None else {"scope": scope._asdict()}
+  states = {str(p): t["data_state"] for p, t in tables.items()
+            if t.get("data_state")}
   return {
       **held,
       "format": FORMAT_NAME,
@@ -340,6 +352,7 @@ def merge_tables(step_dir: epath.Path, *, step: int,
       "leaves": list(by_path.values()),
       "extra": extra,
       "metrics": metrics,
+      **({"data_states": states} if states else {}),
   }, origins
 
 
