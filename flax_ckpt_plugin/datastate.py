@@ -147,6 +147,12 @@ def read(step_dir: epath.Path, records: dict[int, Record] | None,
   record = records.get(process_index)
   if record is None:
     return None
+  return load(step_dir, record, backend)
+
+
+def load(step_dir: epath.Path, record: Record, backend: Any) -> Any:
+  """One state file, checked against its record; CheckpointCorruptedError
+  (naming the file) if it is missing, short or damaged."""
   path = step_dir / record.file
   try:
     raw = backend.read_small(path, within=step_dir, limit=MAX_STATE_BYTES)

@@ -1,7 +1,8 @@
 """Checking every checksum of a finalized step, without restoring it.
 
 `verify_step` reads each shard of a step in bounded chunks and compares the
-CRC-32C of every block with the manifest, going on after the first problem
+CRC-32C of every block with the manifest (and each process's data state,
+whole), going on after the first problem
 so that one run reports all of them. `flax-ckpt verify` is built on it.
 """
 
@@ -14,6 +15,8 @@ import crc32c
 from etils import epath
 import numpy as np
 
+from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.manifest import Manifest
@@ -169,6 +172,13 @@ def verify_step(directory: epath.Path, step: int, manifest: Manifest,
           continue
         if problem:
           problems.append(problem)
+    for record in (manifest.data_states or {}).values():
+      try:
+        datastate.load(step_dir, record, backend_lib.for_path(step_dir))
+      except CheckpointCorruptedError as e:
+        problems.append(str(e))
+      except OSError as e:
+        errors.append(f"{step_dir / record.file}: {e.strerror or e}")
   finally:
     reader.close()
   if problems:

@@ -3,12 +3,14 @@ step, checked, handed back to the data iterator at restore, in both tiers."""
 
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import cli
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import DataStateMismatchError
@@ -88,7 +90,8 @@ def test_each_encoding_round_trips_and_bad_states_name_the_problem(ckpt_dir):
   m.close()
 
 
-def test_a_damaged_data_state_is_named_and_the_callback_falls_back(ckpt_dir):
+def test_a_damaged_data_state_is_named_and_the_callback_falls_back(
+    ckpt_dir, capsys):
   data = Batches()
   _loop(CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data), 4,
         data)
@@ -96,6 +99,10 @@ def test_a_damaged_data_state_is_named_and_the_callback_falls_back(ckpt_dir):
   state_file.write_text(state_file.read_text().replace("4", "9"))
   with pytest.raises(CheckpointCorruptedError, match="process_00000.state"):
     CheckpointManager(ckpt_dir, read_only=True).data_state(4)
+  assert cli.main(["verify", str(ckpt_dir), "--all"]) != 0
+  out = capsys.readouterr()
+  assert re.search(r"4/data/process_00000\.state: \d+ bytes that do not"
+                   r" match", out.out + out.err), out
   data = Batches()
   cb = CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data)
   cb.restore_or_initialize({"w": jnp.zeros(4)})

@@ -90,3 +90,17 @@ def test_sigterm_at_a_random_step_then_every_batch_and_bit_is_the_same(
   assert sorted(a) == sorted(b)
   for k, v in a.items():
     assert b[k].tobytes() == v.tobytes(), f"{k} differs after the resume"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multiprocess
+def test_resuming_two_processes_data_on_one_names_both_counts(tmp_path):
+  """Each process's position belongs to its shard of two: one process
+  cannot take them over (the train state alone could be restored)."""
+  run_to_end(_argv(tmp_path / "w", "dataset", 0, 2))
+  with Child(_argv(tmp_path / "w", "dataset", 0, 1)) as child:
+    code = child.wait()
+    out = child.output()
+  assert code == 1, out
+  assert "DataStateMismatchError" in out and (
+      "saved by 2 processes, and this job has 1") in out, out
