@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ckpt_plugin.storage import CHECKSUM_BLOCK
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.treepaths import Index
@@ -51,6 +52,9 @@ class ShardData:
   # see `staging`); `host()` waits for it.
   data: np.ndarray | jax.Array
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
+  # The CRC-32C of each `storage.CHECKSUM_BLOCK` bytes, when the copy took
+  # them (`HostStaging.copy_summed`); else the writer does.
+  crc32c: list[int] | None = None
 
   def host(self) -> np.ndarray:
     """The values as a host array (a zero-copy view of a staging copy).
@@ -182,7 +186,12 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       else:
         cpu_items.append(((path, index), np.asarray(data)))
   device_copies = iter(staging.copy_on_devices(on_device))
-  host_copies = iter(staging.copy(cpu_items))
+  summed = None if staging.arena is None else staging.copy_summed(
+      [src for _, src in cpu_items], CHECKSUM_BLOCK)
+  if summed is None:
+    host_copies, host_sums = iter(staging.copy(cpu_items)), None
+  else:
+    host_copies, host_sums = iter(summed[0]), iter(summed[1])
   del cpu_items, on_device  # No view of a runtime buffer outlives this call.
 
   out = []
@@ -196,7 +205,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
           data.append(ShardData(index, next(device_copies),
                                 np.dtype(arr.dtype)))
         else:
-          data.append(ShardData(index, next(host_copies)))
+          data.append(ShardData(index, next(host_copies), crc32c=None
+                                if host_sums is None else next(host_sums)))
       out.append(LeafSnapshot(path, keys, "array", _dtype_name(arr.dtype),
                               tuple(arr.shape), data, key_impl=impl))
     else:

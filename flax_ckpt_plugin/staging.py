@@ -36,6 +36,7 @@ import os
 import threading
 from typing import Any
 
+import crc32c
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -302,6 +303,43 @@ class HostStaging:
         out[i] = c
       return out
 
+  def copy_summed(self, srcs: list[np.ndarray], block: int
+                  ) -> tuple[list[np.ndarray], list[list[int]]] | None:
+    """Copies each source into the arena, block by block, and takes each
+    block's CRC-32C right after copying it, while it is in the cache (one
+    pass over memory instead of two); returns the buffers and, per buffer,
+    its blocks' CRC-32C. None if the arena has no room (see `copy`)."""
+    out = self.arena.buffers(srcs)
+    if out is None:
+      return None
+    sums = [[0] * max(1, -(-src.nbytes // block)) for src in srcs]
+    jobs = []
+    for dst, src, into in zip(out, srcs, sums):
+      d = dst.reshape(-1).view(np.uint8)
+      s_ = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+      for k, i in enumerate(range(0, max(1, s_.nbytes), block)):
+        jobs.append((d[i:i + block], s_[i:i + block], into, k))
+
+    def run(job) -> None:
+      d, s_, into, k = job
+      np.copyto(d, s_)
+      into[k] = crc32c.crc32c(d)
+
+    with self._lock:
+      if self._threads == 1 or len(jobs) == 1:
+        for job in jobs:
+          run(job)
+      else:
+        for f in [self._executor().submit(run, job) for job in jobs]:
+          f.result()
+    return out, sums
+
+  def _executor(self) -> futures.ThreadPoolExecutor:
+    if self._pool is None:
+      self._pool = futures.ThreadPoolExecutor(
+          self._threads, thread_name_prefix="flax_ckpt_plugin-snapshot")
+    return self._pool
+
   def copy(self, items: list[tuple[tuple[Any, ...], np.ndarray]]
            ) -> list[np.ndarray]:
     """Copies each source into its buffer (by key); returns the buffers.
@@ -336,10 +374,8 @@ class HostStaging:
         for dst, src in chunks:
           np.copyto(dst, src)
       else:
-        if self._pool is None:
-          self._pool = futures.ThreadPoolExecutor(
-              self._threads, thread_name_prefix="flax_ckpt_plugin-snapshot")
         # np.copyto releases the GIL, so the copies run side by side.
-        for f in [self._pool.submit(np.copyto, d, s_) for d, s_ in chunks]:
+        for f in [self._executor().submit(np.copyto, d, s_)
+                  for d, s_ in chunks]:
           f.result()
       return out

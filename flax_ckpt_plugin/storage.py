@@ -195,12 +195,14 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
   bufs = [_as_bytes(shard.host()) for _, shard in shards]
   # A plain thread, not a pool: a commit that finishes while the interpreter
   # exits (see async_commit) may no longer start pool work.
-  sums: list[list[int]] = []
+  sums: list[list[int] | None] = [shard.crc32c for _, shard in shards]
   failed: list[BaseException] = []
 
   def checksum() -> None:
-    try:
-      sums.extend(block_checksums(memoryview(b)) for b in bufs)
+    try:  # Those the snapshot did not take while copying.
+      for i, b in enumerate(bufs):
+        if sums[i] is None:
+          sums[i] = block_checksums(memoryview(b))
     except BaseException as e:  # pylint: disable=broad-except
       failed.append(e)
 
