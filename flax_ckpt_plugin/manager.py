@@ -354,7 +354,8 @@ class CheckpointManager:
 
   def restore(self, target: Any, step: int | None = None, *,
               verify: bool = True,
-              data_iterator: datastate.DataIterator | None = None) -> Any:
+              data_iterator: datastate.DataIterator | None = None,
+              partial: bool = False, missing: str = "error") -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Runs on this process alone (it meets no other process), so it may be
@@ -371,6 +372,13 @@ class CheckpointManager:
         shard then reads the whole 4 MiB blocks around what it needs).
       data_iterator: if given, gets this process's data state of the step
         (`set_state`), once the tree restored (see `datastate`).
+      partial: restore only the leaves of `target` (e.g. `{"params":
+        params}` from a saved `TrainState`: key paths match whether a
+        level is a dict key or an attribute); no byte of the other leaves
+        is read.
+      missing: "keep": a leaf of `target` that the checkpoint lacks (a
+        new head for fine-tuning) keeps the target's value, and a log line
+        names them; "error" (default): a `StructureMismatchError`.
 
     Returns:
       A pytree of the target's type.
@@ -393,7 +401,8 @@ class CheckpointManager:
     hand_over = None if data_iterator is None else datastate.prepare(
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
     tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
-                                backend=self.backend)
+                                backend=self.backend, partial=partial,
+                                missing=missing)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     if hand_over is not None:

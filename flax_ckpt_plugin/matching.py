@@ -121,31 +121,50 @@ def _mismatch(path: str, saved: LeafRecord, target: Any) -> str | None:
   return None if ok else f"{head()} {t_desc()}"
 
 
+MISSING = ("error", "keep")
+
+
 def match_structure(saved: dict[str, LeafRecord],
-                     targets: list[tuple[str, Any]],
-                     step_dir: epath.Path) -> None:
+                    targets: list[tuple[str, Any]],
+                    step_dir: epath.Path, *, partial: bool = False,
+                    missing: str = "error") -> list[str]:
   """Raises StructureMismatchError naming every leaf that does not fit.
 
   Leaves missing on either side, and every leaf whose shape or dtype
   differs, all in one message (each list cut at `_MAX_LISTED`, the
-  differing leaves at `_MAX_MISMATCHES`), before any data is read.
+  differing leaves at `_MAX_MISMATCHES`), before any data is read. With
+  `partial`, checkpoint leaves that the target lacks are no mismatch;
+  with `missing="keep"`, target leaves that the checkpoint lacks are not
+  either, if the target gives them a value (not a `ShapeDtypeStruct`).
+
+  Returns:
+    The target leaves that the checkpoint lacks and that keep the target's
+    value (only with `missing="keep"`).
   """
+  if missing not in MISSING:
+    raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
+  keep = missing == "keep"
   target_paths = [p for p, _ in targets]
-  missing = [p for p in target_paths if p not in saved]
-  unexpected = sorted(set(saved) - set(target_paths))
+  kept = [p for p, t in targets if keep and p not in saved
+          and not isinstance(t, jax.ShapeDtypeStruct)]
+  missing = [p for p in target_paths if p not in saved and p not in kept]
+  unexpected = [] if partial else sorted(set(saved) - set(target_paths))
   differ = [m for m in (_mismatch(p, saved[p], t) for p, t in targets
                         if p in saved) if m is not None]
   if not missing and not unexpected and len(differ) <= 1:
     if differ:
       raise StructureMismatchError(differ[0])
-    return
+    return kept
   parts = []
   if missing:
+    hint = (" (abstract in the target: give them a value to keep)" if keep
+            else " (restore(..., missing='keep') keeps the target's values)")
     parts.append("target leaves not in the checkpoint:"
-                 f" {_count(missing, _MAX_LISTED)}")
+                 f" {_count(missing, _MAX_LISTED)}{hint}")
   if unexpected:
     parts.append("checkpoint leaves not in the target:"
-                 f" {_count(unexpected, _MAX_LISTED)}")
+                 f" {_count(unexpected, _MAX_LISTED)} (restore(...,"
+                 " partial=True) restores the target's leaves alone)")
   if differ:
     more = len(differ) - _MAX_MISMATCHES
     parts.append(f"{len(differ)} leaves differ in shape or dtype: "

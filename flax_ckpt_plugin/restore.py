@@ -35,6 +35,7 @@ from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import held_elements
 from flax_ckpt_plugin.reader import host_buffer
 from flax_ckpt_plugin.reader import LeafReader
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.matching import check_key_impl
 from flax_ckpt_plugin.matching import match_structure
 from flax_ckpt_plugin.staging import bits_dtype
@@ -281,7 +282,8 @@ def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
 
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
                  verify: bool = True,
-                 backend: backend_lib.Backend | None = None
+                 backend: backend_lib.Backend | None = None,
+                 partial: bool = False, missing: str = "error"
                  ) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
 
@@ -291,6 +293,10 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
     target: the concrete or abstract pytree to restore like.
     verify: check the CRC-32C of every block of data read.
     backend: the directory's storage (default: by the path's scheme).
+    partial: restore the target's leaves alone, reading no byte of the
+      checkpoint's other leaves.
+    missing: "keep": a target leaf that the checkpoint lacks keeps the
+      target's value (logged); "error" (default): a mismatch.
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
@@ -306,10 +312,18 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   saved = manifest.leaf_by_path
   targets, treedef = leaf_paths(target)
   where = f"step {manifest.step} in {step_dir}"
-  match_structure(saved, [(p, leaf) for p, _, leaf in targets], step_dir)
+  kept = set(match_structure(saved, [(p, leaf) for p, _, leaf in targets],
+                             step_dir, partial=partial, missing=missing))
+  if kept:
+    log.warning("%s: %d target leaves are not in the checkpoint and keep"
+                " the target's values: %s", where, len(kept), sorted(kept))
+  order = [p for p, _, _ in targets]
+  given = {p: leaf for p, _, leaf in targets if p in kept}
   for path, _, _ in targets:  # Now each impl is the target's, so known.
-    check_key_impl(saved[path], where)
-  targets = [(p, on_context_mesh(p, leaf)) for p, _, leaf in targets]
+    if path not in kept:
+      check_key_impl(saved[path], where)
+  targets = [(p, on_context_mesh(p, leaf)) for p, _, leaf in targets
+             if p not in kept]
   if manifest.scope is not None:
     _check_held(saved, targets, where)
   reader = ByteReader(step_dir, manifest.files, backend)
@@ -330,4 +344,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
         raise
   finally:
     reader.close()
+  if given:
+    read = iter(leaves)
+    leaves = [given[p] if p in given else next(read) for p in order]
   return jax.tree_util.tree_unflatten(treedef, leaves), reader.bytes_read
