@@ -394,8 +394,11 @@ class CheckpointCallback:
       return state
     step, tier, (restored, self.restored_extra) = found
     self.restored_step, self.restored_tier = step, tier
-    log.info("restored step %d from the %s tier of %s", step, tier,
-             self.directory)
+    # A warning, so that a plain script shows it: a resume should never
+    # go unnoticed.
+    (log.warning if self.manager.is_primary else log.info)(
+        "resumed: restored step %d from the %s tier of %s", step, tier,
+        self.directory)
     return restored
 
   def wait_until_finished(self) -> None:

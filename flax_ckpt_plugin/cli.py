@@ -33,6 +33,7 @@ from flax_ckpt_plugin.inventory import human_age
 from flax_ckpt_plugin.inventory import scan
 from flax_ckpt_plugin.inventory import size_and_mtime
 from flax_ckpt_plugin.inventory import table
+from flax_ckpt_plugin.inventory import zero_d_values
 from flax_ckpt_plugin.manifest import LeafRecord
 from flax_ckpt_plugin.verify import Progress
 from flax_ckpt_plugin.verify import human_size
@@ -154,21 +155,26 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
 # -- show ----------------------------------------------------------------------
 
 
-def _leaf_summary(leaf: LeafRecord) -> dict[str, Any]:
+def _leaf_summary(leaf: LeafRecord, values: dict[str, Any]) -> dict[str, Any]:
   out = {"path": leaf.path, "kind": leaf.kind}
   if leaf.is_scalar:
     out["value"] = leaf.value
     return out
   out.update(dtype=leaf.dtype.name, shape=list(leaf.shape),
              nbytes=leaf.nbytes, shards=len(leaf.shards))
+  if leaf.path in values:
+    out["value"] = values[leaf.path]
   if leaf.key_impl is not None:
     out["key_impl"] = leaf.key_impl
   return out
 
 
-def _leaf_type(leaf: LeafRecord) -> str:
+def _leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
   if leaf.is_scalar:
     return f"{leaf.kind} = {leaf.value!r}"
+  if leaf.path in values:
+    return (f"{manifest_lib.describe(leaf.dtype, leaf.shape)} ="
+            f" {values[leaf.path]!r}")
   desc = manifest_lib.describe(leaf.dtype, leaf.shape)
   if leaf.kind == "numpy":
     desc += " (numpy)"
@@ -185,7 +191,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     step = args.step
     _check_step(directory, args.directory, step)
   m = _manifest(directory, step)
-  leaves = [_leaf_summary(leaf) for leaf in m.leaves]
+  values = zero_d_values(directory / str(step), m)
+  leaves = [_leaf_summary(leaf, values) for leaf in m.leaves]
   created = m.created_unix
   checksum = {"algorithm": m.checksum_algorithm,
               "block_bytes": m.checksum_block_bytes}
@@ -217,7 +224,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
       f"leaves:    {len(leaves)}\n")
   if leaves:
     rows = [["PATH", "TYPE", "BYTES", "SHARDS"]]
-    rows += [[leaf.path, _leaf_type(leaf),
+    rows += [[leaf.path, _leaf_type(leaf, values),
               "" if leaf.is_scalar else human_size(leaf.nbytes),
               "" if leaf.is_scalar else str(len(leaf.shards))]
              for leaf in m.leaves]

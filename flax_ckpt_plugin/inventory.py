@@ -12,10 +12,14 @@ import json
 import math
 from typing import Any, TextIO
 
+import crc32c
 from etils import epath
+import numpy as np
 
 from flax_ckpt_plugin import atomicity
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.manifest import Manifest
+from flax_ckpt_plugin.reader import ByteReader
 
 
 def human_age(secs: float | None) -> str:
@@ -101,3 +105,29 @@ def scan(directory: epath.Path) -> list[dict[str, Any]]:
     found.append({"step": step, "name": name, "state": state,
                   "bytes": nbytes, "time_unix": when or mtime})
   return sorted(found, key=lambda e: (e["step"], e["name"]))
+
+
+def zero_d_values(step_dir: epath.Path, m: Manifest
+                   ) -> dict[str, Any]:
+  """The value of each 0-d array leaf (a `TrainState`'s step), by path:
+  a few bytes each, checked against their CRC-32C; a damaged one is
+  left out (`verify` names it)."""
+  wanted = [leaf for leaf in m.leaves if leaf.is_array and leaf.shape == ()
+            and leaf.key_impl is None and len(leaf.shards) == 1]
+  out = {}
+  if not wanted:
+    return out
+  reader = ByteReader(step_dir, m.files)
+  try:
+    for leaf in wanted:
+      shard = leaf.shards[0]
+      buf = bytearray(shard.nbytes)
+      try:
+        reader.read_into(shard.file, shard.offset, memoryview(buf))
+      except (OSError, ValueError):
+        continue
+      if crc32c.crc32c(bytes(buf)) == shard.crc32c[0]:
+        out[leaf.path] = np.frombuffer(bytes(buf), leaf.dtype)[0].item()
+  finally:
+    reader.close()
+  return out

@@ -25,6 +25,7 @@ import datetime
 import errno
 import hashlib
 import json
+import math
 import time
 import threading
 from typing import Any, NamedTuple, Sequence, TYPE_CHECKING
@@ -238,15 +239,19 @@ def extra_to_json(value: Any, what: str = "extra") -> Any:
 
 
 def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-  """Metrics as stored: str keys, float values; TypeError otherwise."""
+  """Metrics as stored: str keys, float values (None for NaN and
+  infinities); TypeError otherwise."""
   if metrics is None:
     return None
   out = {}
   for k, v in metrics.items():
     try:
-      out[str(k)] = float(v)  # jax and numpy scalars too.
+      value = float(v)  # jax and numpy scalars too.
     except (TypeError, ValueError) as e:
       raise TypeError(f"metric {k!r} is not a number: {v!r}") from e
+    # JSON has no NaN nor infinity: such a value is stored as null (no
+    # value), which best-metric retention treats as a step without it.
+    out[str(k)] = value if math.isfinite(value) else None
   return out
 
 

@@ -1,0 +1,58 @@
+"""What a new user ran into adapting Flax's examples, and sees now."""
+
+import json
+import logging
+
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import cli
+
+
+def _train_state(step):
+  s = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)},
+                                    tx=optax.adam(1e-3))
+  return s.replace(step=jnp.int32(step))
+
+
+def test_a_resume_is_visible_in_a_plain_script(ckpt_dir, caplog):
+  """A script that configures no logging shows warnings (Python's last
+  resort handler): the resume is one."""
+  with CheckpointCallback(ckpt_dir, every_steps=1) as cb:
+    cb(4, _train_state(4))
+  caplog.set_level(logging.WARNING)
+  with CheckpointCallback(ckpt_dir) as cb:
+    cb.restore_or_initialize(_train_state(0))
+  assert [r.levelname for r in caplog.records
+          if "resumed: restored step 4" in r.getMessage()] == ["WARNING"]
+
+
+def test_nan_metrics_are_stored_as_null_and_show_json_stays_valid(
+    ckpt_dir, capsys):
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(1, _train_state(1), metrics={"loss": float("nan"), "acc": 0.5,
+                                        "grad": float("inf")})
+    m.wait_until_finished()
+    assert m.metadata(1).metrics == {"loss": None, "acc": 0.5, "grad": None}
+  raw = (ckpt_dir / "1" / "manifest.json").read_text()
+  assert "NaN" not in raw and "Infinity" not in raw
+  assert cli.main(["show", str(ckpt_dir), "--json"]) == 0
+  shown = json.loads(capsys.readouterr().out)  # Strict JSON.
+  assert shown["metrics"]["loss"] is None
+
+
+def test_show_prints_the_value_of_0_d_arrays_such_as_the_step(
+    ckpt_dir, capsys):
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(1, _train_state(42))
+  assert cli.main(["show", str(ckpt_dir)]) == 0
+  out = capsys.readouterr().out
+  assert "int32[] = 42" in out and "float32[3] " in out
+  assert cli.main(["show", str(ckpt_dir), "--json"]) == 0
+  leaves = {leaf["path"]: leaf for leaf in json.loads(
+      capsys.readouterr().out)["leaves"]}
+  assert leaves["step"]["value"] == 42
+  assert "value" not in leaves["params/w"]
