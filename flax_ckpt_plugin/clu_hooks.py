@@ -34,6 +34,7 @@ from etils import epath
 
 from flax_ckpt_plugin.callback import CheckpointCallback
 from flax_ckpt_plugin.manager import CheckpointManager
+from flax_ckpt_plugin.logs import log
 
 
 class CheckpointAction(periodic_actions.PeriodicAction):
@@ -51,33 +52,42 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     state_fn: returns the current train state (e.g. `lambda: state`, a
       closure over the loop's variable).
     extra_fn: returns the JSON-serializable `extra` saved with a step (a
-      data iterator position), or None.
+      data iterator position), or None. Called only at the steps it saves.
+    step_offset: added to the step the hook is called with. Flax's own
+      examples call their hooks with the 0-based index of the batch just
+      trained (`for step in range(start, num_steps): ...; hook(step)`):
+      give them `step_offset=1`, so that the saved step is the number of
+      updates (`state.step`) and `last_step=num_steps` saves the end.
   """
 
   def __init__(self, callback: CheckpointCallback,
                state_fn: Callable[[], Any],
-               extra_fn: Callable[[], Any] | None = None):
+               extra_fn: Callable[[], Any] | None = None, *,
+               step_offset: int = 0):
     super().__init__()
     self.callback = callback
     self._state_fn = state_fn
     self._extra_fn = extra_fn
+    self._offset = step_offset
+    self._last_seen: int | None = None
 
   @classmethod
   def create(cls, directory: epath.PathLike, state_fn: Callable[[], Any], *,
-             extra_fn: Callable[[], Any] | None = None,
+             extra_fn: Callable[[], Any] | None = None, step_offset: int = 0,
              **callback_kwargs: Any) -> "CheckpointAction":
     """An action with a new `CheckpointCallback(directory, **callback_kwargs)`."""
     return cls(CheckpointCallback(directory, **callback_kwargs), state_fn,
-               extra_fn)
+               extra_fn, step_offset=step_offset)
 
   def _should_trigger(self, step: int, t: float) -> bool:
     del t  # The callback keeps its own clock, agreed across processes.
-    return self.callback.should_save(step)
+    self._last_seen = step + self._offset
+    return self.callback.should_save(step + self._offset)
 
   def _apply(self, step: int, t: float) -> None:
     del t
     extra = self._extra_fn() if self._extra_fn is not None else None
-    self.callback.save(step, self._state_fn(), extra=extra)
+    self.callback.save(step + self._offset, self._state_fn(), extra=extra)
 
   @property
   def should_stop(self) -> bool:
@@ -108,5 +118,16 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     self.callback.wait_until_finished()
 
   def close(self) -> None:
-    """Closes the callback: waits for the last save, raises its error."""
+    """Closes the callback: waits for the last save, raises its error.
+
+    Warns when the run ended one step short of the callback's `last_step`
+    (hooks called with 0-based batch indices: see `step_offset`).
+    """
+    last = self.callback.last_step
+    if last is not None and self._last_seen == last - 1:
+      log.warning(
+          "the last step this action saw is %d, one short of last_step=%d:"
+          " the final state was not saved. If the loop calls its hooks with"
+          " the 0-based index of the batch just trained (as Flax's examples"
+          " do), create the action with step_offset=1.", last - 1, last)
     self.callback.close()
