@@ -126,7 +126,7 @@ def test_show_prints_leaves_extra_and_metadata(source, run):
   out = r.stdout
   assert out.startswith(f"step 3 in {source}\n")
   assert re.search(rf"^  {KERNEL}\s+float32\[8,16\]\s+512 B\s+1$", out, re.M)
-  assert re.search(r"^  opt_state/0/count\s+int32\[\]\s+4 B", out, re.M)
+  assert re.search(r"^  opt_state/0/count\s+int32\[\] = 0\s+4 B", out, re.M)
   assert re.search(r"^  step\s+int = 3$", out, re.M)
   assert 'extra:     {"data_position": 96, "epoch": 3}' in out
   assert 'metrics:   {"loss": 0.16666' in out
