@@ -78,6 +78,11 @@ class CheckpointCallback:
     preemption_signals: the signals that are preemption notices.
     max_to_keep: keep the newest N finalized steps (None keeps all).
     keep_every_n_steps: also keep every step divisible by this, forever.
+    keep_best: also keep the N steps with the best `best_metric` (pass it
+      in `metrics=` of the calls that may save).
+    best_metric: see `CheckpointManager`.
+    best_mode: see `CheckpointManager`.
+    keep_without_metric: see `CheckpointManager`.
     clock: seconds as a float, for `every_secs` (injectable for tests).
     metric_writer: if given (e.g. a clu `MetricWriter`), the primary host
       writes for each finalized save, at its step: `checkpoint/blocking_secs`
@@ -149,6 +154,10 @@ class CheckpointCallback:
                preemption_signals: Iterable[int] = (signal.SIGTERM,),
                max_to_keep: int | None = 3,
                keep_every_n_steps: int | None = None,
+               keep_best: int | None = None,
+               best_metric: str | None = None,
+               best_mode: str = "min",
+               keep_without_metric: bool = True,
                clock: Callable[[], float] = time.monotonic,
                metric_writer: MetricWriter | None = None,
                commit_hooks: Sequence[CommitHook] = (),
@@ -184,7 +193,9 @@ class CheckpointCallback:
     self.restore_data_state = restore_data_state
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep,
-        keep_every_n_steps=keep_every_n_steps, atomicity=atomicity,
+        keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
+        best_metric=best_metric, best_mode=best_mode,
+        keep_without_metric=keep_without_metric, atomicity=atomicity,
         primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
         name=name, coordinator=coordinator, backend=backend)
     coord = self.manager.coordinator

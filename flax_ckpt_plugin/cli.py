@@ -30,6 +30,7 @@ from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.inventory import committed_unix
 from flax_ckpt_plugin.inventory import human_age
+from flax_ckpt_plugin.inventory import retention_view
 from flax_ckpt_plugin.inventory import scan
 from flax_ckpt_plugin.inventory import size_and_mtime
 from flax_ckpt_plugin.inventory import table
@@ -127,16 +128,30 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     e["age_secs"] = (None if e["time_unix"] is None
                      else round(now - e["time_unix"], 1))
   writer = atomicity.current_writer(directory)
+  policy = retention_view(directory, entries)
   if args.json:
-    out.write(json.dumps({"directory": args.directory, "steps": entries,
-                          "writer": writer}, indent=1) + "\n")
+    out.write(json.dumps({
+        "directory": args.directory, "steps": entries, "writer": writer,
+        "retention": policy and policy.to_json()}, indent=1) + "\n")
     return EXIT_OK
   if not entries:
     out.write(f"no checkpoints in {args.directory}\n")
   else:
-    rows = [["STEP", "STATE", "SIZE", "AGE", "NAME"]]
-    rows += [[str(e["step"]), e["state"], human_size(e["bytes"]),
-              human_age(e["age_secs"]), e["name"]] for e in entries]
+    metric = policy.best_metric if policy and policy.keep_best else None
+    rows = [["STEP", "STATE", "SIZE", "AGE", "NAME"]
+            + ([metric.upper()] if metric else [])
+            + (["KEPT BY"] if policy else [])]
+    for e in entries:
+      row = [str(e["step"]), e["state"], human_size(e["bytes"]),
+             human_age(e["age_secs"]), e["name"]]
+      if metric:
+        value = policy.metric_of(e.get("metrics"))
+        row.append("-" if value is None else f"{value:.6g}")
+      if policy:
+        kept_by = e.get("kept_by")
+        row.append("" if kept_by is None else
+                   ", ".join(kept_by) or "none: retention deletes it")
+      rows.append(row)
     table(rows, out)
     counts = {s: sum(e["state"] == s for e in entries)
               for s in ("finalized", "unfinished", "deleting", "damaged")}

@@ -67,6 +67,7 @@ class CommitInputs(NamedTuple):
   scope: storage.Scope | None = None  # One process's shards (local tier).
   writers: Sequence[int] | None = None  # Who writes; None: every process.
   data_state: datastate.Encoded | None = None  # This process's, if any.
+  retention: dict[str, Any] | None = None  # The policy, for the manifest.
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -96,21 +97,6 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
   if not is_primary:
     token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
   return token
-
-
-def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
-                    keep_every_n_steps: int | None,
-                    protect: int | None = None) -> list[int]:
-  """The finalized steps that retention removes.
-
-  Never the newest, nor `protect` (the newest step known to restore).
-  """
-  if max_to_keep is None:
-    return []
-  keep = set(sorted(steps)[-max_to_keep:]) | {protect}
-  if keep_every_n_steps:
-    keep |= {s for s in steps if s % keep_every_n_steps == 0}
-  return sorted(s for s in steps if s not in keep)
 
 
 def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:
@@ -176,7 +162,8 @@ def commit(inputs: CommitInputs) -> SaveStats:
       merged, origins = storage.merge_tables(
           tmp.path, step=step, leaves=inputs.leaves, process_count=count,
           primary=pid, extra=inputs.extra, metrics=inputs.metrics,
-          backend=inputs.backend, scope=inputs.scope, writers=inputs.writers)
+          backend=inputs.backend, scope=inputs.scope, writers=inputs.writers,
+          retention=inputs.retention)
       text = checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
       storage.write_manifest(tmp.path, text=text, process_count=count,

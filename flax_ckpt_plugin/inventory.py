@@ -18,7 +18,10 @@ import numpy as np
 
 from flax_ckpt_plugin import atomicity
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.manifest import Manifest
+from flax_ckpt_plugin.retention import Policy
 from flax_ckpt_plugin.reader import ByteReader
 
 
@@ -105,6 +108,37 @@ def scan(directory: epath.Path) -> list[dict[str, Any]]:
     found.append({"step": step, "name": name, "state": state,
                   "bytes": nbytes, "time_unix": when or mtime})
   return sorted(found, key=lambda e: (e["step"], e["name"]))
+
+
+def retention_view(directory: epath.Path, entries: list[dict[str, Any]]
+                   ) -> Policy | None:
+  """Adds `metrics` and `kept_by` to each finalized entry of `scan`.
+
+  `kept_by` lists the rules of the writer's retention policy, as recorded
+  in the newest manifest that has one, that keep the step (see
+  `retention.Policy.reasons`); an empty list means the writer's
+  retention deletes it. Without a recorded policy, `kept_by` is None.
+  A manifest that cannot be read gives `metrics` None (`verify` names it).
+
+  Returns:
+    The recorded policy, or None.
+  """
+  finalized = [e for e in entries if e["state"] == "finalized"]
+  policy = None
+  for e in reversed(finalized):  # Newest first: its policy is the one.
+    try:
+      m = manifest_lib.read(directory / e["name"], e["step"])
+    except (OSError, CheckpointCorruptedError):
+      e["metrics"] = None
+      continue
+    e["metrics"] = m.metrics
+    policy = policy or m.retention
+  reasons = {} if policy is None else policy.reasons(
+      [e["step"] for e in finalized],
+      {e["step"]: e["metrics"] for e in finalized})
+  for e in finalized:
+    e["kept_by"] = reasons.get(e["step"]) if policy else None
+  return policy
 
 
 def zero_d_values(step_dir: epath.Path, m: Manifest

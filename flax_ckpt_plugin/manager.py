@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import operator
 import os
 import threading
@@ -24,7 +25,9 @@ from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
@@ -32,6 +35,7 @@ from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.stats import step_metadata
 from flax_ckpt_plugin.stats import StepMetadata
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.logs import log
@@ -51,6 +55,14 @@ class CheckpointManager:
     directory: where steps live; a local path, or `gs://`/`s3://`.
     max_to_keep: keep the newest N finalized steps (None keeps all).
     keep_every_n_steps: also keep every step divisible by this, forever.
+    keep_best: also keep the N steps with the best `best_metric`, as
+      recorded by `save(metrics=...)` on the primary host.
+    best_metric: the metric that ranks steps for `keep_best`.
+    best_mode: 'min' (a loss) or 'max' (an accuracy).
+    keep_without_metric: with `keep_best`, keep the steps saved without a
+      value of `best_metric` (or with NaN); False leaves them to the other
+      rules. A step is kept if any rule keeps it, and the newest finalized
+      step is never deleted (see `retention`).
     atomicity: 'auto' (rename on local paths, commit file on object stores),
       'rename' or 'commit_file'.
     primary_host: the process that creates, finalizes and deletes.
@@ -77,6 +89,7 @@ class CheckpointManager:
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
     name: the prefix of this manager's barrier and key-value keys.
+    retention: the `retention.Policy` built from the arguments above.
     coordinator: the `Coordinator` it meets other processes through.
     is_primary: whether this process is the primary host.
     read_only: whether this manager only lists and restores.
@@ -95,6 +108,10 @@ class CheckpointManager:
   def __init__(self, directory: epath.PathLike, *,
                max_to_keep: int | None = None,
                keep_every_n_steps: int | None = None,
+               keep_best: int | None = None,
+               best_metric: str | None = None,
+               best_mode: retention_lib.BestMode = "min",
+               keep_without_metric: bool = True,
                atomicity: atomicity_lib.Atomicity = "auto",
                primary_host: int = 0,
                barrier_timeout_secs: float = 300.0,
@@ -104,11 +121,9 @@ class CheckpointManager:
                read_only: bool = False,
                commit_hooks: Sequence[CommitHook] = (),
                scope: storage.Scope | None = None):
-    if max_to_keep is not None and max_to_keep < 1:
-      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
-    if keep_every_n_steps is not None and keep_every_n_steps < 1:
-      raise ValueError("keep_every_n_steps must be >= 1 or None, got"
-                       f" {keep_every_n_steps}")
+    self.retention = retention_lib.Policy(
+        max_to_keep, keep_every_n_steps, keep_best, best_metric, best_mode,
+        keep_without_metric)
     self.coordinator = coordinator or coordinator_lib.default()
     count = self.coordinator.process_count
     if not 0 <= primary_host < count:
@@ -118,8 +133,6 @@ class CheckpointManager:
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
     self.directory, self.backend = backend_lib.make_path(given, backend)
-    self.max_to_keep = max_to_keep
-    self.keep_every_n_steps = keep_every_n_steps
     self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity,
                                                      self.backend)
     self.primary_host = primary_host
@@ -142,6 +155,9 @@ class CheckpointManager:
     for hook in commit_hooks:
       self.add_commit_hook(hook)
     self._steps: list[int] = []
+    # The primary's recorded metrics of each step, for `keep_best` (steps
+    # of earlier runs are read from their manifests when first needed).
+    self._metrics: dict[int, Any] = {}
     # The newest step known to restore (-1: none); retention keeps it.
     self._known_good = -1
     if not read_only:  # The writer's token names every later key.
@@ -287,7 +303,8 @@ class CheckpointManager:
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
         check_still_writer=self.check_still_writer, scope=self.scope,
-        data_state=encoded)
+        data_state=encoded,
+        retention=self.retention.to_json() if self.retention.deletes else None)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -298,7 +315,7 @@ class CheckpointManager:
   def _commit(self, box: list[commit_lib.CommitInputs]) -> None:
     """The commit thread's job: commit, record, hooks, retention."""
     inputs = box.pop()
-    key, step = inputs.key, inputs.step
+    key, step, metrics = inputs.key, inputs.step, inputs.metrics
     try:
       stats = commit_lib.commit(inputs)
     except BaseException as e:
@@ -308,6 +325,7 @@ class CheckpointManager:
     self.last_save_stats = stats
     with self._lock:
       self._steps = sorted(set(self._steps) | {step})
+      self._metrics[step] = metrics
       # The reader accepted it. A max, as in restores: either order agrees.
       self._known_good = max(step, self._known_good)
     try:
@@ -321,15 +339,59 @@ class CheckpointManager:
 
   def _retention(self, key: str, stats: SaveStats) -> None:
     with self._lock:
-      doomed = commit_lib.steps_to_delete(
-          self._steps, self.max_to_keep, self.keep_every_n_steps,
-          protect=self._known_good)
+      steps, protect = list(self._steps), self._known_good
+    if self.retention.needs_metrics:
+      doomed = self._doomed_by_primary(key, steps, protect)
+    else:  # The same on every process: it depends on the steps alone.
+      doomed = self.retention.to_delete(steps, protect=protect)
+    with self._lock:
       self._steps = [s for s in self._steps if s not in doomed]
-    if doomed:  # The same on every process: all meet, or none.
+    if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
           delete=lambda: self.is_primary and atomicity_lib.delete_steps(
               self.directory, doomed, self.check_still_writer, self.backend))
+
+  def _doomed_by_primary(self, key: str, steps: list[int],
+                         protect: int) -> list[int]:
+    """`keep_best`: the primary decides from its manifests' metrics and
+    the others learn its list (their own metrics may differ)."""
+    coord = self.coordinator
+    plan_key = f"{key}/retention_plan"
+    if not self.is_primary:
+      plan = json.loads(groups.fetch_text(coord, plan_key,
+                                          self.barrier_timeout_ms))
+      if "error" in plan:
+        raise RuntimeError(
+            f"retention after step {steps[-1]} failed on the primary host"
+            f" (the step is finalized; older steps are left): {plan['error']}")
+      return plan["doomed"]
+    try:
+      for step in steps:
+        if step not in self._metrics:
+          self._metrics[step] = self._recorded_metrics(step)
+      doomed = self.retention.to_delete(steps, self._metrics, protect)
+    except Exception as e:
+      if coord.process_count > 1:
+        groups.share_text(coord, plan_key, json.dumps(
+            {"error": f"{type(e).__name__}: {e}"}))
+      raise
+    if coord.process_count > 1:
+      groups.share_text(coord, plan_key, json.dumps({"doomed": doomed}))
+    for step in doomed:
+      self._metrics.pop(step, None)
+    return doomed
+
+  def _recorded_metrics(self, step: int) -> Any:
+    """The metrics in `step`'s manifest; None (no metric) if unreadable."""
+    try:
+      return manifest_lib.read(self.directory / str(step), step,
+                               self.backend).metrics
+    except (OSError, CheckpointCorruptedError) as e:
+      log.warning("retention: cannot read the metrics of step %d in %s"
+                  " (%s); it counts as a step without %s", step,
+                  self.directory, e, self.retention.best_metric)
+      return None
 
   def wait_until_finished(self, timeout: float | None = None) -> bool:
     """Blocks until the running save is finalized; raises its error.

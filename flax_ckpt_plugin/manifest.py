@@ -25,6 +25,7 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import handles
+from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.storage import FORMAT_NAME
 from flax_ckpt_plugin.storage import FORMAT_VERSION
@@ -188,6 +189,9 @@ class Manifest:
   # Per process index, its data state's file (see `datastate`); None if
   # the step has none.
   data_states: dict[int, datastate.Record] | None = None
+  # The writer's retention policy when it saved the step (informational:
+  # None if absent or not a policy).
+  retention: retention_lib.Policy | None = None
 
   @property
   def total_bytes(self) -> int:
@@ -397,7 +401,8 @@ def parse(raw: bytes, where: str) -> Manifest:
       checksum_block_bytes=checksum["block_bytes"], leaves=tuple(records),
       extra=manifest.get("extra"), metrics=manifest.get("metrics"),
       scope=scope,
-      data_states=datastate.parse(manifest.get("data_states"), where))
+      data_states=datastate.parse(manifest.get("data_states"), where),
+      retention=retention_lib.Policy.from_json(manifest.get("retention")))
 
 
 def read(step_dir: epath.Path, step: int | None = None,

@@ -301,14 +301,16 @@ def merge_tables(step_dir: epath.Path, *, step: int,
                  leaves: list[LeafSnapshot], process_count: int,
                  primary: int, extra: Any, metrics: dict[str, Any] | None,
                  backend: backend_lib.Backend, scope: Scope | None = None,
-                 writers: Sequence[int] | None = None
+                 writers: Sequence[int] | None = None,
+                 retention: dict[str, Any] | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
   """Merges every process's shard table into the manifest (primary host).
 
   After all processes wrote. Checks that every process saw each leaf as the
   primary does and that its data file holds what its table says. With
   `scope`, the step holds one process's shards only (see `Scope`). Only
-  `writers` wrote (default: every process).
+  `writers` wrote (default: every process). `retention` is the directory's
+  retention policy, recorded for `flax-ckpt list`.
 
   Returns:
     The manifest, and per leaf path the shard indices each process wrote.
@@ -360,6 +362,7 @@ def merge_tables(step_dir: epath.Path, *, step: int,
       "extra": extra,
       "metrics": metrics,
       **({"data_states": states} if states else {}),
+      **({"retention": retention} if retention else {}),
   }, origins
 
 

@@ -25,7 +25,7 @@ from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin import StructureMismatchError
-from flax_ckpt_plugin.commit import steps_to_delete
+from flax_ckpt_plugin.retention import steps_to_delete
 from helpers import assert_only_finalized_steps
 from helpers import FlakyDisk
 from helpers import free_bytes

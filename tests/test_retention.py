@@ -1,0 +1,256 @@
+"""Retention: the newest N, every K-th, the best N by a metric.
+
+The rules themselves (`retention.Policy`), then what a user of the manager
+and the callback sees in the directory, across a restart, with several
+processes whose metrics differ, and what `flax-ckpt list` prints; the
+example of docs/usage.md runs as shown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import cli
+from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin.retention import Policy
+from fake_coordinator import run_threads
+from launcher import REPO_ROOT
+
+LOSSES = {100: 0.9, 200: 0.5, 300: 0.7, 400: 0.3, 500: 0.6, 600: 0.8}
+
+
+def finalized_steps_on_disk(directory) -> list[int]:
+  """What `ls` shows as finalized steps: `<step>/_COMMITTED` exists."""
+  return sorted(int(n) for n in os.listdir(directory)
+                if n.isdigit() and (directory / n / "_COMMITTED").exists())
+
+
+def _state(step: int) -> dict:
+  return {"w": np.full(4, step, np.float32)}
+
+
+# -- the rules -----------------------------------------------------------------
+
+
+def test_best_n_by_min_and_max_with_the_newest_always_kept():
+  steps = list(LOSSES)
+  metrics = {s: {"loss": v} for s, v in LOSSES.items()}
+  lowest = Policy(keep_best=2, best_metric="loss")
+  assert lowest.to_delete(steps, metrics) == [100, 300, 500]  # 600: newest.
+  highest = Policy(keep_best=2, best_metric="loss", best_mode="max")
+  assert highest.to_delete(steps, metrics) == [200, 300, 400, 500]
+  why = lowest.reasons(steps, metrics)
+  assert why[400] == ["best 2 by loss (min)"] and why[600] == ["newest"]
+
+
+def test_rules_add_up_and_a_step_is_kept_if_any_rule_keeps_it():
+  policy = Policy(max_to_keep=2, keep_every_n_steps=300, keep_best=1,
+                  best_metric="loss")
+  metrics = {s: {"loss": v} for s, v in LOSSES.items()}
+  why = policy.reasons(list(LOSSES), metrics, protect=100)
+  assert why == {
+      100: ["restorable"],
+      200: [],
+      300: ["every 300 steps"],
+      400: ["best 1 by loss (min)"],
+      500: ["newest 2"],
+      600: ["newest", "newest 2", "every 300 steps"],
+  }
+  assert policy.to_delete(list(LOSSES), metrics, protect=100) == [200]
+
+
+def test_steps_without_the_metric_follow_the_explicit_option():
+  metrics = {1: {"loss": 0.5}, 2: {"acc": 0.9}, 3: None, 4: {"loss": None},
+             5: {"loss": float("nan")}, 6: {"loss": 0.7}, 7: {"loss": True}}
+  keep = Policy(keep_best=1, best_metric="loss")
+  assert keep.to_delete(range(1, 9), metrics) == [6]  # 8: newest, no metric.
+  assert keep.reasons(range(1, 9), metrics)[3] == [
+      "no loss (keep_without_metric)"]
+  drop = Policy(keep_best=1, best_metric="loss", keep_without_metric=False)
+  assert drop.to_delete(range(1, 9), metrics) == [2, 3, 4, 5, 6, 7]
+
+
+def test_ties_go_to_the_newer_step():
+  metrics = {1: {"loss": 0.5}, 2: {"loss": 0.5}, 3: {"loss": 0.9}}
+  assert Policy(keep_best=1, best_metric="loss").to_delete(
+      [1, 2, 3], metrics) == [1]
+
+
+def test_without_max_to_keep_or_keep_best_nothing_is_deleted():
+  assert Policy(keep_every_n_steps=2).to_delete([1, 2, 3]) == []
+  assert Policy().reasons([1])[1] == ["all (no max_to_keep or keep_best)"]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"keep_best": 2}, "keep_best=2 needs best_metric"),
+    ({"keep_best": 0, "best_metric": "loss"}, "keep_best must be an int >= 1"),
+    ({"keep_best": 1, "best_metric": "loss", "best_mode": "lowest"},
+     "best_mode must be 'min' or 'max', got 'lowest'"),
+    ({"max_to_keep": 0}, "max_to_keep must be an int >= 1 or None, got 0"),
+    ({"keep_best": 1, "best_metric": "loss", "keep_without_metric": "yes"},
+     "keep_without_metric must be True or False"),
+])
+def test_bad_policies_are_refused_with_a_clear_error(tmp_path, kwargs,
+                                                      message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    CheckpointManager(tmp_path, **kwargs)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    CheckpointCallback(tmp_path / "cb", **kwargs)
+  assert not (tmp_path / "cb").exists()
+
+
+def test_a_recorded_policy_round_trips_and_bad_ones_are_ignored():
+  policy = Policy(3, 10, 2, "acc", "max", False)
+  assert Policy.from_json(json.loads(json.dumps(policy.to_json()))) == policy
+  assert Policy.from_json({"keep_best": 2}) is None  # No metric: not one.
+  assert Policy.from_json("newest") is None
+
+
+# -- the manager ---------------------------------------------------------------
+
+
+def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
+  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=2,
+                         best_metric="loss") as mngr:
+    for step, loss in LOSSES.items():
+      mngr.save(step, _state(step), metrics={"loss": loss})
+      mngr.wait_until_finished()
+    assert mngr.all_steps() == [200, 400, 600]
+  assert finalized_steps_on_disk(tmp_path) == [200, 400, 600]
+  recorded = manifest_lib.read(tmp_path / "600", 600).retention
+  assert recorded == Policy(1, None, 2, "loss", "min", True)
+
+
+def test_a_restarted_job_ranks_the_steps_of_the_earlier_run(tmp_path):
+  """The metrics of steps saved before a restart come from the manifests."""
+  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
+                         best_metric="loss") as mngr:
+    for step in (100, 200, 300):
+      mngr.save(step, _state(step), metrics={"loss": LOSSES[step]})
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [200, 300]
+  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
+                         best_metric="loss") as mngr:
+    mngr.save(500, _state(500), metrics={"loss": LOSSES[500]})
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [200, 500]  # 300 goes; 200 is still best.
+    mngr.save(400, _state(400), metrics={"loss": LOSSES[400]})
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [400, 500]  # Saved last, yet not the newest.
+  assert finalized_steps_on_disk(tmp_path) == [400, 500]
+
+
+def test_the_callback_keeps_the_best_accuracy(tmp_path):
+  accuracy = {2: 0.50, 4: 0.91, 6: 0.70, 8: 0.95, 10: 0.60, 12: 0.65}
+  with CheckpointCallback(tmp_path, every_steps=2, max_to_keep=1,
+                          keep_best=2, best_metric="acc", best_mode="max",
+                          save_on_preemption=False) as cb:
+    for step in range(1, 13):
+      cb(step, _state(step), metrics={"acc": accuracy.get(step, math.nan)})
+  assert finalized_steps_on_disk(tmp_path) == [4, 8, 12]
+
+
+def test_processes_with_other_metrics_follow_the_primary(tmp_path):
+  """Each process passes its own loss; the primary's decides for all."""
+
+  def work(coord):
+    me = coord.process_index
+    with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
+                           best_metric="loss", coordinator=coord,
+                           barrier_timeout_secs=30) as mngr:
+      for step in (1, 2, 3, 4):
+        # Process 1 would rank the steps the other way round.
+        loss = step if me == 0 else -step
+        mngr.save(step, _state(step), metrics={"loss": loss})
+        mngr.wait_until_finished()
+      return mngr.all_steps()
+
+  results = run_threads(2, work)
+  assert results == [[1, 4], [1, 4]], results
+  assert finalized_steps_on_disk(tmp_path) == [1, 4]
+
+
+# -- flax-ckpt list, and the docs ----------------------------------------------
+
+
+def _doc_blocks(page: str, start: str) -> tuple[str, str]:
+  """The python block holding `start`, and the console block after it."""
+  text = (REPO_ROOT / "docs" / page).read_text()
+  i = text.index(start)
+  code = text[text.rindex("```python\n", 0, i) + 10:text.index("```\n", i)]
+  j = text.index("```console\n", i)
+  console = text[j + 11:text.index("```\n", j)]
+  return code, console
+
+
+def _comparable(text: str) -> list[list[str]]:
+  """The cells of `list`'s lines, with what differs from run to run (sizes,
+  which hold a timestamp, ages, the writer) elided."""
+  lines = []
+  for line in text.splitlines():
+    if line.startswith("last writer:"):
+      line = re.sub(r"pid \d+ on \S+", "pid P on H", line)
+      line = re.sub(r"at \S+$", "at T", line)
+    line = re.sub(r"\d+s ago", "AGE", line)
+    line = re.sub(r"\d+(\.\d+)? (B|KiB)", "SIZE", line)
+    lines.append(re.split(r"\s{2,}", line.strip()))
+  return lines
+
+
+def test_usage_doc_example_and_the_list_it_shows(tmp_path, capsys,
+                                                  monkeypatch):
+  code, console = _doc_blocks("usage.md", "losses = {100")
+  monkeypatch.chdir(tmp_path)
+  exec(compile(code, "docs/usage.md", "exec"), {})  # pylint: disable=exec-used
+  assert capsys.readouterr().out == "[200, 400, 600, 700]\n"
+
+  command, _, expected = console.partition("\n")
+  assert command == "$ flax-ckpt list best"
+  assert cli.main(["list", "best"]) == 0
+  out = capsys.readouterr().out
+  assert _comparable(out) == _comparable(expected)
+  # cli.md shows the same directory.
+  _, cli_console = _doc_blocks("cli.md", "### Which rule keeps each step")
+  assert cli_console == console
+
+  assert cli.main(["list", "best", "--json"]) == 0
+  listing = json.loads(capsys.readouterr().out)
+  assert listing["retention"] == Policy(2, None, 2, "loss", "min",
+                                        False).to_json()
+  by_step = {e["step"]: e for e in listing["steps"]}
+  assert by_step[200]["kept_by"] == ["best 2 by loss (min)"]
+  assert by_step[200]["metrics"] == {"loss": 0.5}
+  assert by_step[700]["metrics"] is None
+
+
+def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
+                                                                 capsys):
+  """The newest manifest's policy rules; a commit hook, which runs before
+  retention, sees the step that no rule keeps any more."""
+  with CheckpointManager(tmp_path) as mngr:  # Keeps all, records none.
+    mngr.save(1, _state(1))
+  assert cli.main(["list", os.fspath(tmp_path)]) == 0
+  assert "KEPT BY" not in capsys.readouterr().out
+
+  seen = []
+
+  def hook(stats):
+    assert cli.main(["list", os.fspath(tmp_path)]) == 0
+    seen.append(capsys.readouterr().out.splitlines())
+
+  with CheckpointManager(tmp_path, max_to_keep=1,
+                         commit_hooks=[hook]) as mngr:
+    mngr.save(2, _state(2))
+  rows = seen[0]
+  assert rows[0].split()[-2:] == ["KEPT", "BY"]
+  assert rows[1].endswith("none: retention deletes it")
+  assert rows[2].endswith("newest, newest 1")
+  assert finalized_steps_on_disk(tmp_path) == [2]
