@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import operator
 import os
 import threading
@@ -25,7 +24,6 @@ from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
-from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin import storage
@@ -341,7 +339,11 @@ class CheckpointManager:
     with self._lock:
       steps, protect = list(self._steps), self._known_good
     if self.retention.needs_metrics:
-      doomed = self._doomed_by_primary(key, steps, protect)
+      doomed = retention_lib.decided_by_primary(
+          self.retention, self.coordinator, f"{key}/retention_plan", steps,
+          protect=protect, metrics=self._metrics,
+          read_metrics=self._recorded_metrics, is_primary=self.is_primary,
+          timeout_ms=self.barrier_timeout_ms)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
     with self._lock:
@@ -351,36 +353,6 @@ class CheckpointManager:
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
           delete=lambda: self.is_primary and atomicity_lib.delete_steps(
               self.directory, doomed, self.check_still_writer, self.backend))
-
-  def _doomed_by_primary(self, key: str, steps: list[int],
-                         protect: int) -> list[int]:
-    """`keep_best`: the primary decides from its manifests' metrics and
-    the others learn its list (their own metrics may differ)."""
-    coord = self.coordinator
-    plan_key = f"{key}/retention_plan"
-    if not self.is_primary:
-      plan = json.loads(groups.fetch_text(coord, plan_key,
-                                          self.barrier_timeout_ms))
-      if "error" in plan:
-        raise RuntimeError(
-            f"retention after step {steps[-1]} failed on the primary host"
-            f" (the step is finalized; older steps are left): {plan['error']}")
-      return plan["doomed"]
-    try:
-      for step in steps:
-        if step not in self._metrics:
-          self._metrics[step] = self._recorded_metrics(step)
-      doomed = self.retention.to_delete(steps, self._metrics, protect)
-    except Exception as e:
-      if coord.process_count > 1:
-        groups.share_text(coord, plan_key, json.dumps(
-            {"error": f"{type(e).__name__}: {e}"}))
-      raise
-    if coord.process_count > 1:
-      groups.share_text(coord, plan_key, json.dumps({"doomed": doomed}))
-    for step in doomed:
-      self._metrics.pop(step, None)
-    return doomed
 
   def _recorded_metrics(self, step: int) -> Any:
     """The metrics in `step`'s manifest; None (no metric) if unreadable."""

@@ -24,8 +24,12 @@ decides and the others learn its list (see `CheckpointManager`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
+
+from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin import groups
 
 BestMode = Literal["min", "max"]
 
@@ -169,3 +173,45 @@ def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
   """
   return Policy(max_to_keep, keep_every_n_steps).to_delete(
       steps, protect=protect)
+
+
+def decided_by_primary(policy: Policy, coord: coordinator_lib.Coordinator,
+                       key: str, steps: list[int], *, protect: int | None,
+                       metrics: MutableMapping[int, Any],
+                       read_metrics: Callable[[int], Any], is_primary: bool,
+                       timeout_ms: int) -> list[int]:
+  """The steps to delete by a policy that ranks metrics, the same on all.
+
+  Called by every process after a finalized save, with a `key` of that
+  save. The primary decides from its recorded metrics (`metrics`, filled
+  in with `read_metrics(step)` for steps it has not seen, such as those of
+  an earlier run) and shares its list under `key`; the others, whose own
+  metrics may differ, take it.
+
+  Raises:
+    Exception: the primary's error while deciding (on the others, a
+      RuntimeError naming it); nothing is deleted then.
+  """
+  if not is_primary:
+    plan = json.loads(groups.fetch_text(coord, key, timeout_ms))
+    if "error" in plan:
+      raise RuntimeError(
+          f"retention after step {steps[-1]} failed on the primary host (the"
+          f" step is finalized; older steps are left): {plan['error']}")
+    return plan["doomed"]
+  multi = coord.process_count > 1
+  try:
+    for step in steps:
+      if step not in metrics:
+        metrics[step] = read_metrics(step)
+    doomed = policy.to_delete(steps, metrics, protect)
+  except Exception as e:
+    if multi:
+      groups.share_text(coord, key, json.dumps(
+          {"error": f"{type(e).__name__}: {e}"}))
+    raise
+  if multi:
+    groups.share_text(coord, key, json.dumps({"doomed": doomed}))
+  for step in doomed:
+    metrics.pop(step, None)
+  return doomed
