@@ -37,6 +37,7 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.restore import plain_target
 from flax_ckpt_plugin.restore import restore_tree
 from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.snapshot import take_snapshot
@@ -401,6 +402,8 @@ class CheckpointManager:
         `sharding=`. Arrays come back with the target's shardings (or on the
         first local device when a `ShapeDtypeStruct` has none); Python scalars
         and numpy leaves keep their type; non-array fields come from target.
+        None: the step as saved, in plain nested dicts of numpy arrays (for
+        looking at it or converting it; see `restore.plain_target`).
       step: which step; None for the newest.
       verify: check the CRC-32C of every block read (a partial read of a
         shard then reads the whole 4 MiB blocks around what it needs).
@@ -434,6 +437,8 @@ class CheckpointManager:
     step, step_dir, manifest = self._manifest(step)
     hand_over = None if data_iterator is None else datastate.prepare(
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
+    if target is None:
+      target = plain_target(manifest)
     tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
                                 backend=self.backend, partial=partial,
                                 missing=missing)

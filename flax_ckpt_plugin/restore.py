@@ -280,6 +280,37 @@ def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
     return [restore_leaf(saved, target, lr_args) for saved, target in batch]
 
 
+def plain_target(manifest: Manifest) -> Any:
+  """A target for restoring `manifest`'s step without one of the user's.
+
+  Nested dicts with string keys, as `flax.serialization.to_state_dict`
+  spells a tree (attribute names, list indices as '0', '1'...), so
+  `flax.serialization.from_state_dict(state, restored)` puts the result
+  into a `TrainState`. Array leaves come back as whole numpy arrays on the
+  host, Python scalars as themselves, typed PRNG keys as JAX key arrays on
+  the first local device. A tree that is one leaf is that leaf. Nodes
+  without leaves (an `optax.EmptyState`) have no entry.
+  """
+  root: dict[str, Any] = {}
+  for leaf in manifest.leaves:
+    if leaf.is_scalar:
+      placeholder = leaf.value
+    elif leaf.key_impl is not None:
+      placeholder = jax.eval_shape(
+          functools.partial(jax.random.wrap_key_data, impl=leaf.key_impl),
+          jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    else:  # Zero strides: shape and dtype, no memory.
+      placeholder = np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    if not leaf.keys:
+      return placeholder
+    node = root
+    names = [str(next(iter(k.values()))) for k in leaf.keys]
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = placeholder
+  return root
+
+
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
                  verify: bool = True,
                  backend: backend_lib.Backend | None = None,

@@ -3,13 +3,19 @@
 import json
 import logging
 
-import jax.numpy as jnp
-import optax
+import flax
 from flax.training import train_state
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import cli
+from helpers import two_device_mesh
 
 
 def _train_state(step):
@@ -93,3 +99,45 @@ def test_flax_examples_0_based_hooks_save_the_end_with_step_offset(
     action(step)
   action.close()
   assert action.manager.all_steps() == [num_steps]
+
+
+def test_restore_without_a_target_gives_plain_dicts_of_numpy_arrays(
+    ckpt_dir):
+  """`restore(None)`, as `flax.training.checkpoints` users do to look at a
+  checkpoint: the tree as saved, string keys, whole numpy arrays."""
+  mesh = two_device_mesh()
+  sharded = jax.device_put(jnp.arange(8.0).reshape(4, 2),
+                           NamedSharding(mesh, P("x")))
+  tree = {"state": _train_state(7), "rng": jax.random.key(3),
+          "host": np.arange(3, dtype=np.int16), "epoch": 5,
+          "pair": [1.5, sharded]}
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(7, tree)
+    m.wait_until_finished()
+    restored = m.restore(None)
+
+  state = restored["state"]
+  assert sorted(state) == ["opt_state", "params", "step"]
+  assert sorted(state["opt_state"]) == ["0"]  # optax's EmptyState: no leaf.
+  count = state["opt_state"]["0"]["count"]
+  assert type(count) is np.ndarray and count.dtype == np.int32
+  assert state["step"] == 7 and type(state["step"]) is np.ndarray
+  assert type(state["params"]["w"]) is np.ndarray
+  np.testing.assert_array_equal(state["params"]["w"], np.ones(3))
+  np.testing.assert_array_equal(state["opt_state"]["0"]["mu"]["w"],
+                                np.zeros(3))
+  assert restored["epoch"] == 5 and type(restored["epoch"]) is int
+  assert restored["host"].dtype == np.int16
+  assert restored["pair"]["0"] == 1.5
+  whole = restored["pair"]["1"]
+  assert type(whole) is np.ndarray and whole.flags.writeable
+  np.testing.assert_array_equal(whole, np.arange(8.0).reshape(4, 2))
+  assert jax.numpy.issubdtype(restored["rng"].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(restored["rng"]),
+                                jax.random.key_data(jax.random.key(3)))
+
+  # The same key paths as the saved tree's: restoring the params of it
+  # into the user's own tree works by path.
+  params = flax.serialization.from_state_dict({"w": jnp.zeros(3)},
+                                              state["params"])
+  np.testing.assert_array_equal(params["w"], np.ones(3))
