@@ -23,6 +23,7 @@ from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin.retention import Policy
 from fake_coordinator import run_threads
 from launcher import REPO_ROOT
+from launcher import run_workers
 
 LOSSES = {100: 0.9, 200: 0.5, 300: 0.7, 400: 0.3, 500: 0.6, 600: 0.8}
 
@@ -254,3 +255,18 @@ def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
   assert rows[1].endswith("none: retention deletes it")
   assert rows[2].endswith("newest, newest 1")
   assert finalized_steps_on_disk(tmp_path) == [2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
+  out = [r.json for r in run_workers("best_n", 2, args=[tmp_path / "ckpt"],
+                                     timeout=180)]
+  assert out[0] == out[1]
+  listed = out[0]["listed"]
+  assert listed["2"] == [1, 2]
+  assert listed["3"] == [2, 3]  # Process 1 alone would have kept 1.
+  assert listed["4"] == [2, 4]
+  assert listed["5"] == [2, 4, 5]
+  assert listed["6"] == [2, 4, 6]
+  assert finalized_steps_on_disk(tmp_path / "ckpt") == [2, 4, 6]
