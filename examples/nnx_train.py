@@ -1,12 +1,16 @@
 """Trains a small Flax NNX model with Optax, checkpointing with flax_ckpt_plugin.
 
-The model has `nnx.Linear`, `nnx.BatchNorm` and `nnx.Dropout` layers, so its
-state holds parameters, batch statistics and the dropout RNG stream (a typed
-PRNG key and a counter). Each checkpoint holds the model's and the
-optimizer's `nnx.state` (parameters, batch statistics, RNG state, Adam's
-moments and step count), and, as `extra`, the data loader's position. A
-resumed run therefore sees the same batches and the same dropout masks, and
-ends with the same bits, as an uninterrupted run.
+Laid out as Flax's NNX MNIST tutorial is: the train step mutates four NNX
+objects, the model (parameters and `nnx.BatchNorm` statistics), the
+`nnx.Optimizer` (Adam's moments and its step), an `nnx.MultiMetric` (the
+running loss and accuracy) and the `nnx.Rngs` that `nnx.Dropout` draws its
+masks from. Each checkpoint holds the state of all four (`nnx.state` of a
+dict of them), and, as `extra`, the data loader's position. A resumed run
+therefore sees the same batches, draws the same dropout masks, reports the
+same running metrics, and ends with the same bits as an uninterrupted run.
+Leave the `nnx.Rngs` out of the checkpoint and a resumed run draws the masks
+of the first steps again (docs/nnx.md, "Save everything the train step
+mutates").
 
     python examples/nnx_train.py --num-steps 100
     python examples/nnx_train.py --num-steps 200   # resumes from step 100
@@ -83,45 +87,57 @@ class Loader:
 
 
 class MLP(nnx.Module):
-  """Linear -> BatchNorm -> relu -> Dropout -> Linear."""
+  """Linear -> BatchNorm -> relu -> Dropout -> Linear.
+
+  As in Flax's MNIST tutorial, `nnx.Dropout` holds no RNG stream of its own:
+  the train step passes it an `nnx.Rngs`, an object apart from the model.
+  """
 
   def __init__(self, hidden: int = 64, *, rngs: nnx.Rngs):
     self.linear1 = nnx.Linear(NUM_FEATURES, hidden, rngs=rngs)
     self.bn = nnx.BatchNorm(hidden, rngs=rngs)
-    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1)
     self.linear2 = nnx.Linear(hidden, NUM_CLASSES, rngs=rngs)
 
-  def __call__(self, x):
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
     x = nnx.relu(self.bn(self.linear1(x)))
-    return self.linear2(self.dropout(x))
+    return self.linear2(self.dropout(x, rngs=rngs))
 
 
-def create(seed: int = 0) -> tuple[MLP, nnx.Optimizer]:
-  model = MLP(rngs=nnx.Rngs(seed))
-  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-  return model, optimizer
+def create(seed: int = 0) -> dict[str, Any]:
+  """Every NNX object that `train_step` mutates, by name.
 
-
-def checkpoint_state(model: MLP, optimizer: nnx.Optimizer) -> dict[str, Any]:
-  """What a checkpoint holds: every Variable of the model and the optimizer.
-
-  `nnx.state` includes the BatchNorm statistics and the dropout RNG stream,
-  not only the parameters: without them a resumed run would draw other
-  dropout masks than an uninterrupted one.
+  The checkpoint is `nnx.state` of this dict, so it holds all four; a
+  restore puts the values back with `nnx.update` of the same dict.
   """
-  return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+  model = MLP(rngs=nnx.Rngs(seed))
+  return {
+      "model": model,
+      "optimizer": nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+      "metrics": nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                                 accuracy=nnx.metrics.Accuracy()),
+      "rngs": nnx.Rngs(dropout=seed + 1),
+  }
 
 
 @nnx.jit
-def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array,
+def train_step(model: MLP, optimizer: nnx.Optimizer,
+               metrics: nnx.MultiMetric, rngs: nnx.Rngs, x: jax.Array,
                y: jax.Array) -> jax.Array:
-  """One Adam step; updates `model` and `optimizer` in place."""
-  def loss_fn(model):
-    logits = model(x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  """One Adam step; updates all four objects in place.
 
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  The model's batch statistics, the optimizer, the metrics and the dropout
+  stream's counter all change here: that is why the checkpoint holds each.
+  """
+  def loss_fn(model, rngs):
+    logits = model(x, rngs=rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, logits
+
+  (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model,
+                                                                    rngs)
   optimizer.update(model, grads)
+  metrics.update(loss=loss, logits=logits, labels=y)
   return loss
 
 
@@ -146,7 +162,8 @@ def main() -> None:
   parser.add_argument("--num-steps", type=int, default=100)
   parser.add_argument("--every-steps", type=int, default=20)
   parser.add_argument("--log-every", type=int, default=10,
-                      help="print the loss every this many steps")
+                      help="print the mean loss and accuracy since the"
+                      " last report every this many steps")
   parser.add_argument("--step-secs", type=float, default=0.0,
                       help="make every step last at least this long, as a"
                       " bigger model's would (to try preemption by hand)")
@@ -156,15 +173,16 @@ def main() -> None:
 
   x, y = make_dataset()
   loader = Loader(x, y, BATCH_SIZE, seed=1)
-  model, optimizer = create()
+  train = create()
+  model, optimizer, metrics, rngs = (
+      train[k] for k in ("model", "optimizer", "metrics", "rngs"))
 
   cb = CheckpointCallback(args.workdir, every_steps=args.every_steps,
                           last_step=args.num_steps, max_to_keep=3)
   # The fresh state is the restore target: the checkpoint's values come back
-  # with its types and on its devices, and `nnx.update` puts them in place.
-  restored = cb.restore_or_initialize(checkpoint_state(model, optimizer))
-  nnx.update(model, restored["model"])
-  nnx.update(optimizer, restored["optimizer"])
+  # with its types and on its devices, and `nnx.update` puts them in place,
+  # into all four objects at once.
+  nnx.update(train, cb.restore_or_initialize(nnx.state(train)))
   if cb.restored_step is None:
     print("no checkpoint, starting fresh", flush=True)
   else:
@@ -175,11 +193,16 @@ def main() -> None:
   for step in range(start + 1, args.num_steps + 1):
     t0 = time.monotonic()
     bx, by = loader.next()
-    loss = train_step(model, optimizer, bx, by)
-    cb(step, checkpoint_state(model, optimizer), extra=loader.position(),
-       metrics={"loss": loss})
+    loss = train_step(model, optimizer, metrics, rngs, bx, by)
     if step % args.log_every == 0:
-      print(f"step {step}: loss {float(loss):.4f}", flush=True)
+      # The means since the last report; reset before the save below, so
+      # that the checkpoint of `step` holds what step + 1 starts from.
+      report = metrics.compute()
+      print(f"step {step}: loss {float(report['loss']):.4f} accuracy"
+            f" {float(report['accuracy']):.4f}", flush=True)
+      metrics.reset()
+    cb(step, nnx.state(train), extra=loader.position(),
+       metrics={"loss": loss})
     if cb.should_stop:  # A preemption checkpoint of `step` is durable.
       cb.close()
       print(f"preempted: checkpoint of step {step} is durable, exiting with"
@@ -190,11 +213,10 @@ def main() -> None:
   cb.close()  # Waits for the last save and raises any error it had.
 
   if args.final_state:
-    save_final_state(args.final_state, checkpoint_state(model, optimizer))
+    save_final_state(args.final_state, nnx.state(train))
   model.eval()  # Running batch statistics, no dropout.
   print(f"accuracy {float(accuracy(model, x, y)):.4f}", flush=True)
   print(f"done at step {int(optimizer.step[...])}", flush=True)
-
 
 if __name__ == "__main__":
   main()

@@ -7,12 +7,15 @@ through `CheckpointManager` and `CheckpointCallback`, into concrete targets,
 into abstract targets from `nnx.eval_shape` (with shardings over the two CPU
 devices), and through the `nnx.split`/`nnx.merge` pattern; training after a
 restore continues exactly as without one. `examples/nnx_train.py` runs,
-resumes exactly, and stops with exit code 75 on SIGTERM; the code of
-`docs/nnx.md` runs and prints what the page says.
+resumes exactly (model, optimizer, metrics and the dropout `nnx.Rngs`), and
+stops with exit code 75 on SIGTERM; left out of its checkpoint, the `nnx.Rngs`
+or the metrics make the resume inexact; the code of `docs/nnx.md` runs and
+prints what the page says.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -461,10 +464,14 @@ def test_doc_code_runs_and_prints_what_the_doc_says(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   lines = result.stdout.splitlines()
   assert lines[:3] == ["key<fry>", "3", "3"]
-  assert lines[3:6] == ["P(None, 'model')"] * 3
+  # "Save everything the train step mutates": restored with its nnx.Rngs
+  # and metrics the run is exact; without them it is not, as the page says.
+  assert lines[3:5] == ["True True", "False 2"]
+  assert "prints `True True`, then `False 2`." in text
+  assert lines[5:8] == ["P(None, 'model')"] * 3
   # The error messages are the ones the page shows ("/..." is the cwd).
   shown = re.search(r"^prints\n\n```\n(.*?)^```", text, re.S | re.M)[1]
-  assert lines[6:] == shown.replace(
+  assert lines[8:] == shown.replace(
       "/...", os.fspath(tmp_path.resolve())).splitlines()
   # Its saves finalized; retention kept the newest three (max_to_keep=3).
   assert CheckpointManager(tmp_path / "checkpoints" / "nnx",
@@ -485,7 +492,7 @@ def example_argv(workdir: pathlib.Path, num_steps: int, final: pathlib.Path,
                  *extra: str) -> list[str]:
   return [sys.executable, os.fspath(EXAMPLE), "--workdir", os.fspath(workdir),
           "--num-steps", str(num_steps), "--every-steps", "5",
-          "--log-every", "1", "--final-state", os.fspath(final), *extra]
+          "--log-every", "4", "--final-state", os.fspath(final), *extra]
 
 
 def run_example(*argv: object) -> list[str]:
@@ -497,8 +504,9 @@ def run_example(*argv: object) -> list[str]:
 
 
 def losses(lines: list[str], after: int = 0) -> list[str]:
+  """The reports after step `after`: means of the metrics since the last."""
   return [l for l in lines
-          if (m := re.fullmatch(r"step (\d+): loss \S+", l))
+          if (m := re.fullmatch(r"step (\d+): loss \S+ accuracy \S+", l))
           and int(m[1]) > after]
 
 
@@ -510,13 +518,79 @@ def assert_same_npz(actual: pathlib.Path, expected: pathlib.Path) -> None:
   with np.load(actual) as a, np.load(expected) as e:
     assert sorted(a.files) == sorted(e.files)
     names = "\n".join(e.files)
-    for part in ("['bn']['mean']", "['dropout']['rngs']['key']",
-                 "['dropout']['rngs']['count']", "['opt_state'][0]['mu']",
-                 "['optimizer']['step']"):
+    for part in ("['model']['bn']['mean']", "['rngs']['dropout']['key']",
+                 "['rngs']['dropout']['count']", "['opt_state'][0]['mu']",
+                 "['optimizer']['step']", "['metrics']['loss']['total']",
+                 "['metrics']['accuracy']['count']"):
       assert part in names, names
     for k in e.files:
       assert (a[k].dtype, a[k].shape) == (e[k].dtype, e[k].shape), k
       assert a[k].tobytes() == e[k].tobytes(), f"{k} differs after resume"
+
+
+def load_example():
+  """examples/nnx_train.py as a module, to call its functions here."""
+  spec = importlib.util.spec_from_file_location("nnx_train_example", EXAMPLE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_a_resume_is_exact_only_with_everything_the_step_mutates(
+    tmp_path, host_copy, assert_trees_equal):
+  """The example's objects, saved at step 3 in full or with one left out.
+
+  Left out, the `nnx.Rngs` restarts its count: the resumed steps draw the
+  dropout masks of steps 1-3 again, and the parameters end elsewhere. Left
+  out, the metrics restart empty: the parameters agree, the running means
+  do not. Saved with the rest, every bit agrees.
+  """
+  example = load_example()
+  x, y = example.make_dataset()
+  batches = [(x[i * 32:(i + 1) * 32], y[i * 32:(i + 1) * 32])
+             for i in range(6)]
+
+  def run(train: dict, batches: list) -> dict:
+    for bx, by in batches:
+      example.train_step(train["model"], train["optimizer"], train["metrics"],
+                         train["rngs"], bx, by)
+    return train
+
+  whole = host_copy(nnx.state(run(example.create(), batches)))
+
+  def resume(saved: tuple[str, ...]) -> nnx.State:
+    """Saves `saved` of a run stopped at step 3, restores into new objects
+    (as a restarted job builds them) and runs steps 4-6."""
+    train = run(example.create(), batches[:3])
+    directory = tmp_path / "-".join(saved)
+    with CheckpointManager(directory) as mngr:
+      mngr.save(3, nnx.state({k: train[k] for k in saved}))
+    train = example.create()
+    kept = {k: train[k] for k in saved}
+    with CheckpointManager(directory, read_only=True) as mngr:
+      nnx.update(kept, mngr.restore(nnx.state(kept)))
+    return host_copy(nnx.state(run(train, batches[3:])))
+
+  everything = resume(("model", "optimizer", "metrics", "rngs"))
+  assert_trees_equal(everything, whole)
+
+  def kernel(state):
+    return np.asarray(state["model"]["linear1"]["kernel"][...]).tobytes()
+
+  def metric(state, name):
+    return np.asarray(state["metrics"][name]["total"][...]).tobytes()
+
+  no_rngs = resume(("model", "optimizer", "metrics"))
+  assert int(whole["rngs"]["dropout"]["count"][...]) == 6
+  assert int(no_rngs["rngs"]["dropout"]["count"][...]) == 3
+  assert kernel(no_rngs) != kernel(whole)  # Other dropout masks.
+  assert metric(no_rngs, "loss") != metric(whole, "loss")
+
+  no_metrics = resume(("model", "optimizer", "rngs"))
+  assert kernel(no_metrics) == kernel(whole)  # Training itself is exact ...
+  assert int(whole["metrics"]["loss"]["count"][...]) == 6
+  assert int(no_metrics["metrics"]["loss"]["count"][...]) == 3  # ... its
+  assert metric(no_metrics, "loss") != metric(whole, "loss")  # report not.
 
 
 @pytest.mark.timeout(900)
@@ -536,8 +610,11 @@ def test_example_resumes_exactly_and_stops_on_sigterm(tmp_path):
   assert second[0] == "restored step 15"
   assert second[-1] == "done at step 30"
   assert steps_in(workdir) == [20, 25, 30]
-  # Same batches, dropout masks and updates as the uninterrupted run.
-  assert losses(first) == losses(fresh)[:15]
+  # Same batches, dropout masks and updates as the uninterrupted run, and
+  # the same metrics: step 16 reports the means over steps 13-16, three of
+  # which the first run accumulated and saved.
+  assert len(losses(fresh)) == 7
+  assert losses(first) == losses(fresh)[:3]
   assert losses(second) == losses(fresh, after=15)
   assert_same_npz(tmp_path / "second.npz", tmp_path / "fresh.npz")
 
@@ -553,7 +630,7 @@ def test_example_resumes_exactly_and_stops_on_sigterm(tmp_path):
       lines = []
       for line in proc.stdout:
         lines.append(line.rstrip("\n"))
-        if lines[-1].startswith("step 3: loss"):
+        if lines[-1].startswith("step 4: loss"):
           proc.send_signal(signal.SIGTERM)
       code = proc.wait(timeout=300)
     finally:
@@ -567,7 +644,7 @@ def test_example_resumes_exactly_and_stops_on_sigterm(tmp_path):
                    r" with code 75", lines[-1])
   assert m, output
   step = int(m[1])
-  assert 3 <= step < 30, output
+  assert 4 <= step < 30, output
   assert steps_in(workdir)[-1] == step
   resumed = run_example(workdir, 30, tmp_path / "after_sigterm.npz")
   assert resumed[0] == f"restored step {step}"
