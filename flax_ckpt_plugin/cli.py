@@ -4,13 +4,18 @@
     flax-ckpt show   DIR [STEP] [--json]
     flax-ckpt verify DIR [STEP] [--all] [--json] [-q]
     flax-ckpt prune  DIR --keep N [--dry-run] [--unfinished] [--force]
+    flax-ckpt import-orbax ORBAX_STEP_DIR DEST_DIR [--item NAME] [--step N]
+                           [--json]
 
 Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
 `prune`, which deletes through `atomicity.delete_step` and never claims the
-directory as a writer, so it can run beside a training job. Paths go through
-`etils.epath`, so `gs://` and `s3://` directories work too. See docs/cli.md.
+directory as a writer, so it can run beside a training job, and
+`import-orbax`, which saves a step that Orbax wrote as a new step of DEST_DIR
+with a `CheckpointManager` (`orbax_import`). Paths go through `etils.epath`,
+so `gs://` and `s3://` directories work too. See docs/cli.md.
 `inventory` finds the steps; `manifest`, `reader` and `verify` read them
-without JAX, so the command starts quickly.
+without JAX, so the command starts quickly; only `import-orbax` imports JAX,
+and Orbax from the `[orbax]` extra.
 """
 
 from __future__ import annotations
@@ -46,15 +51,19 @@ EXIT_CORRUPT = 1  # A checkpoint failed verification or its manifest is bad.
 EXIT_USAGE = 2  # argparse's own code for bad arguments.
 EXIT_NOT_FOUND = 3  # No such directory or step, or no finalized step.
 EXIT_IO = 4  # Could not read or delete (permission denied, I/O error).
+EXIT_EXISTS = 5  # import-orbax: the destination already holds the step.
 
 EXIT_CODES_HELP = """\
 exit codes:
   0  success
   1  a checkpoint failed verification (corrupt, truncated or missing data
-     files) or its manifest is damaged
-  2  usage error (bad arguments, or --keep 0 without --force)
+     files) or its manifest is damaged; import-orbax: Orbax could not read
+     the step
+  2  usage error (bad arguments, --keep 0 without --force, or what
+     import-orbax needs: --step, --item, orbax-checkpoint)
   3  directory or step not found, or no finalized step
   4  could not read or delete (permission denied, I/O error)
+  5  import-orbax: DEST_DIR already holds that step (nothing was written)
 """
 
 
@@ -364,13 +373,71 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
   return EXIT_OK
 
 
+# -- import-orbax --------------------------------------------------------------
+
+# Leaves that import-orbax lists; `show` lists them all.
+_IMPORT_LEAVES_SHOWN = 30
+
+
+def _join(directory: str, step: int) -> str:
+  return f"{directory.rstrip('/')}/{step}"
+
+
+def cmd_import_orbax(args: argparse.Namespace, out: TextIO) -> int:
+  # The one command that needs JAX; Orbax is imported by the conversion
+  # alone. It runs on the host, never on an accelerator a job may be using.
+  if "jax" not in sys.modules:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from flax_ckpt_plugin import orbax_import  # pylint: disable=g-import-not-at-top
+  try:
+    result = orbax_import.import_orbax(args.source, args.dest, item=args.item,
+                                       step=args.step)
+  except (orbax_import.OrbaxNotInstalledError,
+          orbax_import.OrbaxImportError) as e:
+    raise CliError(str(e), EXIT_USAGE) from e
+  except FileExistsError as e:
+    raise CliError(str(e), EXIT_EXISTS) from e
+  found, step = result.source, result.source.step
+  m = _manifest(result.directory, step)
+  values = zero_d_values(result.path, m)
+  if args.json:
+    out.write(json.dumps({
+        "source": args.source, "item": found.item,
+        "tree_dir": os.fspath(found.tree_dir), "directory": args.dest,
+        "step": step, "path": _join(args.dest, step),
+        "total_bytes": m.total_bytes, "leaf_count": len(m.leaves),
+        "leaves": [_leaf_summary(leaf, values) for leaf in m.leaves],
+    }, indent=1) + "\n")
+    return EXIT_OK
+  item = "" if found.item is None else f" (Orbax item {found.item!r})"
+  out.write(
+      f"imported {args.source}{item} as step {step} of {args.dest}\n"
+      f"step dir:  {_join(args.dest, step)} (finalized, with"
+      f" {m.checksum_algorithm} checksums)\n"
+      f"size:      {human_size(m.total_bytes)} of array data"
+      f" ({m.total_bytes} bytes)\n"
+      f"leaves:    {len(m.leaves)}\n")
+  shown = m.leaves[:_IMPORT_LEAVES_SHOWN]
+  if shown:
+    rows = [["PATH", "TYPE", "BYTES"]]
+    rows += [[leaf.path, _leaf_type(leaf, values),
+              "" if leaf.is_scalar else human_size(leaf.nbytes)]
+             for leaf in shown]
+    table(rows, out, indent="  ")
+  if len(m.leaves) > len(shown):
+    out.write(f"  ... and {len(m.leaves) - len(shown)} more: `{PROG} show"
+              f" {args.dest} {step}` lists them all\n")
+  return EXIT_OK
+
+
 # -- entry point ---------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=PROG, description="Inspect, verify and prune flax_ckpt_plugin"
-      " checkpoint directories (local paths, gs://, s3://).",
+      " checkpoint directories (local paths, gs://, s3://), and import steps"
+      " that Orbax wrote.",
       epilog=EXIT_CODES_HELP,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -415,6 +482,26 @@ def _parser() -> argparse.ArgumentParser:
                  " .deleting); this fails the save of a job writing now")
   p.add_argument("--force", action="store_true", help="allow --keep 0")
   p.set_defaults(func=cmd_prune)
+
+  text = ("Convert a step that Orbax wrote (StandardSave, PyTreeSave) into a"
+          " finalized step of DEST_DIR (needs the [orbax] extra).")
+  p = sub.add_parser("import-orbax", help=text, description=text,
+                     epilog=EXIT_CODES_HELP,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("source", metavar="ORBAX_STEP_DIR",
+                 help="an Orbax step directory (e.g. ckpts/5), or one item"
+                 " of it (ckpts/5/default); only read")
+  p.add_argument("dest", metavar="DEST_DIR",
+                 help="the flax_ckpt_plugin checkpoint directory to add the"
+                 " step to")
+  p.add_argument("--item", metavar="NAME",
+                 help="the item of a CheckpointManager step to convert"
+                 " (needed when it holds several PyTree items)")
+  p.add_argument("--step", metavar="N", type=int,
+                 help="the step number (default: from the directory's name,"
+                 " e.g. 5 or checkpoint_5)")
+  p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.set_defaults(func=cmd_import_orbax)
   return parser
 
 
@@ -426,7 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit code: `EXIT_OK`, `EXIT_CORRUPT`, `EXIT_NOT_FOUND`, `EXIT_IO`,
-    or `EXIT_USAGE` for `prune --keep 0` without `--force`. Other bad
+    `EXIT_EXISTS` (`import-orbax` into a step that exists), or
+    `EXIT_USAGE` for `prune --keep 0` without `--force` and for what
+    `import-orbax` needs (`--step`, `--item`, orbax-checkpoint). Other bad
     arguments exit with `EXIT_USAGE` through argparse (`SystemExit`).
   """
   parser = _parser()
