@@ -28,20 +28,42 @@ def scheme(path: epath.PathLike) -> str | None:
   return text.split("://", 1)[0] if "://" in text else None
 
 
+def _gcs_emulator() -> str | None:
+  """The GCS emulator that `STORAGE_EMULATOR_HOST` names, or None (GCS).
+
+  The variable that google-cloud-storage and gcsfs read to send `gs://`
+  requests to a local emulator (fake-gcs-server, gcp-storage-emulator)
+  instead of storage.googleapis.com; unset, empty or 'default' means GCS.
+  """
+  host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+  return None if host in ("", "default") else host
+
+
 @functools.cache
-def _filesystem(protocol: str, pid: int):
+def _filesystem(protocol: str, pid: int, emulator: str | None):
   """One fsspec filesystem per protocol and process, without listing cache.
 
   fsspec caches directory listings by default, and a cached listing does
   not show what other processes wrote since (the commit marker of a step
   that another host finalized): every listing and existence check here
   asks the store. The process id is in the cache key because fsspec's
-  event loop does not survive a fork.
+  event loop does not survive a fork; the GCS emulator is, so that setting
+  or changing `STORAGE_EMULATOR_HOST` takes effect.
   """
   del pid
   import fsspec  # pylint: disable=g-import-not-at-top
   try:
-    return fsspec.filesystem(protocol, use_listings_cache=False)
+    if emulator is None:
+      return fsspec.filesystem(protocol, use_listings_cache=False)
+    # An emulator speaks GCS's JSON API over HTTP, and nothing else. So no
+    # credentials (google-cloud-storage's client goes anonymous there too,
+    # and none of the machine's own would be sent to it), and gcsfs' JSON
+    # API filesystem: the one that recent gcsfs names `gs` by default
+    # (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT) first asks the gRPC Storage
+    # Control API for a bucket's layout, which an emulator does not serve,
+    # and retries that for up to a minute on every call.
+    from gcsfs import core as gcsfs_core  # pylint: disable=g-import-not-at-top
+    return gcsfs_core.GCSFileSystem(token="anon", use_listings_cache=False)
   except ImportError as e:
     package, extra = _FSSPEC_PACKAGES.get(protocol, (None, None))
     hint = (f"pip install {package} (the '{extra}' extra of"
@@ -54,7 +76,9 @@ def _filesystem(protocol: str, pid: int):
 
 def filesystem(path: epath.PathLike):
   """The fsspec filesystem that serves the object-store `path`."""
-  return _filesystem(scheme(path), os.getpid())
+  protocol = scheme(path)
+  return _filesystem(protocol, os.getpid(),
+                     _gcs_emulator() if protocol == "gs" else None)
 
 
 class _FsspecBackend(type(epath_backend.fsspec_backend)):
@@ -165,6 +189,9 @@ class ObjectFile:
 
   def read_into(self, offset: int, out: memoryview) -> int:
     """Reads into `out` from `offset`; returns bytes read (short at the end)."""
+    # Nothing past the end is asked for: S3 and GCS answer a range that
+    # starts there with an error (416), not with no bytes.
+    out = out[:max(0, min(len(out), self.size - offset))]
     pieces = [(a, min(a + _GET_BYTES, len(out)))
               for a in range(0, len(out), _GET_BYTES)]
     done = 0

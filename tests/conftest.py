@@ -135,9 +135,10 @@ def ckpt_dir(tmp_path):
   return tmp_path / "ckpt"
 
 
-# Fixtures that start a process (test_object_store's moto server): a test
-# that uses one is in the multiprocess tier, like a test that starts its own.
-_PROCESS_FIXTURES = frozenset({"s3_server"})
+# Fixtures that start a process (test_object_store's S3 and GCS servers): a
+# test that uses one is in the multiprocess tier, like a test that starts
+# its own.
+_PROCESS_FIXTURES = frozenset({"store_server"})
 
 
 def pytest_collection_modifyitems(items):

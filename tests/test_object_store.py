@@ -1,17 +1,22 @@
-"""Checkpoints in `s3://`, against a real S3-compatible server on 127.0.0.1.
+"""Checkpoints in `s3://` and `gs://`, against real servers on 127.0.0.1.
 
-A moto server runs as its own process (`tests/s3_server.py`) and every test
-gets a fresh bucket; boto3, s3fs and the library reach it over HTTP through
-`AWS_ENDPOINT_URL`. The tests check what local-disk tests check
-(`test_manager.py`, `test_reliability.py`), as a user of a bucket sees it:
-the objects in the bucket (listed with boto3), restored values bit for bit,
-and the errors. Commit-file atomicity is chosen by itself: a step is
-finalized once `<step>/_COMMITTED` exists, and anything else is unfinished.
+Every test of a bucket runs twice, once per store (test ids `[s3]` and
+`[gs]`): against moto's S3 server (`tests/s3_server.py`), which boto3, s3fs
+and the library reach through `AWS_ENDPOINT_URL`, and against the GCS
+emulator fake-gcs-server (`tests/gcs_server.py`), which gcsfs and the
+library reach through `STORAGE_EMULATOR_HOST`. Each server runs as its own
+process and every test gets a fresh bucket. The tests check what local-disk
+tests check (`test_manager.py`, `test_reliability.py`), as a user of a bucket
+sees it: the objects in the bucket (listed with the store's own client,
+boto3 or google-cloud-storage, not through fsspec), restored values bit for
+bit, the requests in the server's log, and the errors. Commit-file atomicity
+is chosen by itself: a step is finalized once `<step>/_COMMITTED` exists, and
+anything else is unfinished.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import abc
 import json
 import os
 import re
@@ -19,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -39,6 +45,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import storage
+from gcs_server import GCSServer
 from helpers import two_device_mesh
 from launcher import REPO_ROOT
 from launcher import run_workers
@@ -51,29 +58,72 @@ DATA = "data/process_00000.bin"
 RUN_TIMEOUT = 180
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-  """One moto server for the session; fails every test if it cannot start."""
-  try:
-    server = S3Server.start()
-  except RuntimeError as e:
-    pytest.fail(f"could not start the S3 server: {e}", pytrace=False)
-  yield server
-  server.stop()
+class Bucket(abc.ABC):
+  """A fresh bucket on a test server, and a checkpoint URL in it.
 
+  Reads and writes objects with the store's own client, as a user would
+  inspect a bucket (`aws s3`, `gcloud storage`), not through fsspec.
+  """
+  scheme: str
+  server_class: type[S3Server] | type[GCSServer]
 
-@dataclasses.dataclass
-class Bucket:
-  """A fresh bucket on the test server, and a checkpoint URL in it."""
-  server: S3Server
-  name: str
+  def __init__(self, server: S3Server | GCSServer, name: str):
+    self.server = server
+    self.name = name
 
   @property
   def url(self) -> str:
-    return f"s3://{self.name}/run"
+    return f"{self.scheme}://{self.name}/run"
+
+  @abc.abstractmethod
+  def keys(self, prefix: str = "run/") -> list[str]:
+    """Every object under `prefix`, sorted, as `ls --recursive` lists them."""
+
+  @abc.abstractmethod
+  def get(self, key: str) -> bytes:
+    ...
+
+  @abc.abstractmethod
+  def put(self, key: str, body: bytes) -> None:
+    ...
+
+  @abc.abstractmethod
+  def delete(self, key: str) -> None:
+    ...
+
+  @abc.abstractmethod
+  def bucket_names(self) -> list[str]:
+    """Every bucket on the server."""
+
+  @abc.abstractmethod
+  def _request_pattern(self, kind: str, key: str) -> str:
+    """A regular expression matching the log line of a `kind` request."""
+
+  def requests(self, kind: str, key: str) -> int:
+    """How many requests of `kind` for object `key` the server logged so far.
+
+    Kinds: 'read' (a GET of the object's bytes, ranged or not) and 'stat'
+    (a request of its size and metadata: HEAD on S3, a metadata GET on GCS).
+    """
+    return len(re.findall(self._request_pattern(kind, key),
+                          self.server.log()))
+
+  def wait_for_requests(self, kind: str, key: str, at_least: int) -> int:
+    """The request count, once the server logged `at_least` (or 10 s
+    passed)."""
+    deadline = time.monotonic() + 10
+    while (n := self.requests(kind, key)) < at_least and (
+        time.monotonic() < deadline):
+      time.sleep(0.05)
+    return n
+
+
+class S3Bucket(Bucket):
+  """A bucket on moto's S3 server, seen through boto3."""
+  scheme = "s3"
+  server_class = S3Server
 
   def keys(self, prefix: str = "run/") -> list[str]:
-    """Every object under `prefix`, as `aws s3 ls --recursive` lists them."""
     pages = self.server.client().get_paginator("list_objects_v2").paginate(
         Bucket=self.name, Prefix=prefix)
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
@@ -88,14 +138,94 @@ class Bucket:
   def delete(self, key: str) -> None:
     self.server.client().delete_object(Bucket=self.name, Key=key)
 
+  def bucket_names(self) -> list[str]:
+    return [b["Name"] for b in self.server.client().list_buckets()["Buckets"]]
+
+  def _request_pattern(self, kind: str, key: str) -> str:
+    # Lines look like `"GET /bucket/key HTTP/1.1" 206`, maybe with colour
+    # codes.
+    method = {"read": "GET", "stat": "HEAD"}[kind]
+    return (rf"(?<![A-Z]){method} /{re.escape(self.name)}/{re.escape(key)}"
+            " HTTP")
+
+
+class GCSBucket(Bucket):
+  """A bucket on fake-gcs-server, seen through google-cloud-storage."""
+  scheme = "gs"
+  server_class = GCSServer
+
+  def _blob(self, key: str):
+    return self.server.client().bucket(self.name).blob(key)
+
+  def keys(self, prefix: str = "run/") -> list[str]:
+    return self.server.list_names(self.name, prefix)
+
+  def get(self, key: str) -> bytes:
+    return self._blob(key).download_as_bytes()
+
+  def put(self, key: str, body: bytes) -> None:
+    self._blob(key).upload_from_string(body)
+
+  def delete(self, key: str) -> None:
+    self._blob(key).delete()
+
+  def bucket_names(self) -> list[str]:
+    return [b.name for b in self.server.client().list_buckets()]
+
+  def _request_pattern(self, kind: str, key: str) -> str:
+    # JSON API: `GET /download/storage/v1/b/BUCKET/o/run%2F1%2Fx?alt=media`
+    # fetches bytes; the same object URL without `alt=media` its metadata.
+    url = (rf"/storage/v1/b/{re.escape(self.name)}/o/"
+           + re.escape(urllib.parse.quote(key, safe="")))
+    if kind == "read":
+      return rf"(?<![A-Z])GET (?:/download)?{url}\?(?:\S*&)?alt=media[& ]"
+    assert kind == "stat", kind
+    return rf"(?<![A-Z])GET {url}(?:\?(?!\S*alt=media)\S*)? HTTP"
+
+
+# The stores under test, by URL scheme.
+_STORES: dict[str, type[Bucket]] = {"s3": S3Bucket, "gs": GCSBucket}
+
+
+def _stores(*schemes: str) -> list[Any]:
+  """Parameters of the `store` fixture. A test of a store starts its
+  server process, so it is in the multiprocess tier."""
+  return [pytest.param(s, id=s, marks=pytest.mark.multiprocess)
+          for s in schemes]
+
+
+# For the few tests that are about one store only (each says why).
+s3_only = pytest.mark.parametrize("store", _stores("s3"), indirect=True)
+
+
+@pytest.fixture(scope="session", params=_stores(*_STORES))
+def store(request) -> str:
+  """The URL scheme of the store under test: every test that uses a
+  bucket runs once per store."""
+  return request.param
+
+
+@pytest.fixture(scope="session")
+def store_server(store):
+  """One server per store for the session; fails every test of that store
+  if it cannot start."""
+  try:
+    server = _STORES[store].server_class.start()
+  except RuntimeError as e:
+    pytest.fail(f"could not start the {store} server: {e}", pytrace=False)
+  yield server
+  server.stop()
+
 
 @pytest.fixture
-def bucket(s3_server, monkeypatch) -> Bucket:
-  for key, value in s3_server.env.items():
+def bucket(store, store_server, monkeypatch) -> Bucket:
+  """A fresh bucket of the store under test. The environment (which
+  subprocesses inherit) sends the library to its server."""
+  for key, value in store_server.env.items():
     monkeypatch.setenv(key, value)
   name = f"ckpt-{uuid.uuid4().hex[:12]}"
-  s3_server.create_bucket(name)
-  return Bucket(s3_server, name)
+  store_server.create_bucket(name)
+  return _STORES[store](store_server, name)
 
 
 def _step_keys(step: int) -> list[str]:
@@ -142,29 +272,15 @@ def _replicated(x) -> P:
   return P()
 
 
-def _requests(server: S3Server, method: str, key: str) -> int:
-  """How many `method` requests for `key` the server has logged so far."""
-  # Lines look like `"GET /bucket/key HTTP/1.1" 206`, maybe with colour codes.
-  pattern = rf"(?<![A-Z]){method} /{re.escape(key)} HTTP"
-  return len(re.findall(pattern, server.log()))
-
-
-def _wait_for_requests(server: S3Server, method: str, key: str,
-                       at_least: int) -> int:
-  """The request count, once the server logged `at_least` (or 10 s passed)."""
-  deadline = time.monotonic() + 10
-  while (n := _requests(server, method, key)) < at_least and (
-      time.monotonic() < deadline):
-    time.sleep(0.05)
-  return n
-
-
 @pytest.mark.multiprocess
-def test_server_that_does_not_answer_fails_the_test_instead_of_hanging():
-  """The helper's own contract: a deadline, then an error with the log."""
+@pytest.mark.parametrize("server_class", [S3Server, GCSServer],
+                         ids=["s3", "gs"])
+def test_server_that_does_not_answer_fails_the_test_instead_of_hanging(
+    server_class):
+  """The helpers' own contract: a deadline, then an error with the log."""
   start = time.monotonic()
   with pytest.raises(RuntimeError, match="did not answer within"):
-    S3Server.start(timeout=0.05)
+    server_class.start(timeout=0.0)
   assert time.monotonic() - start < 30  # Includes stopping the server.
 
 
@@ -200,6 +316,12 @@ with CheckpointManager(url) as manager:
 """
 
 
+# S3 only: the failure it guards against is tf.io.gfile's missing `s3://`.
+# For `gs://`, tf.io.gfile has its own GCS client, which knows nothing of
+# the emulator and would go to the internet; that the manager's `gs://`
+# paths are fsspec ones is checked by
+# `test_manager_on_a_bucket_uses_commit_file[gs]`.
+@s3_only
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_s3_goes_through_fsspec_even_where_tensorflow_is_imported(bucket):
   """etils would send `s3://` to tf.io.gfile, which has no s3: we do not.
@@ -247,7 +369,7 @@ def test_atomicity_auto_selects_commit_file_for_object_stores(url):
   assert os.fspath(tmp.path) == f"{url}/7"  # Written in place, no rename.
 
 
-def test_manager_on_s3_uses_commit_file(bucket):
+def test_manager_on_a_bucket_uses_commit_file(bucket):
   with CheckpointManager(bucket.url) as manager:
     assert manager.atomicity == "commit_file"
     assert isinstance(manager.directory, object_store.ObjectStorePath)
@@ -264,22 +386,29 @@ def test_walking_a_checkpoint_in_a_bucket(bucket):
     assert isinstance(root, object_store.ObjectStorePath)
     for name in files:
       found[os.fspath(root / name)] = (root / name).stat().length
-  prefix = f"s3://{bucket.name}/"
+  prefix = f"{bucket.scheme}://{bucket.name}/"
   assert sorted(found) == [prefix + key for key in _expected_keys(1)]
   assert found[f"{bucket.url}/1/{DATA}"] == 3 * 8
 
 
 def test_missing_bucket_is_an_error_and_is_never_created(bucket):
   with pytest.raises(FileNotFoundError) as info:
-    CheckpointManager("s3://no-such-bucket-here/run")
+    CheckpointManager(f"{bucket.scheme}://no-such-bucket-here/run")
   assert "bucket 'no-such-bucket-here' does not exist" in str(info.value)
-  names = [b["Name"] for b in bucket.server.client().list_buckets()["Buckets"]]
-  assert "no-such-bucket-here" not in names
+  assert bucket.name in bucket.bucket_names()
+  assert "no-such-bucket-here" not in bucket.bucket_names()
 
 
-def test_missing_fsspec_implementation_says_what_to_install(monkeypatch):
+@pytest.mark.parametrize("emulator", [None, "http://127.0.0.1:9"],
+                         ids=["gcs", "emulator"])
+def test_missing_fsspec_implementation_says_what_to_install(monkeypatch,
+                                                            emulator):
   # Fault injected: gcsfs made unimportable (None in sys.modules), so the
   # test runs whether or not it is installed.
+  if emulator is None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+  else:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator)
   monkeypatch.setitem(sys.modules, "gcsfs", None)
   object_store._filesystem.cache_clear()  # pylint: disable=protected-access
   with pytest.raises(ImportError,
@@ -342,8 +471,8 @@ def test_sharded_train_state_restores_into_any_partitioning(
     manager.save(3, state)
     manager.wait_until_finished()
   target = _abstract(expected, target_spec)
-  data_key = f"{bucket.name}/run/3/{DATA}"
-  before = _requests(bucket.server, "GET", data_key)
+  data_key = f"run/3/{DATA}"
+  before = bucket.requests("read", data_key)
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore(target, verify=verify)
   assert_trees_equal(restored, expected)
@@ -355,31 +484,31 @@ def test_sharded_train_state_restores_into_any_partitioning(
   manifest = json.loads(bucket.get(f"run/3/{storage.MANIFEST}"))
   shards = sum(len(leaf.get("shards", ())) for leaf in manifest["leaves"])
   assert shards > 10
-  _wait_for_requests(bucket.server, "GET", data_key, before + 1)
+  bucket.wait_for_requests("read", data_key, before + 1)
   time.sleep(0.2)  # Any late request would be logged by now.
-  assert _requests(bucket.server, "GET", data_key) - before == 1
+  assert bucket.requests("read", data_key) - before == 1
 
 
 def test_small_leaves_are_fetched_together_with_one_ranged_get(bucket):
-  """A restore of small leaves costs one HEAD of the data object and one
-  GET for all of them."""
+  """A restore of small leaves costs one request of the data object's size
+  (HEAD on S3, a metadata GET on GCS) and one ranged GET for all of them."""
   rng = np.random.default_rng(0)
   state = {f"leaf_{i}": rng.standard_normal((50, i + 1)).astype(np.float32)
            for i in range(6)}
   with CheckpointManager(bucket.url) as manager:
     manager.save(1, state)
     manager.wait_until_finished()
-  data_key = f"{bucket.name}/run/1/{DATA}"
-  gets_before = _requests(bucket.server, "GET", data_key)
-  heads_before = _requests(bucket.server, "HEAD", data_key)
+  data_key = f"run/1/{DATA}"
+  reads_before = bucket.requests("read", data_key)
+  stats_before = bucket.requests("stat", data_key)
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore({k: np.zeros_like(v) for k, v in state.items()})
   for key, value in state.items():
     assert restored[key].tobytes() == value.tobytes(), key
-  _wait_for_requests(bucket.server, "GET", data_key, gets_before + 1)
+  bucket.wait_for_requests("read", data_key, reads_before + 1)
   time.sleep(0.2)  # Any late request would be logged by now.
-  assert _requests(bucket.server, "GET", data_key) - gets_before == 1
-  assert _requests(bucket.server, "HEAD", data_key) - heads_before == 1
+  assert bucket.requests("read", data_key) - reads_before == 1
+  assert bucket.requests("stat", data_key) - stats_before == 1
 
 
 def test_long_ranges_are_fetched_in_concurrent_pieces(bucket, monkeypatch):
@@ -389,13 +518,33 @@ def test_long_ranges_are_fetched_in_concurrent_pieces(bucket, monkeypatch):
   with CheckpointManager(bucket.url) as manager:
     manager.save(1, {"v": value})
     manager.wait_until_finished()
-  data_key = f"{bucket.name}/run/1/{DATA}"
-  before = _requests(bucket.server, "GET", data_key)
+  data_key = f"run/1/{DATA}"
+  before = bucket.requests("read", data_key)
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore({"v": np.zeros_like(value)})
   assert restored["v"].tobytes() == value.tobytes()
-  assert _wait_for_requests(bucket.server, "GET", data_key,
-                            before + 10) - before == 10  # 10,000 bytes.
+  assert bucket.wait_for_requests("read", data_key,
+                                  before + 10) - before == 10  # 10,000 bytes.
+
+
+def test_a_read_past_the_end_of_an_object_is_short_not_an_error(
+    bucket, monkeypatch):
+  """The `RangedFile` contract on both stores: a short read at the end.
+
+  Both answer a ranged GET that starts past the end of an object with an
+  error (416), so none is sent.
+  """
+  monkeypatch.setattr(object_store, "_GET_BYTES", 4)  # Pieces past the end.
+  bucket.put("run/x.bin", b"0123456789")
+  path = object_store.as_path(bucket.url) / "x.bin"
+  f = backend_lib.OBJECT_STORE.open_ranged(path, within=path.parent)
+  assert f.size == 10
+  out = bytearray(b"." * 20)
+  assert f.read_into(5, memoryview(out)) == 5
+  assert bytes(out) == b"56789" + b"." * 15
+  assert f.read_into(10, memoryview(out)) == 0
+  assert f.read_into(50, memoryview(out)) == 0
+  f.close()
 
 
 # -- retention and unfinished steps -------------------------------------------
@@ -582,8 +731,8 @@ def test_second_writer_takes_over_and_the_first_gets_concurrent_writer_error(
 # -- the callback and damaged objects -----------------------------------------
 
 
-def test_restore_or_initialize_on_s3(bucket, make_state, train_step,
-                                     assert_trees_equal, host_copy):
+def test_restore_or_initialize_from_a_bucket(bucket, make_state, train_step,
+                                             assert_trees_equal, host_copy):
   # First run: nothing in the bucket, so the given state comes back.
   initial = make_state()
   with CheckpointCallback(bucket.url, every_steps=2, max_to_keep=2) as cb:
@@ -678,10 +827,13 @@ def test_restore_or_initialize_skips_a_corrupted_newest_step(
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-def test_two_processes_save_and_restore_a_sharded_train_state_on_s3(bucket):
-  """2 JAX processes (4 devices) train and save to s3; 2 fresh ones restore.
+def test_two_processes_save_and_restore_a_sharded_train_state_in_a_bucket(
+    bucket):
+  """2 JAX processes (4 devices) train and save to a bucket; 2 fresh ones
+  restore.
 
   Each process uploads only its own shards, as `data/process_0000N.bin`.
+  The workers inherit the environment that points at the server.
   """
   saving = [r.json for r in run_workers(
       "save_restore", 2, args=["save", bucket.url], timeout=RUN_TIMEOUT)]
