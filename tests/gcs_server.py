@@ -17,18 +17,7 @@ the tests count requests in.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
-
-from launcher import free_port
-
-# The Go binary starts in well under a second; the margin is for a loaded
-# 2-core machine.
-START_TIMEOUT = 60.0
+from local_server import LocalServer
 
 
 def _binary() -> str:
@@ -52,14 +41,20 @@ def _binary() -> str:
   return str(_server._get_binary_path())  # pylint: disable=protected-access
 
 
-class GCSServer:
+class GCSServer(LocalServer):
   """A running fake-gcs-server; use `start` to make one."""
 
-  def __init__(self, proc: subprocess.Popen, port: int, log_path: str):
-    self.proc = proc
-    self.port = port
-    self.log_path = log_path
-    self.endpoint_url = f"http://127.0.0.1:{port}"
+  name = "fake_gcs_server"
+  probe_path = "/storage/v1/b"
+  # The Go binary starts in well under a second; the margin is for a
+  # loaded 2-core machine.
+  start_timeout = 60.0
+
+  @classmethod
+  def command(cls, port: int) -> list[str]:
+    return [_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port",
+            str(port), "-backend", "memory", "-external-url",
+            f"http://127.0.0.1:{port}", "-log-level", "info"]
 
   @property
   def env(self) -> dict[str, str]:
@@ -73,11 +68,6 @@ class GCSServer:
     127.0.0.1.
     """
     return {"STORAGE_EMULATOR_HOST": self.endpoint_url}
-
-  def log(self) -> str:
-    """What the server printed (its request log, errors)."""
-    with open(self.log_path, "rb") as f:
-      return f.read().decode("utf-8", errors="replace")
 
   def client(self):
     """A google-cloud-storage client of this server (what a user would
@@ -96,67 +86,3 @@ class GCSServer:
     `gcloud storage ls --recursive` lists them."""
     return sorted(b.name for b in self.client().list_blobs(bucket,
                                                             prefix=prefix))
-
-  @classmethod
-  def start(cls, timeout: float = START_TIMEOUT, tries: int = 3
-            ) -> "GCSServer":
-    """Starts fake-gcs-server on a free port and waits until it answers.
-
-    Raises:
-      RuntimeError: the server exited (e.g. its port was taken between
-        choosing and binding it, `tries` times) or did not answer within
-        `timeout` seconds; the message carries its log.
-    """
-    errors = []
-    binary = _binary()
-    for _ in range(tries):
-      port = free_port()
-      url = f"http://127.0.0.1:{port}"
-      fd, log_path = tempfile.mkstemp(prefix="fake_gcs_server_",
-                                      suffix=".log")
-      with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(
-            [binary, "-scheme", "http", "-host", "127.0.0.1", "-port",
-             str(port), "-backend", "memory", "-external-url", url,
-             "-log-level", "info"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-      server = cls(proc, port, log_path)
-      deadline = time.monotonic() + timeout
-      while time.monotonic() < deadline and proc.poll() is None:
-        try:
-          with urllib.request.urlopen(url + "/storage/v1/b", timeout=2):
-            return server
-        except urllib.error.HTTPError:
-          return server  # It answered, if not with 200.
-        except (urllib.error.URLError, OSError):
-          time.sleep(0.1)
-      exited = proc.poll() is not None
-      log = server.log()
-      status = (f"exited with {proc.returncode}" if exited
-                else f"did not answer within {timeout:.0f}s")
-      errors.append(f"fake-gcs-server on port {port} {status}:\n{log}")
-      server.stop()
-      if not (exited and "address already in use" in log.lower()):
-        break  # Only a port race is worth another try.
-    raise RuntimeError("\n".join(errors))
-
-  def stop(self) -> None:
-    """Kills the server and removes its log. Idempotent."""
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(10)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait()
-    try:
-      os.remove(self.log_path)
-    except FileNotFoundError:
-      pass
-
-  def __enter__(self) -> "GCSServer":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.stop()

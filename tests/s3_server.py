@@ -15,26 +15,22 @@ on `stop`.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 
-from launcher import free_port
-
-START_TIMEOUT = 60.0  # moto imports flask, boto and more: seconds on 2 cores.
+from local_server import LocalServer
 
 
-class S3Server:
+class S3Server(LocalServer):
   """A running moto server; use `start` to make one."""
 
-  def __init__(self, proc: subprocess.Popen, port: int, log_path: str):
-    self.proc = proc
-    self.port = port
-    self.log_path = log_path
-    self.endpoint_url = f"http://127.0.0.1:{port}"
+  name = "moto_server"
+  # moto imports flask, boto and more: seconds on 2 cores.
+  start_timeout = 60.0
+
+  @classmethod
+  def command(cls, port: int) -> list[str]:
+    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+            str(port)]
 
   @property
   def env(self) -> dict[str, str]:
@@ -57,11 +53,6 @@ class S3Server:
         "AWS_EC2_METADATA_DISABLED": "true",
     }
 
-  def log(self) -> str:
-    """What the server printed (its request log, errors)."""
-    with open(self.log_path, "rb") as f:
-      return f.read().decode("utf-8", errors="replace")
-
   def client(self):
     """A boto3 S3 client of this server (what a user would inspect with)."""
     import boto3  # pylint: disable=g-import-not-at-top
@@ -71,62 +62,3 @@ class S3Server:
 
   def create_bucket(self, name: str) -> None:
     self.client().create_bucket(Bucket=name)
-
-  @classmethod
-  def start(cls, timeout: float = START_TIMEOUT, tries: int = 3) -> "S3Server":
-    """Starts moto on a free port and waits until it answers HTTP.
-
-    Raises:
-      RuntimeError: the server exited (e.g. its port was taken between
-        choosing and binding it, `tries` times) or did not answer within
-        `timeout` seconds; the message carries its log.
-    """
-    errors = []
-    for _ in range(tries):
-      port = free_port()
-      fd, log_path = tempfile.mkstemp(prefix="moto_server_", suffix=".log")
-      with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-             str(port)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-      server = cls(proc, port, log_path)
-      deadline = time.monotonic() + timeout
-      while time.monotonic() < deadline and proc.poll() is None:
-        try:
-          with urllib.request.urlopen(server.endpoint_url + "/", timeout=2):
-            return server
-        except urllib.error.HTTPError:
-          return server  # It answered, if not with 200.
-        except (urllib.error.URLError, OSError):
-          time.sleep(0.1)
-      exited = proc.poll() is not None
-      log = server.log()
-      status = (f"exited with {proc.returncode}" if exited
-                else f"did not answer within {timeout:.0f}s")
-      errors.append(f"moto server on port {port} {status}:\n{log}")
-      server.stop()
-      if not (exited and "Address already in use" in log):
-        break  # Only a port race is worth another try.
-    raise RuntimeError("\n".join(errors))
-
-  def stop(self) -> None:
-    """Kills the server and removes its log. Idempotent."""
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(10)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait()
-    try:
-      os.remove(self.log_path)
-    except FileNotFoundError:
-      pass
-
-  def __enter__(self) -> "S3Server":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.stop()
