@@ -1,7 +1,8 @@
 """A consistent host copy of a pytree: the only blocking part of a save.
 
-Each process keeps only the shards it writes: replica 0 of its addressable
-shards of every global `jax.Array`. Host-local values (numpy arrays and Python
+Each process keeps only the parts it writes of every global `jax.Array`:
+its share of the shards it holds, as `writeplan` spreads them over the
+processes that hold them (every byte once). Host-local values (numpy arrays and Python
 scalars, and `jax.Array`s that are fully addressable while several processes
 run) are the same on every process by contract, so only the primary host
 writes their bytes.
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_ckpt_plugin import writeplan
 from flax_ckpt_plugin.storage import CHECKSUM_BLOCK
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.staging import HostStaging
@@ -100,6 +102,17 @@ class LeafSnapshot:
     return entry
 
 
+# Where a shard to write is, which says how the snapshot copies it.
+_CPU = "cpu"  # A CPU device's buffer of the state: copied into staging.
+_DEVICE = "device"  # Off the CPU: copied to the host.
+# A CPU copy of our own (a piece cut by a slice): awaited by the writer.
+_COPY = "copy"
+
+
+def _where(device: Any) -> str:
+  return _CPU if device.platform == "cpu" else _DEVICE
+
+
 @functools.lru_cache(maxsize=None)  # Per leaf per save: keep it cheap.
 def _is_prng_dtype(dtype: Any) -> bool:
   return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
@@ -113,22 +126,40 @@ def _check_array_alive(path: str, arr: jax.Array) -> None:
         " returned, before passing it to the next step.")
 
 
-def _owned_shards(arr: jax.Array, *, single_writer: bool, is_primary: bool,
-                  own_copy: bool) -> list[tuple[Index, Any, bool]]:
-  """(index, shard array, on a CPU?) of each shard this process writes.
-
-  With `own_copy`, every distinct shard this process holds (a copy for it
-  alone to restore from), else only the replicas the job's plan gives it.
-  """
-  if single_writer and not is_primary and not own_copy:
-    return []
+def _own_copy_shards(arr: jax.Array) -> list[tuple[Index, Any, str]]:
+  """(index, shard array, where) of every distinct shard this process
+  holds: a copy for it alone to restore from."""
   plan = shard_plan(arr.sharding, arr.shape)
   out, seen = [], set()
   for s in arr.addressable_shards:
-    index, replica = plan[s.device]
-    if (index not in seen) if own_copy else replica == 0:
+    index, _ = plan[s.device]
+    if index not in seen:
       seen.add(index)
-      out.append((index, s.data, s.device.platform == "cpu"))
+      out.append((index, s.data, _where(s.device)))
+  return out
+
+
+def _planned_shards(arr: jax.Array, pieces: tuple[writeplan.Piece, ...]
+                    ) -> list[tuple[Index, Any, str]]:
+  """(index, data, where) of the pieces of `arr` this process writes.
+
+  A part of a shard is cut on its device by a slice, which the runtime
+  runs before the next step, into memory of its own: the donation of the
+  state's buffers stays safe, and on a CPU nothing waits for it here.
+  """
+  if not pieces:
+    return []
+  data = {s.device: s.data for s in arr.addressable_shards}
+  out = []
+  for piece in pieces:
+    shard = data[piece.device]
+    if piece.rows is None:
+      out.append((piece.index, shard, _where(piece.device)))
+    else:
+      start, stop = piece.rows
+      where = _where(piece.device)
+      out.append((piece.index, jax.lax.slice_in_dim(shard, start, stop),
+                  _COPY if where == _CPU else _DEVICE))
   return out
 
 
@@ -151,7 +182,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
     every process knows the whole tree's metadata).
   """
   leaves, _ = leaf_paths(tree)
-  plans = []  # (path, keys, leaf, array to write or None, shards)
+  plans = []  # (path, keys, leaf, array to write or None, impl, shards)
+  shared = []  # (place in plans, array) of the arrays `writeplan` spreads.
   for path, keys, leaf in leaves:
     if isinstance(leaf, jax.Array):
       _check_array_alive(path, leaf)
@@ -159,17 +191,31 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       if _is_prng_dtype(leaf.dtype):
         impl = str(jax.random.key_impl(leaf))
         arr = jax.random.key_data(leaf)
-      single = process_count > 1 and arr.is_fully_addressable
-      shards = _owned_shards(arr, single_writer=single, is_primary=is_primary,
-                             own_copy=own_copy)
-      plans.append((path, keys, leaf, arr, impl, shards))
+      shards = None
+      if own_copy:
+        shards = _own_copy_shards(arr)
+      elif process_count > 1 and arr.is_fully_addressable:
+        # A value of this process's own, the same on every process by
+        # contract: the primary writes it.
+        shards = _own_copy_shards(arr) if is_primary else []
+      elif jax.process_count() == 1:  # No other process holds any of it.
+        shards = _own_copy_shards(arr)
+      else:
+        shared.append((len(plans), arr))
+      plans.append([path, keys, leaf, arr, impl, shards])
     else:
-      plans.append((path, keys, leaf, None, None, None))
+      plans.append([path, keys, leaf, None, None, None])
+  if shared:
+    pieces = writeplan.plan(
+        tuple((arr.sharding, tuple(arr.shape), np.dtype(arr.dtype))
+              for _, arr in shared), jax.process_index(), jax.process_count())
+    for (at, arr), mine in zip(shared, pieces):
+      plans[at][5] = _planned_shards(arr, mine)
 
   # Start every device-to-host transfer before waiting on any of them.
   for *_, arr, _, shards in plans:
-    for _, data, cpu in shards or ():
-      if not cpu:
+    for _, data, where in shards or ():
+      if where == _DEVICE:
         data.copy_to_host_async()
 
   # CPU shards: copied on their devices into staging memory (enqueued, not
@@ -178,8 +224,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   # by threads from views of the runtime's buffers right here.
   on_device, cpu_items = [], []
   for path, _, _, arr, _, shards in plans:
-    for index, data, cpu in shards or ():
-      if not cpu:
+    for index, data, where in shards or ():
+      if where != _CPU:
         continue
       if bits_dtype(arr.dtype) is not None and staging.arena is None:
         on_device.append(data)
@@ -198,9 +244,11 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   for path, keys, leaf, arr, impl, shards in plans:
     if arr is not None:
       data = []
-      for index, shard, cpu in shards:
-        if not cpu:
+      for index, shard, where in shards:
+        if where == _DEVICE:
           data.append(ShardData(index, _c_order(np.asarray(shard))))
+        elif where == _COPY:
+          data.append(ShardData(index, shard, np.dtype(arr.dtype)))
         elif bits_dtype(arr.dtype) is not None and staging.arena is None:
           data.append(ShardData(index, next(device_copies),
                                 np.dtype(arr.dtype)))

@@ -35,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from flax_ckpt_plugin import writeplan
+
 PROCESS_ID = _setup.PROCESS_ID
 NUM_PROCESSES = _setup.NUM_PROCESSES
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
@@ -173,14 +175,18 @@ def array_bytes_by_leaf(tree: Any) -> dict[str, int]:
 
 
 def owned_bytes_by_leaf(tree: Any) -> dict[str, int]:
-  """Bytes of replica 0 of this process's addressable shards, per leaf.
+  """Bytes this process writes, per leaf: its share under `writeplan`.
 
-  What this process owns and should write; every shard of a global array has
-  exactly one replica 0, on one process.
+  The tests check that the shares add up to every byte once, and that the
+  process that writes most writes at most 1.25x an even share.
   """
-  return {leaf_path(kp): sum(s.data.nbytes for s in l.addressable_shards
-                             if s.replica_id == 0)
-          for kp, l in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  pieces = writeplan.plan(
+      tuple((l.sharding, tuple(l.shape), np.dtype(l.dtype)) for _, l in flat),
+      jax.process_index(), jax.process_count())
+  return {leaf_path(kp): sum(
+      math.prod(b - a for a, b in p.index) * l.dtype.itemsize for p in mine)
+          for (kp, l), mine in zip(flat, pieces)}
 
 
 def needed_bytes_by_leaf(target: Any) -> dict[str, int]:

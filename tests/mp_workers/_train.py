@@ -7,6 +7,7 @@ replicated across them, and fully replicated.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+
+from flax_ckpt_plugin import writeplan
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
 
@@ -119,13 +122,15 @@ def total_array_bytes(tree: Any) -> int:
 
 
 def owned_bytes(tree: Any) -> int:
-  """Bytes of the shards this process owns: replica 0 of its addressable ones.
-
-  What this process should write; each shard of the global arrays is owned by
-  exactly one process.
-  """
-  return sum(s.data.nbytes for l in jax.tree.leaves(tree)
-             for s in l.addressable_shards if s.replica_id == 0)
+  """Bytes this process writes of `tree` (every leaf a global array): its
+  share under `writeplan`, which the tests check adds up to every byte
+  once over the processes."""
+  leaves = jax.tree.leaves(tree)
+  pieces = writeplan.plan(
+      tuple((l.sharding, tuple(l.shape), np.dtype(l.dtype)) for l in leaves),
+      jax.process_index(), jax.process_count())
+  return sum(math.prod(b - a for a, b in p.index) * l.dtype.itemsize
+             for l, mine in zip(leaves, pieces) for p in mine)
 
 
 def shardings_match(tree: Any, target: Any) -> bool:

@@ -1,0 +1,71 @@
+"""Saves a replicated state and reports who wrote how many bytes.
+
+    balanced_write.py DIR LAYOUT     LAYOUT: data_parallel or hsdp
+
+N processes x 2 devices. `data_parallel`: every array replicated on all
+devices. `hsdp`: arrays sharded over the 2 devices of a process and
+replicated over the processes. The state is an Adam-like tree of 1-4 MB
+kernels with their two moments and small biases, so large shards are cut
+among their holders and small ones written whole (`writeplan`). Saves one
+step, restores it into the same shardings, and prints the bytes this
+process wrote, the digests saved and restored, and the total bytes.
+"""
+
+import sys
+
+import _setup
+
+_setup.init()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import flax_ckpt_plugin
+
+SHAPES = {"dense_0": (512, 512), "dense_1": (512, 2048), "dense_2": (1024, 512),
+          "head": (512, 10)}
+
+
+def _state(mesh, spec):
+  sharding = NamedSharding(mesh, spec)
+  tree = {}
+  for n, (name, shape) in enumerate(SHAPES.items()):
+    for part in ("params", "mu", "nu"):
+      values = np.random.default_rng(n).standard_normal(shape, np.float32)
+      tree.setdefault(part, {})[name] = {
+          "kernel": jax.device_put(values, sharding),
+          "bias": jax.device_put(np.full(shape[1], n, np.float32),
+                                 NamedSharding(mesh, P())),
+      }
+  tree["step"] = jax.device_put(jnp.int32(7), NamedSharding(mesh, P()))
+  return tree
+
+
+def main(directory: str, layout: str) -> dict:
+  # jax.devices() lists each process's devices together: a row of the
+  # (processes, 2) mesh is one process.
+  devices = np.array(jax.devices()).reshape(jax.process_count(), 2)
+  mesh = jax.sharding.Mesh(devices, ("replica", "fsdp"))
+  spec = P() if layout == "data_parallel" else P("fsdp")
+  state = _state(mesh, spec)
+  with flax_ckpt_plugin.CheckpointManager(directory,
+                                          barrier_timeout_secs=60) as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    written = mgr.last_save_stats.process_bytes
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        state)
+    restored = mgr.restore(target)
+  return {"written": written,
+          "total": sum(a.nbytes for a in jax.tree.leaves(state)),
+          "saved": _setup.leaf_digests(state),
+          "restored": _setup.leaf_digests(restored)}
+
+
+if __name__ == "__main__":
+  _setup.emit(main(sys.argv[1], sys.argv[2]))
