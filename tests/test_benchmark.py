@@ -160,3 +160,30 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
   # Everything it wrote is gone.
   assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "tiers.json"]
   assert not list(local.iterdir())
+
+
+SCALEOUT = BENCH.parent / "scaleout.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_scaleout_benchmark_spreads_the_writes(tmp_path):
+  out = tmp_path / "scaleout.json"
+  proc = subprocess.run(
+      [sys.executable, str(SCALEOUT), "--mb", "4", "--mbps", "50",
+       "--processes", "1,2", "--layouts", "data_parallel", "--dir",
+       str(tmp_path), "--json", str(out)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert "SIMULATED per-process links of 50 MB/s" in proc.stdout
+  runs = json.loads(out.read_text())["runs"]
+  assert sorted(runs) == ["data_parallel_1", "data_parallel_2"]
+  two = runs["data_parallel_2"]
+  total = two[0]["state_bytes"]
+  assert [o["written"] for o in runs["data_parallel_1"]] == [total]
+  assert sum(o["written"] for o in two) == total
+  # Small kernels: each written whole, by the process with fewer bytes.
+  assert max(o["written"] for o in two) <= 0.6 * total, two
+  assert all(o["bit_identical"] for r in runs.values() for o in r)
+  assert all(o["orbax_written"] > 0 for o in two)
+  # Everything it wrote is gone.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["scaleout.json"]
