@@ -34,6 +34,7 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
@@ -72,13 +73,21 @@ class CommitInputs(NamedTuple):
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
                      directory: epath.Path, backend: backend_lib.Backend,
-                     base: str, *, is_primary: bool, timeout_ms: int) -> str:
-  """Primary: claims `directory`; all: learn the writer's token.
+                     base: str, *, is_primary: bool, timeout_ms: int
+                     ) -> tuple[str, list[int]]:
+  """Primary: claims `directory` and lists it; all: learn both.
 
   The token names every later key of the writer, so that keys do not depend
   on how many managers a process opened (`base` is the manager's prefix).
+  Only the primary lists the directory (its finalized steps, after removing
+  the unfinished ones): the others receive the list, so that opening costs
+  the store as many list requests with 1000 processes as with one.
+
+  Returns:
+    The writer's token, and the finalized steps, oldest first.
   """
-  token = None
+  token = steps = None
+  multi = coord.process_count > 1
   if is_primary:
     directory.mkdir(parents=True, exist_ok=True)
     previous = atomicity_lib.current_writer(directory)
@@ -89,14 +98,18 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
                previous)
     for entry in atomicity_lib.remove_unfinished(directory, backend):
       log.warning("removed unfinished checkpoint %s", entry)
-    if coord.process_count > 1:
+    steps = atomicity_lib.finalized_steps(directory)
+    if multi:
       coord.kv_set(f"{base}/writer", token)
+      groups.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
   # Reused by every opening of this directory: a barrier key may be used
   # again once all passed it, and the primary set the token before it.
   coord.barrier(f"{base}/open", timeout_ms=timeout_ms)
   if not is_primary:
     token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
-  return token
+    steps = json.loads(groups.fetch_text(coord, f"{base}/steps/{token}",
+                                         timeout_ms))
+  return token, steps
 
 
 def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:

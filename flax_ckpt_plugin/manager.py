@@ -160,14 +160,14 @@ class CheckpointManager:
     # The newest step known to restore (-1: none); retention keeps it.
     self._known_good = -1
     if not read_only:  # The writer's token names every later key.
-      token = commit_lib.open_for_writing(
+      token, steps = commit_lib.open_for_writing(
           self.coordinator, self.directory, self.backend, self._base,
           is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
       self.name = f"{self._base}/{token}"
       self.check_still_writer = functools.partial(
           atomicity_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
-      self._steps = atomicity_lib.finalized_steps(self.directory)
+      self._steps = steps
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.

@@ -99,16 +99,18 @@ class Bucket(abc.ABC):
   def _request_pattern(self, kind: str, key: str) -> str:
     """A regular expression matching the log line of a `kind` request."""
 
-  def requests(self, kind: str, key: str) -> int:
+  def requests(self, kind: str, key: str = "") -> int:
     """How many requests of `kind` for object `key` the server logged so far.
 
-    Kinds: 'read' (a GET of the object's bytes, ranged or not) and 'stat'
-    (a request of its size and metadata: HEAD on S3, a metadata GET on GCS).
+    Kinds: 'read' (a GET of the object's bytes, ranged or not), 'stat'
+    (a request of its size and metadata: HEAD on S3, a metadata GET on GCS)
+    and 'list' (a listing of the bucket, whatever its prefix; no `key`).
     """
     return len(re.findall(self._request_pattern(kind, key),
                           self.server.log()))
 
-  def wait_for_requests(self, kind: str, key: str, at_least: int) -> int:
+  def wait_for_requests(self, kind: str, key: str = "",
+                        at_least: int = 1) -> int:
     """The request count, once the server logged `at_least` (or 10 s
     passed)."""
     deadline = time.monotonic() + 10
@@ -144,6 +146,8 @@ class S3Bucket(Bucket):
   def _request_pattern(self, kind: str, key: str) -> str:
     # Lines look like `"GET /bucket/key HTTP/1.1" 206`, maybe with colour
     # codes.
+    if kind == "list":
+      return rf"(?<![A-Z])GET /{re.escape(self.name)}/?\?list-type="
     method = {"read": "GET", "stat": "HEAD"}[kind]
     return (rf"(?<![A-Z]){method} /{re.escape(self.name)}/{re.escape(key)}"
             " HTTP")
@@ -175,6 +179,8 @@ class GCSBucket(Bucket):
   def _request_pattern(self, kind: str, key: str) -> str:
     # JSON API: `GET /download/storage/v1/b/BUCKET/o/run%2F1%2Fx?alt=media`
     # fetches bytes; the same object URL without `alt=media` its metadata.
+    if kind == "list":
+      return rf"(?<![A-Z])GET /storage/v1/b/{re.escape(self.name)}/o\?"
     url = (rf"/storage/v1/b/{re.escape(self.name)}/o/"
            + re.escape(urllib.parse.quote(key, safe="")))
     if kind == "read":
@@ -859,3 +865,25 @@ def test_two_processes_save_and_restore_a_sharded_train_state_in_a_bucket(
     assert out["restored"] == latest, p
     assert out["alt_restored"] == latest, p
     assert out["step_after_training"] == 7, p
+
+
+# S3 only: on GCS, gcsfs answers every existence check (of a step's
+# _COMMITTED) with a listing too, so each process still lists.
+@s3_only
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+def test_list_requests_of_a_resume_do_not_grow_with_the_process_count(
+    bucket):
+  """Opening the directory and restoring the newest step, as a resumed job
+  does on every process: only the primary lists the bucket (the others
+  receive its list), so 4 processes list it as often as 1."""
+  with CheckpointManager(bucket.url) as manager:
+    manager.save(3, {"w": np.arange(4, dtype=np.int64)})
+  lists = []
+  for processes in (1, 4):
+    before = bucket.requests("list")
+    out = [r.json for r in run_workers(
+        "open_restore", processes, args=[bucket.url], timeout=RUN_TIMEOUT)]
+    assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out
+    lists.append(bucket.wait_for_requests("list", at_least=before + 1)
+                 - before)
+  assert lists[0] > 0 and lists[0] == lists[1], lists
