@@ -2,10 +2,10 @@
 
 Each process keeps only the parts it writes of every global `jax.Array`:
 its share of the shards it holds, as `writeplan` spreads them over the
-processes that hold them (every byte once). Host-local values (numpy arrays and Python
-scalars, and `jax.Array`s that are fully addressable while several processes
-run) are the same on every process by contract, so only the primary host
-writes their bytes.
+processes that hold them (every byte once). Host-local values (numpy
+arrays and Python scalars, and `jax.Array`s that are fully addressable
+while several processes run) are the same on every process by contract, so
+only the primary host writes their bytes.
 
 The snapshot stays correct when the next train step donates the state's
 buffers, because it never refers to them once the runtime has run what
