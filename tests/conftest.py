@@ -168,3 +168,21 @@ def small_tmpfs(tmp_path):
                                check=False)
     if unmounted.returncode != 0:  # Still busy: detach it all the same.
       subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def run(capsys):
+  """`run(*args)` runs `flax-ckpt args` in this process (`cli.main`), as a
+  shell would: its exit code, stdout and stderr, kept apart."""
+  from flax_ckpt_plugin import cli  # pylint: disable=g-import-not-at-top
+
+  def call(*args) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in args]
+    capsys.readouterr()  # Only this call's output.
+    try:
+      code = cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors.
+      code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+  return call

@@ -40,21 +40,6 @@ def run_process(*args, script: bool = False) -> subprocess.CompletedProcess:
                         text=True, timeout=120, check=False)
 
 
-@pytest.fixture
-def run(capsys):
-  """`run(*args)` runs `cli.main(args)` here, as `run_process` would."""
-  def call(*args) -> subprocess.CompletedProcess:
-    argv = [str(a) for a in args]
-    capsys.readouterr()  # Only this call's output.
-    try:
-      code = cli.main(argv)
-    except SystemExit as e:  # argparse's usage errors.
-      code = e.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
-  return call
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> pathlib.Path:
   """Steps 1, 2, 3 finalized, plus what a crash or a running job leaves."""

@@ -34,7 +34,6 @@ import pytest
 
 from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import cli
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import orbax_import
 from helpers import two_device_mesh
@@ -54,21 +53,6 @@ def run_process(*args, cwd=None, one_device: bool = False
   return subprocess.run(
       [sys.executable, "-m", "flax_ckpt_plugin", *map(str, args)], cwd=cwd,
       env=env, capture_output=True, text=True, timeout=300, check=False)
-
-
-@pytest.fixture
-def run(capsys):
-  """`run(*args)` runs `cli.main(args)` here; stdout and stderr kept apart."""
-  def call(*args) -> subprocess.CompletedProcess:
-    argv = [str(a) for a in args]
-    capsys.readouterr()
-    try:
-      code = cli.main(argv)
-    except SystemExit as e:  # argparse's usage errors.
-      code = e.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
-  return call
 
 
 def trained(train_step, steps: int = 3, seed: int = 0):
