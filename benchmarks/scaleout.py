@@ -19,10 +19,12 @@ For each layout and process count (`--processes`, 2 CPU devices each):
 
 the processes save two steps of a state of `--mb` MB (Adam-like: kernels
 with two moments, small biases) and restore the second into the same
-shardings. Measured: the slowest process's time from `save` to durable
-(of the second save: the first in a process also compiles the programs
-that copy its shards, once per run) and for the restore, and the bytes
-each process wrote and read. Then Orbax saves the
+shardings, every process together (`restore_newest_valid`: the processes
+split what several of them need and share it over JAX collectives, see
+`shared_read`). Measured: the slowest process's time from `save` to
+durable (of the second save: the first in a process also compiles the
+programs that copy its shards, once per run) and for the restore, and the
+bytes each process wrote and read. Then Orbax saves the
 same state in the same processes (StandardCheckpointer, unpaced): the bytes
 each process wrote, from its `ocdbt.process_N` files. Every restore is
 checked bit for bit. Prints a table; `--json` writes every figure.
@@ -178,7 +180,8 @@ def worker(args: argparse.Namespace) -> dict:
     out["written"] = mgr.last_save_stats.process_bytes
     multihost_utils.sync_global_devices("restore")
     t = time.perf_counter()
-    restored = jax.block_until_ready(mgr.restore(target))
+    _, restored = mgr.restore_newest_valid(target)  # All together.
+    restored = jax.block_until_ready(restored)
     out["restore_secs"] = time.perf_counter() - t
     out["read"] = mgr.last_restore_stats.nbytes_read
   got = [np.asarray(s.data) for x in jax.tree.leaves(restored)

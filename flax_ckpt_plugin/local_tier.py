@@ -226,7 +226,12 @@ def restore_into(state: Any, local: LocalTier,
       PEER: lambda step, holders: peer.restore(
           coord, f"{key}/peer{step}", step, holders, local.directory,
           state, timeout_ms=timeout_ms),
-      PERSISTENT: from_manager(persistent)}
+      # Every process restores the persistent step together: storage
+      # serves each byte once (`shared_read`).
+      PERSISTENT: lambda step, _: (
+          persistent.restore_together(state, step,
+                                      data_iterator=data_iterator),
+          persistent.metadata(step).extra)}
   if data_iterator is not None:
     del tiers[PEER]
   return restore_newest(coord, key, local=local, persistent=persistent,

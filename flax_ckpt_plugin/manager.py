@@ -26,6 +26,7 @@ from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import retention as retention_lib
+from flax_ckpt_plugin import shared_read
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.commit import CommitHook
@@ -84,6 +85,11 @@ class CheckpointManager:
       see `add_commit_hook`.
     scope: save, for the process it names, every distinct shard that
       process holds, alone (the local tier's steps; see `local_tier`).
+    share_reads: in restores that every process makes together
+      (`restore_newest_valid`, the callback's), split the reading of what
+      several processes need and share it over JAX collectives, so that
+      storage serves each byte once (see `shared_read`: it costs host
+      memory); False: each process reads all it needs itself.
 
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
@@ -119,7 +125,8 @@ class CheckpointManager:
                backend: backend_lib.Backend | None = None,
                read_only: bool = False,
                commit_hooks: Sequence[CommitHook] = (),
-               scope: storage.Scope | None = None):
+               scope: storage.Scope | None = None,
+               share_reads: bool = True):
     self.retention = retention_lib.Policy(
         max_to_keep, keep_every_n_steps, keep_best, best_metric, best_mode,
         keep_without_metric)
@@ -137,6 +144,7 @@ class CheckpointManager:
     self.primary_host = primary_host
     self.read_only = read_only
     self.scope = scope
+    self.share_reads = share_reads
     self.is_primary = self.coordinator.process_index == primary_host
     self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
     base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
@@ -448,6 +456,50 @@ class CheckpointManager:
       hand_over()
     return tree
 
+  def restore_together(self, target: Any, step: int, *, verify: bool = True,
+                       data_iterator: datastate.DataIterator | None = None
+                       ) -> Any:
+    """`restore`, called on every process: storage serves each byte once.
+
+    Where the target has regions that several processes need (replicated
+    arrays), they split the reading and JAX collectives give every device
+    its whole region (see `shared_read`); otherwise the same as `restore`.
+
+    Raises:
+      As `restore`, and `fallback.Unsuitable` when another process found
+      the step damaged (see `restore_newest_valid`).
+    """
+    if (not self.share_reads or target is None
+        or self.coordinator.process_count < 2
+        or not shared_read.worth_it(target)):
+      return self.restore(target, step, verify=verify,
+                          data_iterator=data_iterator)
+    self._check_open()
+    self._committer.check()
+    self._staging.clear()
+    t0 = time.perf_counter()
+    step = operator.index(step)
+    step_dir = self.directory / str(step)
+    key = f"{self._base}/shared"
+    key = f"{key}/{self.coordinator.next_round(key)}"
+
+    def read_manifest():
+      return self._manifest(step)[2]
+
+    def before(manifest):
+      return None if data_iterator is None else datastate.prepare(
+          data_iterator, step_dir, manifest, self.coordinator, self.backend)
+
+    tree, nbytes, hand_over = shared_read.restore(
+        self.coordinator, key, step_dir, read_manifest, target,
+        backend=self.backend, verify=verify,
+        timeout_ms=self.barrier_timeout_ms, before=before)
+    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
+                                           nbytes)
+    if hand_over is not None:
+      hand_over()
+    return tree
+
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
                            data_iterator: datastate.DataIterator | None = None
                            ) -> tuple[int, Any] | None:
@@ -482,8 +534,8 @@ class CheckpointManager:
     key = f"{key}/{self.coordinator.next_round(key)}"
     found, skipped = fallback.restore_newest(
         self.coordinator, key, steps=self.all_steps,
-        restore=lambda step: self.restore(target, step, verify=verify,
-                                          data_iterator=data_iterator),
+        restore=lambda step: self.restore_together(
+            target, step, verify=verify, data_iterator=data_iterator),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
     if found is not None:  # Every process restored it.

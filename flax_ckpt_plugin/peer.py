@@ -101,7 +101,7 @@ def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
   return _Stacked(path, sharding, stacked, replicas, sources)
 
 
-def _as_bytes(arr: np.ndarray) -> np.ndarray:
+def as_bytes(arr: np.ndarray) -> np.ndarray:
   """`arr`'s bytes, with an axis of the item's bytes last."""
   arr = np.asarray(arr, order="C")  # Not ascontiguousarray: 0-d stays 0-d.
   return arr.reshape(-1).view(np.uint8).reshape(arr.shape + (
@@ -116,7 +116,7 @@ def _from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
   return lax.bitcast_convert_type(u8, dtype)
 
 
-def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
+def sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
                   dtypes: tuple[np.dtype, ...]):
   """Every device's shard from the one source that sent it (a sum over the
   replicas with one nonzero term), and the flat buffer everywhere."""
@@ -218,7 +218,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
       if plan is None:  # Whole, in the flat buffer, from the source.
         nbytes = leaf.nbytes
         if is_source:
-          flat.append(_as_bytes(leaf_reader(path).read(
+          flat.append(as_bytes(leaf_reader(path).read(
               tuple((0, d) for d in leaf.shape))).reshape(-1))
         flat_parts.append(nbytes)
         plans.append(("flat", leaf, t))
@@ -230,7 +230,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
         shape = (1,) + tuple(hi - lo for lo, hi in region) + (
             leaf.dtype.itemsize,)
         if device in plan.sources:
-          block = _as_bytes(leaf_reader(path).read(region))[None]
+          block = as_bytes(leaf_reader(path).read(region))[None]
         else:
           block = np.zeros(shape, np.uint8)
         blocks.append(jax.device_put(block, device))
@@ -265,7 +265,7 @@ def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int
         (len(devices), flat_bytes), sharding, pieces)
   dtypes = tuple(leaf.dtype for _, leaf, *_ in stacked)
   gather = jax.jit(
-      functools.partial(_sum_of_bytes, dtypes=dtypes),
+      functools.partial(sum_of_bytes, dtypes=dtypes),
       out_shardings=([plan.sharding for _, _, plan, *_ in stacked],
                      flat_out_sharding))
   return gather.lower(arrays, flat_in).compile(), (arrays, flat_in)

@@ -51,7 +51,7 @@ class Piece(NamedTuple):
   rows: tuple[int, int] | None
 
 
-def _cuts(rows: int, parts: int) -> list[tuple[int, int]]:
+def cuts(rows: int, parts: int) -> list[tuple[int, int]]:
   """`rows` cut into `parts` contiguous ranges whose sizes differ by <= 1."""
   bounds = [rows * j // parts for j in range(parts + 1)]
   return list(zip(bounds[:-1], bounds[1:]))
@@ -99,10 +99,10 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
       by_load = sorted(procs[index], key=lambda p: (load[p], p))
       start = index[0][0] if shape else 0
       shard_rows = index[0][1] - start if shape else 0
-      cuts = _cuts(shard_rows, parts) if parts > 1 else [None]
+      ranges = cuts(shard_rows, parts) if parts > 1 else [None]
       row_bytes = (_volume(index) // shard_rows * itemsize if shard_rows
                    else _volume(index) * itemsize)
-      for proc, cut in zip(by_load, cuts):
+      for proc, cut in zip(by_load, ranges):
         if cut is None:
           load[proc] += _volume(index) * itemsize
           region = index

@@ -361,7 +361,9 @@ def test_replicated_state_is_written_in_even_shares(tmp_path, layout):
   Replica 0 of every shard of a replicated array lives on process 0, which
   would write everything; the plan cuts the large shards among their
   holders instead. Every byte is written once, the process that writes most
-  writes at most 1.25x an even share, and the step restores bit for bit.
+  writes at most 1.25x an even share, and the step restores bit for bit:
+  by each process alone (reading all it needs), and by all together, whose
+  reads add up to at most 1.25x the checkpoint (`shared_read`).
   """
   out = [r.json for r in run_workers(
       "balanced_write", 4, args=[tmp_path / "ckpt", layout],
@@ -378,3 +380,9 @@ def test_replicated_state_is_written_in_even_shares(tmp_path, layout):
       sizes, written)
   for p, o in enumerate(out):
     assert o["restored"] == o["saved"] == out[0]["saved"], p
+    assert o["restored_together"] == o["saved"], p
+    assert o["step_together"] == 1 and o["on_target_shardings"], p
+    assert o["read_alone"] >= total / 2, p  # Its own copy of the state.
+  # Restored together, storage serves each byte once.
+  read = [o["read_together"] for o in out]
+  assert sum(read) <= 1.25 * total, (read, total)

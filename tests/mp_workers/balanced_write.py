@@ -7,8 +7,10 @@ devices. `hsdp`: arrays sharded over the 2 devices of a process and
 replicated over the processes. The state is an Adam-like tree of 1-4 MB
 kernels with their two moments and small biases, so large shards are cut
 among their holders and small ones written whole (`writeplan`). Saves one
-step, restores it into the same shardings, and prints the bytes this
-process wrote, the digests saved and restored, and the total bytes.
+step, restores it into the same shardings, by this process alone and by
+all together (`restore_newest_valid`, which shares the reading), and
+prints the bytes this process wrote and read, the digests saved and
+restored, and the total bytes.
 """
 
 import sys
@@ -60,11 +62,21 @@ def main(directory: str, layout: str) -> dict:
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
         state)
-    restored = mgr.restore(target)
+    restored = mgr.restore(target)  # This process alone: reads it all.
+    read_alone = mgr.last_restore_stats.nbytes_read
+    step, together = mgr.restore_newest_valid(target)  # Every process.
+    read_together = mgr.last_restore_stats.nbytes_read
   return {"written": written,
           "total": sum(a.nbytes for a in jax.tree.leaves(state)),
           "saved": _setup.leaf_digests(state),
-          "restored": _setup.leaf_digests(restored)}
+          "restored": _setup.leaf_digests(restored),
+          "read_alone": read_alone, "step_together": step,
+          "read_together": read_together,
+          "restored_together": _setup.leaf_digests(together),
+          "on_target_shardings": all(
+              a.sharding.is_equivalent_to(t.sharding, len(t.shape))
+              for a, t in zip(jax.tree.leaves(together),
+                              jax.tree.leaves(target)))}
 
 
 if __name__ == "__main__":
