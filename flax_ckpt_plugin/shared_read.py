@@ -12,8 +12,9 @@ the sum over the replica axes holds every byte once, so it is the region,
 bit for bit). No socket of our own.
 
 Leaves it does not take (Python scalars, numpy and non-`NamedSharding`
-targets, PRNG keys, dtypes XLA does not bitcast, arrays held by one process
-per region) are read by each process as in `restore.restore_tree`.
+targets, PRNG keys, dtypes XLA does not bitcast, bytes saved big-endian,
+arrays held by one process per region) are read by each process as in
+`restore.restore_tree`.
 
 Memory: a process holds, per replicated leaf, a block of the region's
 bytes for each of its devices (zeros but for its range) and the result,
@@ -188,7 +189,10 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     for path, _, t in targets:
       t = restore_lib.on_context_mesh(path, t)
       leaf = saved[path]
-      split = _split(t, load)
+      # Bytes saved big-endian (by an older version) need a swap on the
+      # host: read alone. The manifest says so alike on every process.
+      split = None if leaf.dtype is None or leaf.dtype.byteorder == ">" else (
+          _split(t, load))
       if split is None:
         plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
         continue
