@@ -66,6 +66,8 @@ class Bucket(abc.ABC):
   """
   scheme: str
   server_class: type[S3Server] | type[GCSServer]
+  # How many 'stat' requests one check of an object's size sends.
+  stats_per_size_check: tuple[int, ...]
 
   def __init__(self, server: S3Server | GCSServer, name: str):
     self.server = server
@@ -109,6 +111,23 @@ class Bucket(abc.ABC):
     return len(re.findall(self._request_pattern(kind, key),
                           self.server.log()))
 
+  def settled_requests(self, kind: str, key: str = "") -> int:
+    """The request count once the server's log stopped growing (0.3 s
+    without a new line, or 10 s passed).
+
+    Servers write their log behind the answers they send, so a count taken
+    right after a save can miss its last requests, which a later count
+    would then charge to the restore.
+    """
+    deadline = time.monotonic() + 10
+    log = self.server.log()
+    while time.monotonic() < deadline:
+      time.sleep(0.3)
+      if (now := self.server.log()) == log:
+        break
+      log = now
+    return len(re.findall(self._request_pattern(kind, key), log))
+
   def wait_for_requests(self, kind: str, key: str = "",
                         at_least: int = 1) -> int:
     """The request count, once the server logged `at_least` (or 10 s
@@ -123,6 +142,7 @@ class Bucket(abc.ABC):
 class S3Bucket(Bucket):
   """A bucket on moto's S3 server, seen through boto3."""
   scheme = "s3"
+  stats_per_size_check = (1,)
   server_class = S3Server
 
   def keys(self, prefix: str = "run/") -> list[str]:
@@ -156,6 +176,11 @@ class S3Bucket(Bucket):
 class GCSBucket(Bucket):
   """A bucket on fake-gcs-server, seen through google-cloud-storage."""
   scheme = "gs"
+  # gcsfs asks an object's size with a metadata GET raced against a
+  # one-item listing of `key/` (is it a directory?); when the listing comes
+  # back empty before the race is decided, gcsfs fetches the metadata a
+  # second time. Which happens first varies from run to run.
+  stats_per_size_check = (1, 2)
   server_class = GCSServer
 
   def _blob(self, key: str):
@@ -478,7 +503,7 @@ def test_sharded_train_state_restores_into_any_partitioning(
     manager.wait_until_finished()
   target = _abstract(expected, target_spec)
   data_key = f"run/3/{DATA}"
-  before = bucket.requests("read", data_key)
+  before = bucket.settled_requests("read", data_key)
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore(target, verify=verify)
   assert_trees_equal(restored, expected)
@@ -496,8 +521,9 @@ def test_sharded_train_state_restores_into_any_partitioning(
 
 
 def test_small_leaves_are_fetched_together_with_one_ranged_get(bucket):
-  """A restore of small leaves costs one request of the data object's size
-  (HEAD on S3, a metadata GET on GCS) and one ranged GET for all of them."""
+  """A restore of small leaves asks the data object's size once (a HEAD on
+  S3, one or two metadata GETs on GCS, see `stats_per_size_check`) and
+  fetches all of them with one ranged GET."""
   rng = np.random.default_rng(0)
   state = {f"leaf_{i}": rng.standard_normal((50, i + 1)).astype(np.float32)
            for i in range(6)}
@@ -505,8 +531,8 @@ def test_small_leaves_are_fetched_together_with_one_ranged_get(bucket):
     manager.save(1, state)
     manager.wait_until_finished()
   data_key = f"run/1/{DATA}"
-  reads_before = bucket.requests("read", data_key)
-  stats_before = bucket.requests("stat", data_key)
+  reads_before = bucket.settled_requests("read", data_key)
+  stats_before = bucket.requests("stat", data_key)  # Settled above.
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore({k: np.zeros_like(v) for k, v in state.items()})
   for key, value in state.items():
@@ -514,7 +540,8 @@ def test_small_leaves_are_fetched_together_with_one_ranged_get(bucket):
   bucket.wait_for_requests("read", data_key, reads_before + 1)
   time.sleep(0.2)  # Any late request would be logged by now.
   assert bucket.requests("read", data_key) - reads_before == 1
-  assert bucket.requests("stat", data_key) - stats_before == 1
+  stats = bucket.requests("stat", data_key) - stats_before
+  assert stats in bucket.stats_per_size_check, stats
 
 
 def test_long_ranges_are_fetched_in_concurrent_pieces(bucket, monkeypatch):
@@ -525,7 +552,7 @@ def test_long_ranges_are_fetched_in_concurrent_pieces(bucket, monkeypatch):
     manager.save(1, {"v": value})
     manager.wait_until_finished()
   data_key = f"run/1/{DATA}"
-  before = bucket.requests("read", data_key)
+  before = bucket.settled_requests("read", data_key)
   with CheckpointManager(bucket.url, read_only=True) as manager:
     restored = manager.restore({"v": np.zeros_like(value)})
   assert restored["v"].tobytes() == value.tobytes()
@@ -880,7 +907,7 @@ def test_list_requests_of_a_resume_do_not_grow_with_the_process_count(
     manager.save(3, {"w": np.arange(4, dtype=np.int64)})
   lists = []
   for processes in (1, 4):
-    before = bucket.requests("list")
+    before = bucket.settled_requests("list")
     out = [r.json for r in run_workers(
         "open_restore", processes, args=[bucket.url], timeout=RUN_TIMEOUT)]
     assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out

@@ -1043,7 +1043,8 @@ def test_processes_agree_on_the_fallback_step(tmp_path):
   byte in step 2's `data/process_00001.bin`, which only process 1 reads:
   process 0 alone restores step 2 without error (the worker shows it). The
   fallback lets all processes vote on each step, so both skip step 2 and
-  restore step 1, bit for bit, each logging a warning.
+  restore step 1, bit for bit, each logging a warning; process 0's names
+  the file process 1 found damaged.
   """
   ckpt = tmp_path / "ckpt"
   saved = [r.json for r in run_workers("fallback_agreement", 2,
@@ -1065,7 +1066,11 @@ def test_processes_agree_on_the_fallback_step(tmp_path):
     assert out["restored"] == saved[0]["saved"]["1"], f"process {p}"
     assert re.search(r"WARNING .*skipping step 2 of", results[p].stderr), (
         f"process {p}{logs}")
-  assert "damaged or missing on another process" in results[0].stderr, logs
+  # Process 0 says why, from process 1's report.
+  assert re.search(r"WARNING .*skipping step 2 of .*damaged on other"
+                   r" processes: process 1: CheckpointCorruptedError: .*"
+                   r"checksum mismatch in data/process_00001\.bin",
+                   results[0].stderr), logs
   # The primary set the damaged step aside, once, for both processes.
   assert (ckpt / "2.damaged" / "_COMMITTED").exists() and not (
       ckpt / "2").exists()
