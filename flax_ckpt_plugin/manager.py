@@ -483,16 +483,17 @@ class CheckpointManager:
     key = f"{self._base}/shared"
     key = f"{key}/{self.coordinator.next_round(key)}"
 
-    def read_manifest():
-      return self._manifest(step)[2]
+    def read_manifest():  # On the primary only.
+      return manifest_lib.read_raw(self._finalized_dir(step)[1],
+                                   self.backend)
 
     def before(manifest):
       return None if data_iterator is None else datastate.prepare(
           data_iterator, step_dir, manifest, self.coordinator, self.backend)
 
     tree, nbytes, hand_over = shared_read.restore(
-        self.coordinator, key, step_dir, read_manifest, target,
-        backend=self.backend, verify=verify,
+        self.coordinator, key, step_dir, read_manifest, target, step=step,
+        reads_manifest=self.is_primary, backend=self.backend, verify=verify,
         timeout_ms=self.barrier_timeout_ms, before=before)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)

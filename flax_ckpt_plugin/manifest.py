@@ -423,16 +423,29 @@ def read(step_dir: epath.Path, step: int | None = None,
       version, entries that do not fit together, or another step than
       `step`; the message names the file.
   """
+  return of_step(read_raw(step_dir, backend), step_dir, step)
+
+
+def read_raw(step_dir: epath.Path,
+             backend: backend_lib.Backend | None = None) -> bytes:
+  """The bytes of `manifest.json` of a step directory, unchecked (see
+  `read` for the errors but those of `of_step`)."""
   path = step_dir / MANIFEST
   backend = backend or backend_lib.for_path(step_dir)
   try:
-    raw = backend.read_small(path, within=step_dir, limit=MAX_MANIFEST_BYTES)
+    return backend.read_small(path, within=step_dir, limit=MAX_MANIFEST_BYTES)
   except FileNotFoundError as e:
     raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
   except OSError as e:
     if e.errno not in handles.NOT_A_FILE:
       raise  # EACCES, EIO...: the file may be fine; do not call it bad.
     raise _corrupt(str(path), f"cannot be read as a file ({e.strerror})")
+
+
+def of_step(raw: bytes, step_dir: epath.Path, step: int | None) -> Manifest:
+  """`parse`, for the manifest of `step_dir` (read elsewhere, maybe by
+  another process), refused if it records another step than `step`."""
+  path = step_dir / MANIFEST
   manifest = parse(raw, str(path))
   if step is not None and manifest.step != step:
     raise CheckpointCorruptedError(

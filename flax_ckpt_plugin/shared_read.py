@@ -12,8 +12,9 @@ the sum over the replica axes holds every byte once, so it is the region,
 bit for bit). No socket of our own.
 
 Leaves it does not take (Python scalars, numpy and non-`NamedSharding`
-targets, PRNG keys, dtypes XLA does not bitcast, bytes saved big-endian,
-arrays held by one process per region) are read by each process as in
+targets, PRNG keys, dtypes XLA does not bitcast or JAX holds narrower
+(64-bit ones without `jax_enable_x64`), bytes saved big-endian, arrays
+held by one process per region) are read by each process as in
 `restore.restore_tree`.
 
 Memory: a process holds, per replicated leaf, a block of the region's
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -39,12 +41,15 @@ import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import fallback
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import matching
 from flax_ckpt_plugin import peer
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin import writeplan
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import LeafReader
 from flax_ckpt_plugin.staging import bits_dtype
@@ -128,48 +133,77 @@ def worth_it(target: Any) -> bool:
 
 
 def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
-            read_manifest: Any, target: Any, *, backend: Any, verify: bool,
+            read_manifest: Any, target: Any, *, step: int,
+            reads_manifest: bool, backend: Any, verify: bool,
             timeout_ms: int, before: Any = None) -> tuple[Any, int, Any]:
-  """Restores the step at `step_dir` like `target`; see the module doc.
+  """Restores `step` from `step_dir` like `target`; see the module doc.
 
   Called on every process with the same `key`, one no call used before.
-  `read_manifest()` reads the step's manifest and `before(manifest)` runs
-  after it (the data state's checks): inside the agreed phase, so that an
-  error of either on one process is known to all.
+  The process with `reads_manifest` (one: the primary) calls
+  `read_manifest()` for the raw bytes of the step's manifest (checking
+  first that the step is finalized) and shares them through the
+  coordinator; the others read no manifest, so storage serves it once.
+  `before(manifest)` then runs on every process (the data state's checks).
+  Both run inside agreed phases, so that an error on one process is known
+  to all.
 
   Returns:
     The tree, the bytes this process read, and what `before` returned.
 
   Raises:
     CheckpointCorruptedError, FileNotFoundError: this process's files.
+    CheckpointNotFoundError: the step is not finalized (raised by all).
     fallback.Unsuitable: another process found the step damaged, or not
       for it (skip it).
     RestoreFailedError: another process failed otherwise.
     StructureMismatchError: the target does not fit (raised by all).
   """
   where = str(step_dir)
+  shared = f"{key}/manifest"
+  own: list[manifest_lib.Manifest] = []
+
+  def share():
+    if reads_manifest:
+      raw = read_manifest()
+      own.append(manifest_lib.of_step(raw, step_dir, step))  # Valid UTF-8.
+      groups.share_text(coord, shared, raw.decode("utf-8"))
+
+  _check(coordinator_lib.agree(coord, f"{key}/shared", share,
+                               timeout_ms=timeout_ms), where)
 
   def prepare():
-    manifest = read_manifest()
+    manifest = own[0] if own else manifest_lib.of_step(
+        groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
+        step_dir, step)
     extra = None if before is None else before(manifest)
     return _prepare(step_dir, manifest, target, backend, verify,
                     where) + (extra,)
 
   outcome = coordinator_lib.agree(coord, f"{key}/read", prepare,
                                   timeout_ms=timeout_ms)
+  if reads_manifest:  # Every process has it now: free the service's copy.
+    coord.kv_delete(shared)
+  _check(outcome, where)
+  return _run(*outcome.result)
+
+
+def _check(outcome: coordinator_lib.Outcome, where: str) -> None:
+  """Raises what a phase's failures mean here (see `restore`)."""
   if outcome.error is not None:
     raise outcome.error
-  if outcome.failures:
-    skip = {p: f for p, f in outcome.failures.items()
-            if f[0] in ("CheckpointCorruptedError", "FileNotFoundError",
-                        "Unsuitable")}
-    text = coordinator_lib.describe_failures(outcome.failures)
-    if skip:
-      raise fallback.Unsuitable(f"{where} is damaged on other processes:"
-                                f" {text}")
-    raise RestoreFailedError(f"restoring {where} failed on other processes:"
-                             f" {text}")
-  return _run(*outcome.result)
+  if not outcome.failures:
+    return
+  text = coordinator_lib.describe_failures(outcome.failures)
+  kinds = {f[0] for f in outcome.failures.values()}
+  if kinds == {"CheckpointNotFoundError"}:  # The primary's, alone.
+    raise CheckpointNotFoundError(
+        "; ".join(m for _, m in outcome.failures.values()))
+  if kinds & {"CheckpointCorruptedError", "FileNotFoundError",
+              "CheckpointNotFoundError", "Unsuitable"}:
+    raise fallback.Unsuitable(f"{where} is damaged on other processes:"
+                              f" {text}")
+  raise RestoreFailedError(f"restoring {where} failed on other processes:"
+                           f" {text}")
 
 
 def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
@@ -181,6 +215,7 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
   matching.match_structure(saved, [(p, t) for p, _, t in targets], step_dir)
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
+  t0 = time.perf_counter()
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes, "where": where}
@@ -189,10 +224,14 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     for path, _, t in targets:
       t = restore_lib.on_context_mesh(path, t)
       leaf = saved[path]
-      # Bytes saved big-endian (by an older version) need a swap on the
-      # host: read alone. The manifest says so alike on every process.
-      split = None if leaf.dtype is None or leaf.dtype.byteorder == ">" else (
-          _split(t, load))
+      # Read alone: bytes saved big-endian (by an older version), which
+      # need a swap on the host, and dtypes JAX holds narrower (int64
+      # without jax_enable_x64), which the program cannot bitcast to. The
+      # manifest says so alike on every process.
+      split = None if (
+          leaf.dtype is None or leaf.dtype.byteorder == ">"
+          or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
+              _split(t, load))
       if split is None:
         plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
         continue
@@ -214,20 +253,25 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
       plans.append(("split", (array, leaf.dtype, t.sharding)))
   finally:
     reader.close()
+  t = time.perf_counter()
   split = [p for kind, p in plans if kind == "split"]
   program = jax.jit(
       functools.partial(peer.sum_of_bytes, dtypes=tuple(d for _, d, _ in split)),
       out_shardings=([s for _, _, s in split], None))
   compiled = program.lower([a for a, _, _ in split], None).compile()
+  log.debug("%s: read %d bytes in %.2f s, compiled in %.2f s", where,
+            reader.bytes_read, t - t0, time.perf_counter() - t)
   return treedef, plans, compiled, reader.bytes_read
 
 
 def _run(treedef: Any, plans: list, compiled: Any, nbytes: int, extra: Any
          ) -> tuple[Any, int, Any]:
   """The collective part: every process, the same program."""
+  t = time.perf_counter()
   arrays = [p[0] for kind, p in plans if kind == "split"]
-  out, _ = compiled(arrays, None)
+  out, _ = jax.block_until_ready(compiled(arrays, None))
   del arrays
+  log.debug("shared %d leaves in %.2f s", len(out), time.perf_counter() - t)
   gathered = iter(out)
   leaves = [next(gathered) if kind == "split" else value
             for kind, value in plans]

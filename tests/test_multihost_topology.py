@@ -386,3 +386,22 @@ def test_replicated_state_is_written_in_even_shares(tmp_path, layout):
   # Restored together, storage serves each byte once.
   read = [o["read_together"] for o in out]
   assert sum(read) <= 1.25 * total, (read, total)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_a_64_bit_leaf_restores_together_without_x64(tmp_path):
+  """An int64 leaf (saved from numpy), restored by 2 processes together
+  into an int64 target replicated on every device, with jax_enable_x64 off.
+
+  JAX holds such an array as int32, so the bytes cannot travel through a
+  shared read's program; each process reads the leaf alone, as `restore`
+  does, rather than fail.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top
+  with CheckpointManager(tmp_path / "ckpt") as manager:
+    manager.save(3, {"w": np.arange(4, dtype=np.int64)})
+  out = [r.json for r in run_workers(
+      "open_restore", 2, args=[tmp_path / "ckpt", "int64"],
+      timeout=RUN_TIMEOUT)]
+  assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out

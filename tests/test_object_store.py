@@ -898,19 +898,30 @@ def test_two_processes_save_and_restore_a_sharded_train_state_in_a_bucket(
 # _COMMITTED) with a listing too, so each process still lists.
 @s3_only
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-def test_list_requests_of_a_resume_do_not_grow_with_the_process_count(
+def test_a_resume_lists_and_reads_as_often_with_4_processes_as_with_1(
     bucket):
   """Opening the directory and restoring the newest step, as a resumed job
-  does on every process: only the primary lists the bucket (the others
-  receive its list), so 4 processes list it as often as 1."""
+  does on every process: only the primary lists the bucket and reads the
+  manifest (the others receive them through the coordinator), and the
+  state, replicated on every device, is read once and shared by a
+  collective: so 4 processes send the store as many list requests and
+  GETs as 1."""
   with CheckpointManager(bucket.url) as manager:
-    manager.save(3, {"w": np.arange(4, dtype=np.int64)})
-  lists = []
+    manager.save(3, {"w": np.arange(4, dtype=np.int32)})
+  keys = {"list": "", "manifest": "run/3/manifest.json",
+          "data": f"run/3/{DATA}"}
+  counts = []
   for processes in (1, 4):
-    before = bucket.settled_requests("list")
+    before = {name: bucket.settled_requests(
+        "list" if name == "list" else "read", key)
+              for name, key in keys.items()}
     out = [r.json for r in run_workers(
-        "open_restore", processes, args=[bucket.url], timeout=RUN_TIMEOUT)]
+        "open_restore", processes, args=[bucket.url, "int32"],
+        timeout=RUN_TIMEOUT)]
     assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out
-    lists.append(bucket.wait_for_requests("list", at_least=before + 1)
-                 - before)
-  assert lists[0] > 0 and lists[0] == lists[1], lists
+    bucket.wait_for_requests("list", at_least=before["list"] + 1)
+    counts.append({name: bucket.settled_requests(
+        "list" if name == "list" else "read", key) - before[name]
+                   for name, key in keys.items()})
+  assert counts[0]["list"] > 0 and counts[0] == counts[1], counts
+  assert counts[0]["manifest"] == counts[0]["data"] == 1, counts

@@ -1,11 +1,11 @@
 """Opens a checkpoint directory for writing and restores its newest step.
 
-    open_restore.py URL
+    open_restore.py URL DTYPE
 
 What a resumed job does at start, on every process: a `CheckpointManager`
-on URL (a bucket), then `restore_newest_valid` into a target of one numpy
-leaf `w` of 4 int64. Prints the step and `w`, so the test can count the
-store's list requests per process count.
+on URL (a bucket), then `restore_newest_valid` into a target of one leaf
+`w` of 4 DTYPE, replicated on every device of the job. Prints the step and
+`w`, so the test can count the store's requests per process count.
 """
 
 import sys
@@ -16,17 +16,27 @@ if _setup.NUM_PROCESSES > 1:
   _setup.init()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 import numpy as np
 
 import flax_ckpt_plugin
 
 
-def main(url: str) -> dict:
+def main(url: str, dtype: str) -> dict:
+  everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("d",)),
+                             PartitionSpec())
+  target = {"w": jax.ShapeDtypeStruct((4,), np.dtype(dtype),
+                                    sharding=everywhere)}
   with flax_ckpt_plugin.CheckpointManager(url,
                                           barrier_timeout_secs=60) as mgr:
-    step, tree = mgr.restore_newest_valid({"w": np.zeros(4, np.int64)})
-  return {"step": step, "w": tree["w"].tolist()}
+    step, tree = mgr.restore_newest_valid(target)
+  w = tree["w"]
+  assert w.sharding == everywhere, w.sharding
+  return {"step": step, "w": np.asarray(w.addressable_data(0)).tolist()}
 
 
 if __name__ == "__main__":
-  _setup.emit(main(sys.argv[1]))
+  _setup.emit(main(*sys.argv[1:]))
