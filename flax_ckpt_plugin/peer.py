@@ -108,7 +108,7 @@ def as_bytes(arr: np.ndarray) -> np.ndarray:
       arr.dtype.itemsize,))
 
 
-def _from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
+def from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
   if dtype == np.bool_:
     return u8[..., 0] != 0
   if dtype.itemsize == 1:
@@ -120,7 +120,7 @@ def sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
                   dtypes: tuple[np.dtype, ...]):
   """Every device's shard from the one source that sent it (a sum over the
   replicas with one nonzero term), and the flat buffer everywhere."""
-  out = [_from_bytes(x.sum(axis=0, dtype=np.uint8), d)
+  out = [from_bytes(x.sum(axis=0, dtype=np.uint8), d)
          for x, d in zip(stacked, dtypes)]
   return out, None if flat is None else flat.sum(axis=0, dtype=np.uint8)
 

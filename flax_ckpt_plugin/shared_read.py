@@ -29,12 +29,13 @@ process is known to all, and none waits in a collective for it.
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures
 import math
 import time
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
@@ -59,11 +60,22 @@ from flax_ckpt_plugin.treepaths import normalize_index
 
 
 class _Split(NamedTuple):
-  """How one replicated leaf is read and spread."""
-  stacked: NamedSharding  # Of the [replicas, *shape, itemsize] bytes.
-  replicas: int
-  # Per device that reads: (its region, the part of it that it reads).
+  """How one replicated leaf is read and spread.
+
+  Gathered (`index` set): each device holding a region contributes a slot
+  of `rows` rows of it (its share of its process's range, padded with
+  zeros), and the program gathers the slots along the replica axes and
+  takes the region's rows back in order (`index`: each row's position in
+  the slots laid end to end). Summed (`index` None): each process's first
+  device holding a region contributes the whole region, zeros but for its
+  range, and the program sums over the replica axes (see `peer`).
+  """
+  stacked: NamedSharding  # Of the bytes the devices contribute...
+  shape: tuple[int, ...]  # ...whose global shape is this.
+  # Per device that contributes rows: (its region, the rows it reads).
   parts: dict[Any, tuple[Index, Index]]
+  rows: int  # Rows per slot, when gathered.
+  index: np.ndarray | None
 
 
 def _split(target: Any, load: dict[int, int] | None = None
@@ -73,10 +85,11 @@ def _split(target: Any, load: dict[int, int] | None = None
 
   A region of `writeplan.SPLIT_BYTES` or more is cut into one row range per
   process that needs it, as a save cuts it (so each reads what one piece
-  of the save holds, and no checksum block twice); a smaller one is read
-  whole by the process that has read the fewest bytes so far (`load`,
-  shared by the leaves of one restore, in order: the same on every
-  process).
+  of the save holds, and no checksum block twice), and each range into
+  one slot per device of the process holding the region: gathered, when
+  the regions are cut alike. A smaller region is read whole by the process
+  that has read the fewest bytes so far (`load`, shared by the leaves of
+  one restore, in order: the same on every process), and summed.
   """
   load = {} if load is None else load
   if not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
@@ -101,7 +114,68 @@ def _split(target: Any, load: dict[int, int] | None = None
   spare = tuple(a for a in mesh.axis_names if a not in used)
   spec = spec + (None,) * (len(shape) - len(spec))
   stacked = NamedSharding(mesh, PartitionSpec(spare or None, *spec, None))
+  replicas = math.prod(mesh.shape[a] for a in spare)
   itemsize = np.dtype(dtype).itemsize
+  return (_gathered(by_region, mesh, spare, shape, itemsize, stacked,
+                    replicas, load)
+          or _summed(by_region, shape, itemsize, stacked, replicas, load))
+
+
+def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
+              load) -> _Split | None:
+  """The gathered plan (see `_Split`), or None: regions under
+  `SPLIT_BYTES`, or cut in different places."""
+  spare_axes = [mesh.axis_names.index(a) for a in spare]
+  position = {}  # Device: its index along the replica (spare) axes.
+  for coords, device in np.ndenumerate(mesh.devices):
+    position[device] = int(np.ravel_multi_index(
+        [coords[a] for a in spare_axes],
+        [mesh.devices.shape[a] for a in spare_axes])) if spare_axes else 0
+  regions = sorted(by_region)
+  lengths = {hi - lo for (lo, hi), *_ in regions}
+  if len(lengths) != 1 or min(
+      math.prod(hi - lo for lo, hi in r) * itemsize for r in regions) < (
+          writeplan.SPLIT_BYTES):
+    return None
+  length = lengths.pop()
+  # Device: the rows of its region it contributes (none if the region has
+  # fewer rows than processes holding it).
+  slots: dict[Any, tuple[int, int]] = {d: (0, 0) for d in position}
+  layouts = set()
+  for region in regions:
+    devices = sorted(by_region[region], key=position.get)
+    procs = sorted({d.process_index for d in devices})
+    layout = [None] * replicas
+    for proc, (a, b) in zip(procs, writeplan.cuts(
+        length, min(len(procs), length))):
+      mine = [d for d in devices if d.process_index == proc]
+      for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
+        slots[d] = (a + c, a + e)
+        layout[position[d]] = (a + c, a + e)
+      load[proc] = load.get(proc, 0) + (b - a) * itemsize * math.prod(
+          hi - lo for lo, hi in region[1:])
+    layouts.add(tuple(layout))
+  if len(layouts) != 1:
+    return None
+  layout = layouts.pop()
+  rows = max(1, max((hi - lo for lo, hi in filter(None, layout)), default=1))
+  index = np.empty(length, np.int32)
+  for slot, cut in enumerate(layout):
+    if cut is not None:
+      index[cut[0]:cut[1]] = slot * rows + np.arange(cut[1] - cut[0])
+  parts = {}
+  for region in regions:
+    for d in by_region[region]:
+      lo, hi = slots[d]
+      parts[d] = (region, ((region[0][0] + lo, region[0][0] + hi),)
+                  + region[1:])
+  regions_0 = shape[0] // length
+  return _Split(stacked, (replicas, regions_0 * rows) + shape[1:] + (
+      itemsize,), parts, rows, index)
+
+
+def _summed(by_region, shape, itemsize, stacked, replicas, load) -> _Split:
+  """The summed plan (see `_Split`)."""
   parts = {}
   for region, devices in sorted(by_region.items()):
     first: dict[int, Any] = {}  # Each process's first device holding it.
@@ -118,8 +192,7 @@ def _split(target: Any, load: dict[int, int] | None = None
       parts[first[proc]] = (region, ((start + a, start + b),) + region[1:])
       load[proc] = load.get(proc, 0) + nbytes * (b - a) // max(
           1, stop - start)
-  replicas = math.prod(mesh.shape[a] for a in spare)
-  return _Split(stacked, replicas, parts)
+  return _Split(stacked, (replicas,) + shape + (itemsize,), parts, 0, None)
 
 
 def worth_it(target: Any) -> bool:
@@ -159,6 +232,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
     StructureMismatchError: the target does not fit (raised by all).
   """
   where = str(step_dir)
+  log.debug("%s: restoring together", where)
   shared = f"{key}/manifest"
   own: list[manifest_lib.Manifest] = []
 
@@ -172,6 +246,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
                                timeout_ms=timeout_ms), where)
 
   def prepare():
+    log.debug("%s: manifest shared", where)
     manifest = own[0] if own else manifest_lib.of_step(
         groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
@@ -216,60 +291,106 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
   t0 = time.perf_counter()
+  leaves, load = [], {}
+  for path, _, t in targets:
+    t = restore_lib.on_context_mesh(path, t)
+    leaf = saved[path]
+    # Read alone: bytes saved big-endian (by an older version), which need
+    # a swap on the host, and dtypes JAX holds narrower (int64 without
+    # jax_enable_x64), which the program cannot bitcast to. The manifest
+    # says so alike on every process.
+    split = None if (
+        leaf.dtype is None or leaf.dtype.byteorder == ">"
+        or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
+            _split(t, load))
+    leaves.append((leaf, t, split))
+  shared = [(s, leaf.dtype, t.sharding) for leaf, t, s in leaves if s]
+  program = jax.jit(
+      lambda stacked: _assemble(stacked, [(d, s.rows, s.index)
+                                          for s, d, _ in shared]),
+      out_shardings=[sharding for _, _, sharding in shared])
+  # The program depends on the shapes alone: compile it while reading.
+  with concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="flax_ckpt_plugin-compile") as pool:
+    compiling = pool.submit(lambda: shared and program.lower([
+        jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
+        for s, _, _ in shared]).compile())
+    plans, nbytes = _read(step_dir, manifest, backend, verify, where, leaves)
+    t = time.perf_counter()
+    compiled = compiling.result()
+  log.debug("%s: read %d bytes in %.2f s, then waited %.2f s for the"
+            " program", where, nbytes, t - t0, time.perf_counter() - t)
+  return treedef, plans, compiled, nbytes
+
+
+def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
+          verify: bool, where: str, leaves: list) -> tuple[list, int]:
+  """This process's leaves and its parts of the shared ones, on its
+  devices; and the bytes it read."""
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes, "where": where}
-  plans, load = [], {}
+  plans = []
   try:
-    for path, _, t in targets:
-      t = restore_lib.on_context_mesh(path, t)
-      leaf = saved[path]
-      # Read alone: bytes saved big-endian (by an older version), which
-      # need a swap on the host, and dtypes JAX holds narrower (int64
-      # without jax_enable_x64), which the program cannot bitcast to. The
-      # manifest says so alike on every process.
-      split = None if (
-          leaf.dtype is None or leaf.dtype.byteorder == ">"
-          or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
-              _split(t, load))
+    for leaf, t, split in leaves:
       if split is None:
         plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
         continue
       lr = LeafReader(leaf=leaf, **lr_args)
+      local = {d: normalize_index(i, leaf.shape) for d, i in
+               t.sharding.addressable_devices_indices_map(leaf.shape).items()}
+      ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
+      for device, region in local.items():
+        lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+        if hi > lo:
+          a, b = ranges.get(region, (lo, hi))
+          ranges[region] = (min(a, lo), max(b, hi))
+      got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:])))
+             for region, (lo, hi) in ranges.items()}  # Each read once.
       blocks = []
-      for device, index in t.sharding.addressable_devices_indices_map(
-          leaf.shape).items():
-        region = normalize_index(index, leaf.shape)
-        block = np.zeros((1,) + tuple(hi - lo for lo, hi in region)
-                         + (leaf.dtype.itemsize,), np.uint8)
-        if device in split.parts:
-          _, part = split.parts[device]
-          rows = slice(part[0][0] - region[0][0], part[0][1] - region[0][0])
-          block[0, rows] = peer.as_bytes(lr.read(part))
+      for device, region in local.items():
+        dims = tuple(hi - lo for lo, hi in region) + (leaf.dtype.itemsize,)
+        gathered = split.index is not None
+        block = np.zeros((1, split.rows if gathered else dims[0]) + dims[1:],
+                         np.uint8)
+        lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+        if hi > lo:
+          first, data = got[region]
+          at = 0 if gathered else lo - region[0][0]
+          block[0, at:at + hi - lo] = data[lo - first:hi - first]
         blocks.append(jax.device_put(block, device))
-      array = jax.make_array_from_single_device_arrays(
-          (split.replicas,) + leaf.shape + (leaf.dtype.itemsize,),
-          split.stacked, blocks)
-      plans.append(("split", (array, leaf.dtype, t.sharding)))
+      plans.append(("split", jax.make_array_from_single_device_arrays(
+          split.shape, split.stacked, blocks)))
   finally:
     reader.close()
-  t = time.perf_counter()
-  split = [p for kind, p in plans if kind == "split"]
-  program = jax.jit(
-      functools.partial(peer.sum_of_bytes, dtypes=tuple(d for _, d, _ in split)),
-      out_shardings=([s for _, _, s in split], None))
-  compiled = program.lower([a for a, _, _ in split], None).compile()
-  log.debug("%s: read %d bytes in %.2f s, compiled in %.2f s", where,
-            reader.bytes_read, t - t0, time.perf_counter() - t)
-  return treedef, plans, compiled, reader.bytes_read
+  return plans, reader.bytes_read
+
+
+def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
+  """Every device's region, from the bytes contributed (see `_Split`)."""
+  out = []
+  for x, (dtype, rows, index) in zip(stacked, how):
+    if index is None:  # Summed: one nonzero term per byte.
+      u8 = x.sum(axis=0, dtype=np.uint8)
+    else:  # Gathered: the slots end to end, then the rows in order.
+      slots, regions, rest = x.shape[0], x.shape[1] // rows, x.shape[2:]
+      x = jnp.moveaxis(x.reshape((slots, regions, rows) + rest), 1, 0)
+      x = x.reshape((regions, slots * rows) + rest)
+      if np.array_equal(index, np.arange(len(index))):
+        x = x[:, :len(index)]
+      else:
+        x = jnp.take(x, index, axis=1, mode="clip")
+      u8 = x.reshape((regions * len(index),) + rest)
+    out.append(peer.from_bytes(u8, dtype))
+  return out
 
 
 def _run(treedef: Any, plans: list, compiled: Any, nbytes: int, extra: Any
          ) -> tuple[Any, int, Any]:
   """The collective part: every process, the same program."""
   t = time.perf_counter()
-  arrays = [p[0] for kind, p in plans if kind == "split"]
-  out, _ = jax.block_until_ready(compiled(arrays, None))
+  arrays = [p for kind, p in plans if kind == "split"]
+  out = jax.block_until_ready(compiled(arrays)) if arrays else []
   del arrays
   log.debug("shared %d leaves in %.2f s", len(out), time.perf_counter() - t)
   gathered = iter(out)
