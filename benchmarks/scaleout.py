@@ -21,10 +21,10 @@ the processes save two steps of a state of `--mb` MB (Adam-like: kernels
 with two moments, small biases) and restore the second into the same
 shardings, every process together (`restore_newest_valid`: the processes
 split what several of them need and share it over JAX collectives, see
-`shared_read`). Measured: the slowest process's time from `save` to
-durable (of the second save: the first in a process also compiles the
-programs that copy its shards, once per run) and for the restore, and the
-bytes each process wrote and read. Then Orbax saves the
+`shared_read`). Measured: the slowest process's time blocked in the
+second `save` and from it to durable (the first save in a process also
+compiles the programs that copy its shards, once per run), its time for
+the restore, and the bytes each process wrote and read. Then Orbax saves the
 same state in the same processes (StandardCheckpointer, unpaced): the bytes
 each process wrote, from its `ocdbt.process_N` files. Every restore is
 checked bit for bit. Prints a table; `--json` writes every figure.
@@ -178,6 +178,7 @@ def worker(args: argparse.Namespace) -> dict:
       out["first_save_secs" if step == 1 else "save_secs"] = (
           time.perf_counter() - t)
     out["written"] = mgr.last_save_stats.process_bytes
+    out["blocking_secs"] = mgr.last_save_stats.blocking_secs  # The 2nd save.
     multihost_utils.sync_global_devices("restore")
     t = time.perf_counter()
     _, restored = mgr.restore_newest_valid(target)  # All together.
@@ -258,16 +259,17 @@ def main() -> None:
       save = max(o["save_secs"] for o in outs)
       first = max(o["first_save_secs"] for o in outs)
       restore = max(o["restore_secs"] for o in outs)
+      blocking = max(o["blocking_secs"] for o in outs)
       base = base or (save, restore)
       results["runs"][f"{layout}_{n}"] = outs
       rows.append([
-          layout, str(n), f"{first:.2f}", f"{save:.2f}",
+          layout, str(n), f"{blocking:.3f}", f"{first:.2f}", f"{save:.2f}",
           f"{save / base[0]:.2f}",
           f"{restore:.2f}", f"{restore / base[1]:.2f}",
           " ".join(f"{o['written'] / total:.2f}" for o in outs),
           f"{sum(o['read'] for o in outs) / total:.2f}",
           " ".join(f"{o['orbax_written'] / total:.2f}" for o in outs)])
-  header = ["layout", "procs", "1st save s", "save s", "x1 proc", "restore s", "x1 proc",
+  header = ["layout", "procs", "blocking s", "1st save s", "save s", "x1 proc", "restore s", "x1 proc",
             "written/state per proc", "read/state all",
             "Orbax written/state per proc"]
   widths = [max(len(r[i]) for r in rows + [header])

@@ -4,12 +4,14 @@ When a target array is replicated over several processes (data
 parallelism; the replicas of HSDP), every process reading its own copy
 pulls the state from storage once per process: 64 hosts, 64 copies of the
 egress. Here the processes that need a region split it instead: each reads
-a contiguous range of its rows (checksums verified), and one jitted
-program over the target's own mesh gives every device the whole region,
-with the same sum of bytes as `peer` (each device contributes its range's
-bytes at their place and zeros elsewhere, one contribution per process;
-the sum over the replica axes holds every byte once, so it is the region,
-bit for bit). No socket of our own.
+a contiguous range of its rows, as the save cut it (checksums verified),
+and one jitted program over the target's own mesh gives every device the
+whole region. Its devices holding the region each contribute a slot of
+that range, and the program gathers the slots along the replica axes; a
+region under `writeplan.SPLIT_BYTES` is read whole by one process and
+summed as in `peer` (one term holds its bytes, the others are zeros). No
+socket of our own. Only the primary reads the manifest; the others receive
+it through the coordinator.
 
 Leaves it does not take (Python scalars, numpy and non-`NamedSharding`
 targets, PRNG keys, dtypes XLA does not bitcast or JAX holds narrower
@@ -17,10 +19,9 @@ targets, PRNG keys, dtypes XLA does not bitcast or JAX holds narrower
 held by one process per region) are read by each process as in
 `restore.restore_tree`.
 
-Memory: a process holds, per replicated leaf, a block of the region's
-bytes for each of its devices (zeros but for its range) and the result,
-so a restore peaks at about the target's bytes times (devices per process
-+ 1) on the host, against one copy plus the result when each reads alone.
+Memory: a process holds, per gathered region, about its range of the
+rows (each local device's slot, padded to the longest slot) and the result;
+per summed region, a zeroed block of it per local device.
 
 Called by every process with the same `key` (see `restore`): the reads are
 agreed on before anyone enters the program, so a damaged file on one
@@ -141,7 +142,7 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
   # Device: the rows of its region it contributes (none if the region has
   # fewer rows than processes holding it).
   slots: dict[Any, tuple[int, int]] = {d: (0, 0) for d in position}
-  layouts = set()
+  layouts, reads = set(), {}
   for region in regions:
     devices = sorted(by_region[region], key=position.get)
     procs = sorted({d.process_index for d in devices})
@@ -152,11 +153,13 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
       for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
         slots[d] = (a + c, a + e)
         layout[position[d]] = (a + c, a + e)
-      load[proc] = load.get(proc, 0) + (b - a) * itemsize * math.prod(
+      reads[proc] = reads.get(proc, 0) + (b - a) * itemsize * math.prod(
           hi - lo for lo, hi in region[1:])
     layouts.add(tuple(layout))
   if len(layouts) != 1:
     return None
+  for proc, nbytes in reads.items():
+    load[proc] = load.get(proc, 0) + nbytes
   layout = layouts.pop()
   rows = max(1, max((hi - lo for lo, hi in filter(None, layout)), default=1))
   index = np.empty(length, np.int32)

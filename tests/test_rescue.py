@@ -11,7 +11,6 @@ runs with a real SIGKILL are in test_survivors.py.
 import json
 
 import numpy as np
-import pytest
 
 from fake_coordinator import run_threads
 from flax_ckpt_plugin import CheckpointManager
