@@ -70,20 +70,31 @@ class _Stacked(NamedTuple):
   sources: dict[Any, tuple[tuple[int, int], ...]]  # Source device: region.
 
 
-def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
-             holders: set[int]) -> _Stacked | None:
-  """The plan of a leaf that travels stacked, None if it cannot."""
-  if (not isinstance(sharding, NamedSharding) or leaf.key_impl is not None
-      or (leaf.dtype != np.bool_ and bits_dtype(leaf.dtype) is None)):
-    return None
+def replica_axes(sharding: NamedSharding, ndim: int
+                 ) -> tuple[tuple[str, ...], NamedSharding, int]:
+  """The mesh axes that `sharding` replicates over (its spec names none of
+  them); the sharding of an array of `ndim` dims stacked along them, with
+  an axis of bytes last ([replicas, *shape, itemsize]); and how many
+  replicas that is."""
   mesh, spec = sharding.mesh, tuple(sharding.spec)
   used = set()
   for entry in spec:
     used.update(entry if isinstance(entry, tuple) else
                 () if entry is None else (entry,))
   spare = tuple(a for a in mesh.axis_names if a not in used)
-  spec = spec + (None,) * (len(leaf.shape) - len(spec))
-  stacked = NamedSharding(mesh, PartitionSpec(spare or None, *spec, None))
+  spec = spec + (None,) * (ndim - len(spec))
+  return (spare, NamedSharding(mesh, PartitionSpec(spare or None, *spec,
+                                                   None)),
+          math.prod(mesh.shape[a] for a in spare))
+
+
+def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
+             holders: set[int]) -> _Stacked | None:
+  """The plan of a leaf that travels stacked, None if it cannot."""
+  if (not isinstance(sharding, NamedSharding) or leaf.key_impl is not None
+      or (leaf.dtype != np.bool_ and bits_dtype(leaf.dtype) is None)):
+    return None
+  _, stacked, replicas = replica_axes(sharding, len(leaf.shape))
   sources: dict[Any, Any] = {}
   found: set[Any] = set()
   for device, index in sharding.devices_indices_map(leaf.shape).items():
@@ -97,7 +108,6 @@ def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
     raise CheckpointNotFoundError(
         f"leaf {path!r}: no process that holds the step has a copy of"
         f" region {[list(r) for r in sorted(regions - found)[0]]}")
-  replicas = math.prod(mesh.shape[a] for a in spare)
   return _Stacked(path, sharding, stacked, replicas, sources)
 
 

@@ -107,17 +107,9 @@ def _split(target: Any, load: dict[int, int] | None = None
   if all(len({d.process_index for d in ds}) < 2
          for ds in by_region.values()):
     return None  # No region needed by two processes: each reads its own.
-  mesh, spec = sharding.mesh, tuple(sharding.spec)
-  used = set()
-  for entry in spec:
-    used.update(entry if isinstance(entry, tuple) else
-                () if entry is None else (entry,))
-  spare = tuple(a for a in mesh.axis_names if a not in used)
-  spec = spec + (None,) * (len(shape) - len(spec))
-  stacked = NamedSharding(mesh, PartitionSpec(spare or None, *spec, None))
-  replicas = math.prod(mesh.shape[a] for a in spare)
+  spare, stacked, replicas = peer.replica_axes(sharding, len(shape))
   itemsize = np.dtype(dtype).itemsize
-  return (_gathered(by_region, mesh, spare, shape, itemsize, stacked,
+  return (_gathered(by_region, sharding.mesh, spare, shape, itemsize, stacked,
                     replicas, load)
           or _summed(by_region, shape, itemsize, stacked, replicas, load))
 
@@ -246,7 +238,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
       groups.share_text(coord, shared, raw.decode("utf-8"))
 
   _check(coordinator_lib.agree(coord, f"{key}/shared", share,
-                               timeout_ms=timeout_ms), where)
+                               timeout_ms=timeout_ms), where,
+         primary_reads=True)
 
   def prepare():
     log.debug("%s: manifest shared", where)
@@ -260,20 +253,27 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
   outcome = coordinator_lib.agree(coord, f"{key}/read", prepare,
                                   timeout_ms=timeout_ms)
   if reads_manifest:  # Every process has it now: free the service's copy.
-    coord.kv_delete(shared)
+    try:
+      coord.kv_delete(shared)
+    except Exception as e:  # pylint: disable=broad-except
+      # Not worth leaving the others alone in the collective.
+      log.warning("could not delete the shared manifest %s: %s", shared, e)
   _check(outcome, where)
   return _run(*outcome.result)
 
 
-def _check(outcome: coordinator_lib.Outcome, where: str) -> None:
-  """Raises what a phase's failures mean here (see `restore`)."""
+def _check(outcome: coordinator_lib.Outcome, where: str,
+           primary_reads: bool = False) -> None:
+  """Raises what a phase's failures mean here (see `restore`);
+  `primary_reads`: the phase in which only the primary reads (a step it
+  finds unfinalized is so for all)."""
   if outcome.error is not None:
     raise outcome.error
   if not outcome.failures:
     return
   text = coordinator_lib.describe_failures(outcome.failures)
   kinds = {f[0] for f in outcome.failures.values()}
-  if kinds == {"CheckpointNotFoundError"}:  # The primary's, alone.
+  if primary_reads and kinds == {"CheckpointNotFoundError"}:
     raise CheckpointNotFoundError(
         "; ".join(m for _, m in outcome.failures.values()))
   if kinds & {"CheckpointCorruptedError", "FileNotFoundError",
@@ -309,15 +309,18 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     leaves.append((leaf, t, split))
   shared = [(s, leaf.dtype, t.sharding) for leaf, t, s in leaves if s]
   program = jax.jit(
-      lambda stacked: _assemble(stacked, [(d, s.rows, s.index)
+      lambda stacked: _assemble(stacked, [(d, s.rows, s.index, s.stacked)
                                           for s, d, _ in shared]),
       out_shardings=[sharding for _, _, sharding in shared])
   # The program depends on the shapes alone: compile it while reading.
+  # Traced here, where the caller's settings hold (`jax.enable_x64` is
+  # per thread).
+  lowered = shared and program.lower([
+      jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
+      for s, _, _ in shared])
   with concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="flax_ckpt_plugin-compile") as pool:
-    compiling = pool.submit(lambda: shared and program.lower([
-        jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
-        for s, _, _ in shared]).compile())
+    compiling = pool.submit(lambda: lowered and lowered.compile())
     plans, nbytes = _read(step_dir, manifest, backend, verify, where, leaves)
     t = time.perf_counter()
     compiled = compiling.result()
@@ -369,20 +372,39 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   return plans, reader.bytes_read
 
 
+def _runs(index: np.ndarray) -> list[tuple[int, int]]:
+  """`index` as [start, stop) ranges of consecutive positions, in order."""
+  breaks = np.flatnonzero(np.diff(index) != 1) + 1
+  return [(int(run[0]), int(run[-1]) + 1)
+          for run in np.split(index, breaks) if len(run)]
+
+
+def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """`x` laid out as `sharding` says, on a mesh of Explicit axes or not."""
+  if any(t == jax.sharding.AxisType.Explicit
+         for t in getattr(sharding.mesh, "axis_types", ())):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
   """Every device's region, from the bytes contributed (see `_Split`)."""
   out = []
-  for x, (dtype, rows, index) in zip(stacked, how):
+  for x, (dtype, rows, index, sharding) in zip(stacked, how):
     if index is None:  # Summed: one nonzero term per byte.
       u8 = x.sum(axis=0, dtype=np.uint8)
     else:  # Gathered: the slots end to end, then the rows in order.
+      # The gather itself, said explicitly (the axis of slots no longer
+      # sharded), so that it is the same on meshes of Auto or Explicit
+      # axes, on which the slicing below would be refused.
+      x = _constrain(x, NamedSharding(
+          sharding.mesh, PartitionSpec(None, *sharding.spec[1:])))
       slots, regions, rest = x.shape[0], x.shape[1] // rows, x.shape[2:]
       x = jnp.moveaxis(x.reshape((slots, regions, rows) + rest), 1, 0)
       x = x.reshape((regions, slots * rows) + rest)
-      if np.array_equal(index, np.arange(len(index))):
-        x = x[:, :len(index)]
-      else:
-        x = jnp.take(x, index, axis=1, mode="clip")
+      # Static slices, not a gather by index: a gather's output sharding
+      # cannot be inferred on a mesh of Explicit axes (`jax.make_mesh`'s).
+      x = jnp.concatenate([x[:, a:b] for a, b in _runs(index)], axis=1)
       u8 = x.reshape((regions * len(index),) + rest)
     out.append(peer.from_bytes(u8, dtype))
   return out

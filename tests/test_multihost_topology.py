@@ -354,9 +354,11 @@ def test_kill_during_save_times_out_then_restart_resumes(tmp_path,
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
-@pytest.mark.parametrize("layout", ["data_parallel", "hsdp"])
+@pytest.mark.parametrize("layout", ["data_parallel", "hsdp",
+                                    "data_parallel/explicit"])
 def test_replicated_state_is_written_in_even_shares(tmp_path, layout):
-  """4 processes x 2 devices; a replicated (data-parallel) or HSDP state.
+  """4 processes x 2 devices; a replicated (data-parallel) or HSDP state,
+  on a mesh of Auto axes or of Explicit ones (`jax.make_mesh`'s default).
 
   Replica 0 of every shard of a replicated array lives on process 0, which
   would write everything; the plan cuts the large shards among their
@@ -404,4 +406,21 @@ def test_a_64_bit_leaf_restores_together_without_x64(tmp_path):
   out = [r.json for r in run_workers(
       "open_restore", 2, args=[tmp_path / "ckpt", "int64"],
       timeout=RUN_TIMEOUT)]
-  assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out
+  assert all(o == {"step": 3, "dtype": "int64", "w": [0, 1, 2, 3]}
+             for o in out), out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_a_64_bit_leaf_restores_together_inside_enable_x64(tmp_path):
+  """The same inside `jax.enable_x64(True)`, a per-thread setting: the
+  leaf is shared as int64, and its program, compiled on a thread while the
+  process reads, is traced with the caller's setting."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top
+  with CheckpointManager(tmp_path / "ckpt") as manager:
+    manager.save(3, {"w": np.arange(4, dtype=np.int64) << 40})
+  out = [r.json for r in run_workers(
+      "open_restore", 2, args=[tmp_path / "ckpt", "int64", "x64"],
+      timeout=RUN_TIMEOUT)]
+  want = [n << 40 for n in range(4)]
+  assert all(o == {"step": 3, "dtype": "int64", "w": want} for o in out), out

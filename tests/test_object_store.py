@@ -918,7 +918,8 @@ def test_a_resume_lists_and_reads_as_often_with_4_processes_as_with_1(
     out = [r.json for r in run_workers(
         "open_restore", processes, args=[bucket.url, "int32"],
         timeout=RUN_TIMEOUT)]
-    assert all(o == {"step": 3, "w": [0, 1, 2, 3]} for o in out), out
+    assert all(o == {"step": 3, "dtype": "int32", "w": [0, 1, 2, 3]}
+               for o in out), out
     bucket.wait_for_requests("list", at_least=before["list"] + 1)
     counts.append({name: bucket.settled_requests(
         "list" if name == "list" else "read", key) - before[name]

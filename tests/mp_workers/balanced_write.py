@@ -1,6 +1,7 @@
 """Saves a replicated state and reports who wrote how many bytes.
 
-    balanced_write.py DIR LAYOUT     LAYOUT: data_parallel or hsdp
+    balanced_write.py DIR LAYOUT     LAYOUT: data_parallel or hsdp, with
+                                     /explicit: a mesh of Explicit axes
 
 N processes x 2 devices. `data_parallel`: every array replicated on all
 devices. `hsdp`: arrays sharded over the 2 devices of a process and
@@ -54,7 +55,11 @@ def main(directory: str, layout: str) -> dict:
   # jax.devices() lists each process's devices together: a row of the
   # (processes, 2) mesh is one process.
   devices = np.array(jax.devices()).reshape(jax.process_count(), 2)
-  mesh = jax.sharding.Mesh(devices, ("replica", "fsdp"))
+  layout, _, axes = layout.partition("/")
+  kind = {"": jax.sharding.AxisType.Auto,
+          "explicit": jax.sharding.AxisType.Explicit}[axes]
+  mesh = jax.sharding.Mesh(devices, ("replica", "fsdp"),
+                           axis_types=(kind, kind))
   spec = P() if layout == "data_parallel" else P("fsdp")
   state = _state(mesh, spec)
   with flax_ckpt_plugin.CheckpointManager(directory,
