@@ -116,8 +116,10 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
           f"restoring {name} of {where} failed on other processes, so"
           " no process restores it:"
           f" {coordinator_lib.describe_failures(others)}")
-    reason = (str(outcome.error) if outcome.error is not None
-              else "damaged or missing on another process")
+    reason = (str(outcome.error) if outcome.error is not None else
+              "damaged or missing on other processes: " + "; ".join(
+                  f"process {p}: {m}" for p, (_, m) in sorted(
+                      elsewhere.items())))
     log.warning("skipping %s of %s: %s", name, where, reason)
     if isinstance(outcome.error, _Damaged) or any(
         f[0] == _Damaged.__name__ for f in elsewhere.values()):

@@ -5,23 +5,27 @@ parallelism; the replicas of HSDP), every process reading its own copy
 pulls the state from storage once per process: 64 hosts, 64 copies of the
 egress. Here the processes that need a region split it instead: each reads
 a contiguous range of its rows, as the save cut it (checksums verified),
-and one jitted program over the target's own mesh gives every device the
-whole region. Its devices holding the region each contribute a slot of
-that range, and the program gathers the slots along the replica axes; a
-region under `writeplan.SPLIT_BYTES` is read whole by one process and
-summed as in `peer` (one term holds its bytes, the others are zeros). No
+and each of its devices holding the region contributes a slot of that
+range. One jitted program over the target's own mesh gathers the slots
+along the replica axes, so that every device gets the whole region. No
 socket of our own. Only the primary reads the manifest; the others receive
 it through the coordinator.
 
-Leaves it does not take (Python scalars, numpy and non-`NamedSharding`
-targets, PRNG keys, dtypes XLA does not bitcast or JAX holds narrower
-(64-bit ones without `jax_enable_x64`), bytes saved big-endian, arrays
-held by one process per region) are read by each process as in
+A region under `writeplan.SPLIT_BYTES` (which the save wrote whole) is
+read whole by one process, into the slot of one of its devices. Regions
+under `MIN_SHARED_BYTES` are not shared: a collective costs about the same
+whatever its size (20 ms each here, so 1000 small leaves would take 20 s),
+while a small region read by every process costs storage little. Those,
+and the leaves it does not take (Python scalars, numpy and
+non-`NamedSharding` targets, PRNG keys, dtypes XLA does not bitcast or JAX
+holds narrower (64-bit ones without `jax_enable_x64`), bytes saved
+big-endian, regions of unequal rows or cut differently, arrays held by one
+process per region), are read by each process as in
 `restore.restore_tree`.
 
-Memory: a process holds, per gathered region, about its range of the
-rows (each local device's slot, padded to the longest slot) and the result;
-per summed region, a zeroed block of it per local device.
+Memory: a process holds, per shared region, about its range of the rows
+(each local device's slot, padded to the longest slot) besides the result;
+for a region read whole by one process, a block of its size per device.
 
 Called by every process with the same `key` (see `restore`): the reads are
 agreed on before anyone enters the program, so a damaged file on one
@@ -60,37 +64,40 @@ from flax_ckpt_plugin.treepaths import leaf_paths
 from flax_ckpt_plugin.treepaths import normalize_index
 
 
-class _Split(NamedTuple):
-  """How one replicated leaf is read and spread.
+# Smaller regions are read by every process that needs them: a collective
+# costs about the same whatever its size (here 20 ms with 4 processes, so
+# 1000 of them would take 20 s), and reading them costs storage little.
+MIN_SHARED_BYTES = 64 << 10
 
-  Gathered (`index` set): each device holding a region contributes a slot
-  of `rows` rows of it (its share of its process's range, padded with
-  zeros), and the program gathers the slots along the replica axes and
-  takes the region's rows back in order (`index`: each row's position in
-  the slots laid end to end). Summed (`index` None): each process's first
-  device holding a region contributes the whole region, zeros but for its
-  range, and the program sums over the replica axes (see `peer`).
-  """
-  stacked: NamedSharding  # Of the bytes the devices contribute...
+
+class _Split(NamedTuple):
+  """How one replicated leaf is read and spread: each device holding a
+  region contributes a slot of `rows` rows of it (its share of its
+  process's range, padded with zeros), and the program gathers the slots
+  along the replica axes and takes the region's rows back in order
+  (`index`: each row's position in the slots laid end to end)."""
+  stacked: NamedSharding  # Of the slots the devices contribute...
   shape: tuple[int, ...]  # ...whose global shape is this.
-  # Per device that contributes rows: (its region, the rows it reads).
+  # Per device holding a region: (its region, the rows of it it holds).
   parts: dict[Any, tuple[Index, Index]]
-  rows: int  # Rows per slot, when gathered.
-  index: np.ndarray | None
+  rows: int  # Rows per slot.
+  index: np.ndarray
 
 
 def _split(target: Any, load: dict[int, int] | None = None
            ) -> _Split | None:
   """The plan of a target leaf whose regions several processes need (an
-  array of a dtype that travels as bytes), else None.
+  array of a dtype that travels as bytes, in regions of equal rows of
+  `MIN_SHARED_BYTES` or more), else None.
 
-  A region of `writeplan.SPLIT_BYTES` or more is cut into one row range per
-  process that needs it, as a save cuts it (so each reads what one piece
-  of the save holds, and no checksum block twice), and each range into
-  one slot per device of the process holding the region: gathered, when
-  the regions are cut alike. A smaller region is read whole by the process
-  that has read the fewest bytes so far (`load`, shared by the leaves of
-  one restore, in order: the same on every process), and summed.
+  A region of `writeplan.SPLIT_BYTES` or more is cut into one row range
+  per process that needs it, as a save cuts it (so each reads what one
+  piece of the save holds, and no checksum block twice), and each range
+  into one slot per device of the process holding the region. A smaller
+  region (which the save wrote whole) is read whole by the process that
+  has read the fewest bytes so far, into the slot of its first device
+  holding it (`load`: bytes per process, shared by the leaves of one
+  restore in order, so the same on every process).
   """
   load = {} if load is None else load
   if not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
@@ -109,15 +116,14 @@ def _split(target: Any, load: dict[int, int] | None = None
     return None  # No region needed by two processes: each reads its own.
   spare, stacked, replicas = peer.replica_axes(sharding, len(shape))
   itemsize = np.dtype(dtype).itemsize
-  return (_gathered(by_region, sharding.mesh, spare, shape, itemsize, stacked,
-                    replicas, load)
-          or _summed(by_region, shape, itemsize, stacked, replicas, load))
+  return _gathered(by_region, sharding.mesh, spare, shape, itemsize,
+                   stacked, replicas, load)
 
 
 def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
               load) -> _Split | None:
-  """The gathered plan (see `_Split`), or None: regions under
-  `SPLIT_BYTES`, or cut in different places."""
+  """The plan (see `_Split`), or None: regions under `MIN_SHARED_BYTES`,
+  of unequal rows, or cut in different places."""
   spare_axes = [mesh.axis_names.index(a) for a in spare]
   position = {}  # Device: its index along the replica (spare) axes.
   for coords, device in np.ndenumerate(mesh.devices):
@@ -126,15 +132,21 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
         [mesh.devices.shape[a] for a in spare_axes])) if spare_axes else 0
   regions = sorted(by_region)
   lengths = {hi - lo for (lo, hi), *_ in regions}
-  if len(lengths) != 1 or min(
-      math.prod(hi - lo for lo, hi in r) * itemsize for r in regions) < (
-          writeplan.SPLIT_BYTES):
+  nbytes = math.prod(hi - lo for lo, hi in regions[0]) * itemsize
+  if len(lengths) != 1 or nbytes < MIN_SHARED_BYTES:
     return None
   length = lengths.pop()
+  whole = None  # The process that reads every (small) region whole.
+  if nbytes < writeplan.SPLIT_BYTES:
+    holders = set.intersection(*({d.process_index for d in by_region[r]}
+                                 for r in regions))
+    whole = min(holders, key=lambda p: (load.get(p, 0), p), default=None)
+    if whole is None:
+      return None
   # Device: the rows of its region it contributes (none if the region has
   # fewer rows than processes holding it).
   slots: dict[Any, tuple[int, int]] = {d: (0, 0) for d in position}
-  layouts, reads = set(), {}
+  layouts = set()
   for region in regions:
     devices = sorted(by_region[region], key=position.get)
     procs = sorted({d.process_index for d in devices})
@@ -142,16 +154,24 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
     for proc, (a, b) in zip(procs, writeplan.cuts(
         length, min(len(procs), length))):
       mine = [d for d in devices if d.process_index == proc]
+      if whole is not None:  # All rows to its first device, none else.
+        mine, (a, b) = [d for d in devices if d.process_index == whole][:1], (
+            0, length)
       for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
         slots[d] = (a + c, a + e)
         layout[position[d]] = (a + c, a + e)
-      reads[proc] = reads.get(proc, 0) + (b - a) * itemsize * math.prod(
-          hi - lo for lo, hi in region[1:])
+      if whole is not None:
+        break
     layouts.add(tuple(layout))
   if len(layouts) != 1:
     return None
-  for proc, nbytes in reads.items():
-    load[proc] = load.get(proc, 0) + nbytes
+  reads: dict[int, int] = {}
+  for d, (lo, hi) in slots.items():
+    if hi > lo:
+      reads[d.process_index] = reads.get(d.process_index, 0) + (
+          nbytes // length * (hi - lo))
+  for proc, n in reads.items():
+    load[proc] = load.get(proc, 0) + n
   layout = layouts.pop()
   rows = max(1, max((hi - lo for lo, hi in filter(None, layout)), default=1))
   index = np.empty(length, np.int32)
@@ -167,27 +187,6 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
   regions_0 = shape[0] // length
   return _Split(stacked, (replicas, regions_0 * rows) + shape[1:] + (
       itemsize,), parts, rows, index)
-
-
-def _summed(by_region, shape, itemsize, stacked, replicas, load) -> _Split:
-  """The summed plan (see `_Split`)."""
-  parts = {}
-  for region, devices in sorted(by_region.items()):
-    first: dict[int, Any] = {}  # Each process's first device holding it.
-    for d in devices:
-      first.setdefault(d.process_index, d)
-    procs = sorted(first, key=lambda p: (load.get(p, 0), p))
-    start, stop = region[0]
-    nbytes = math.prod(hi - lo for lo, hi in region) * itemsize
-    count = 1
-    if nbytes >= writeplan.SPLIT_BYTES:
-      count = max(1, min(len(procs), stop - start))
-      procs = sorted(procs)  # Equal cuts: who reads which does not matter.
-    for proc, (a, b) in zip(procs, writeplan.cuts(stop - start, count)):
-      parts[first[proc]] = (region, ((start + a, start + b),) + region[1:])
-      load[proc] = load.get(proc, 0) + nbytes * (b - a) // max(
-          1, stop - start)
-  return _Split(stacked, (replicas,) + shape + (itemsize,), parts, 0, None)
 
 
 def worth_it(target: Any) -> bool:
@@ -356,14 +355,11 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       blocks = []
       for device, region in local.items():
         dims = tuple(hi - lo for lo, hi in region) + (leaf.dtype.itemsize,)
-        gathered = split.index is not None
-        block = np.zeros((1, split.rows if gathered else dims[0]) + dims[1:],
-                         np.uint8)
+        block = np.zeros((1, split.rows) + dims[1:], np.uint8)
         lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
         if hi > lo:
           first, data = got[region]
-          at = 0 if gathered else lo - region[0][0]
-          block[0, at:at + hi - lo] = data[lo - first:hi - first]
+          block[0, :hi - lo] = data[lo - first:hi - first]
         blocks.append(jax.device_put(block, device))
       plans.append(("split", jax.make_array_from_single_device_arrays(
           split.shape, split.stacked, blocks)))
@@ -388,24 +384,22 @@ def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
-  """Every device's region, from the bytes contributed (see `_Split`)."""
+  """Every device's region, from the slots contributed (see `_Split`)."""
   out = []
   for x, (dtype, rows, index, sharding) in zip(stacked, how):
-    if index is None:  # Summed: one nonzero term per byte.
-      u8 = x.sum(axis=0, dtype=np.uint8)
-    else:  # Gathered: the slots end to end, then the rows in order.
-      # The gather itself, said explicitly (the axis of slots no longer
-      # sharded), so that it is the same on meshes of Auto or Explicit
-      # axes, on which the slicing below would be refused.
-      x = _constrain(x, NamedSharding(
-          sharding.mesh, PartitionSpec(None, *sharding.spec[1:])))
-      slots, regions, rest = x.shape[0], x.shape[1] // rows, x.shape[2:]
-      x = jnp.moveaxis(x.reshape((slots, regions, rows) + rest), 1, 0)
-      x = x.reshape((regions, slots * rows) + rest)
-      # Static slices, not a gather by index: a gather's output sharding
-      # cannot be inferred on a mesh of Explicit axes (`jax.make_mesh`'s).
-      x = jnp.concatenate([x[:, a:b] for a, b in _runs(index)], axis=1)
-      u8 = x.reshape((regions * len(index),) + rest)
+    # The gather itself, said explicitly (the axis of slots no longer
+    # sharded), so that it is the same on meshes of Auto or Explicit axes,
+    # on which the slicing below would be refused.
+    x = _constrain(x, NamedSharding(
+        sharding.mesh, PartitionSpec(None, *sharding.spec[1:])))
+    slots, regions, rest = x.shape[0], x.shape[1] // rows, x.shape[2:]
+    x = jnp.moveaxis(x.reshape((slots, regions, rows) + rest), 1, 0)
+    x = x.reshape((regions, slots * rows) + rest)
+    # The slots end to end, then the rows in order: static slices, not a
+    # gather by index, whose output sharding cannot be inferred on a mesh
+    # of Explicit axes (`jax.make_mesh`'s).
+    x = jnp.concatenate([x[:, a:b] for a, b in _runs(index)], axis=1)
+    u8 = x.reshape((regions * len(index),) + rest)
     out.append(peer.from_bytes(u8, dtype))
   return out
 

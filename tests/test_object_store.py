@@ -903,26 +903,31 @@ def test_a_resume_lists_and_reads_as_often_with_4_processes_as_with_1(
   """Opening the directory and restoring the newest step, as a resumed job
   does on every process: only the primary lists the bucket and reads the
   manifest (the others receive them through the coordinator), and the
-  state, replicated on every device, is read once and shared by a
-  collective: so 4 processes send the store as many list requests and
-  GETs as 1."""
+  state, 16 MiB replicated on every device, is read once, a quarter by
+  each process (one checksum block each), and shared by a collective. So 4
+  processes send the store as many list requests and manifest GETs as 1,
+  and read the state's bytes once."""
+  w = np.arange(4 << 20, dtype=np.int32)
   with CheckpointManager(bucket.url) as manager:
-    manager.save(3, {"w": np.arange(4, dtype=np.int32)})
-  keys = {"list": "", "manifest": "run/3/manifest.json",
-          "data": f"run/3/{DATA}"}
-  counts = []
+    manager.save(3, {"w": w})
+  keys = {"list": "", "manifest": "run/3/manifest.json"}
+  counts, reads = [], []
   for processes in (1, 4):
     before = {name: bucket.settled_requests(
         "list" if name == "list" else "read", key)
               for name, key in keys.items()}
     out = [r.json for r in run_workers(
-        "open_restore", processes, args=[bucket.url, "int32"],
+        "open_restore", processes, args=[bucket.url, "int32", len(w)],
         timeout=RUN_TIMEOUT)]
-    assert all(o == {"step": 3, "dtype": "int32", "w": [0, 1, 2, 3]}
-               for o in out), out
+    for o in out:
+      assert (o["step"], o["dtype"], o["head"], o["sum"]) == (
+          3, "int32", [0, 1, 2, 3], int(w.sum(dtype=np.int32))), o
     bucket.wait_for_requests("list", at_least=before["list"] + 1)
     counts.append({name: bucket.settled_requests(
         "list" if name == "list" else "read", key) - before[name]
                    for name, key in keys.items()})
+    reads.append([o["read"] for o in out])
   assert counts[0]["list"] > 0 and counts[0] == counts[1], counts
-  assert counts[0]["manifest"] == counts[0]["data"] == 1, counts
+  assert counts[0]["manifest"] == 1, counts
+  assert sum(reads[0]) == sum(reads[1]) == w.nbytes, reads
+  assert max(reads[1]) <= w.nbytes / 4 + 4096, reads  # A quarter each.

@@ -1,12 +1,13 @@
 """Opens a checkpoint directory for writing and restores its newest step.
 
-    open_restore.py URL DTYPE [x64]
+    open_restore.py URL DTYPE LENGTH [x64]
 
 What a resumed job does at start, on every process: a `CheckpointManager`
 on URL (a bucket), then `restore_newest_valid` into a target of one leaf
-`w` of 4 DTYPE, replicated on every device of the job; with `x64`, inside
-`jax.enable_x64(True)`. Prints the step and
-`w`, so the test can count the store's requests per process count.
+`w` of LENGTH DTYPE, replicated on every device of the job; with `x64`,
+inside `jax.enable_x64(True)`. Prints the step, `w`'s dtype, its first 4
+values and its sum, and the bytes this process read, so the test can count
+the store's requests per process count.
 """
 
 import sys
@@ -26,19 +27,21 @@ import numpy as np
 import flax_ckpt_plugin
 
 
-def main(url: str, dtype: str, x64: str = "") -> dict:
+def main(url: str, dtype: str, length: str, x64: str = "") -> dict:
   everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("d",)),
                              PartitionSpec())
-  target = {"w": jax.ShapeDtypeStruct((4,), np.dtype(dtype),
-                                    sharding=everywhere)}
+  target = {"w": jax.ShapeDtypeStruct((int(length),), np.dtype(dtype),
+                                      sharding=everywhere)}
   with flax_ckpt_plugin.CheckpointManager(url,
                                           barrier_timeout_secs=60) as mgr:
     with jax.enable_x64(x64 == "x64"):
       step, tree = mgr.restore_newest_valid(target)
+    read = mgr.last_restore_stats.nbytes_read
   w = tree["w"]
   assert w.sharding == everywhere, w.sharding
-  return {"step": step, "dtype": str(w.dtype),
-          "w": np.asarray(w.addressable_data(0)).tolist()}
+  values = np.asarray(w.addressable_data(0))
+  return {"step": step, "dtype": str(w.dtype), "head": values[:4].tolist(),
+          "sum": int(values.sum(dtype=values.dtype)), "read": read}
 
 
 if __name__ == "__main__":
