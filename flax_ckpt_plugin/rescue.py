@@ -54,6 +54,9 @@ from flax_ckpt_plugin.snapshot import ShardData
 GRACE_SECS = 3.0
 # The most a survivor waits for the others at each phase of the save.
 TIMEOUT_SECS = 60.0
+# How long process 0 (which hosts the coordination service) waits for the
+# other survivors to leave before it leaves.
+LEAVE_LAST_SECS = 5.0
 # How long a survivor waits for its own background saves to end.
 WAIT_SECS = 5.0
 # How long an exiting program waits to learn whether a peer was lost: a
@@ -104,7 +107,7 @@ class Rescue:
               " save (stuck in a collective with the lost process?);"
               " ending the process with status %d", GRACE_SECS,
               self._exit_code)
-    _leave(self._exit_code)
+    self._leave()
 
   def _at_exit(self) -> None:
     """The program is exiting: if a peer is lost (or being lost), finish
@@ -117,6 +120,33 @@ class Rescue:
       return
     if self._started.wait(2.0):  # The watcher reports, then starts it.
       self._done.wait(TIMEOUT_SECS * 4)
+    self._leave()
+
+  def _leave(self) -> None:
+    """Ends the process; process 0 last.
+
+    Process 0 hosts the coordination service, and a survivor that polls it
+    after it is gone is aborted by JAX (status -6) instead of ending with
+    the preemption status. So every other survivor says it is leaving, and
+    process 0 waits for them (at most `LEAVE_LAST_SECS`).
+    """
+    watcher = self._watcher
+    coord = groups.Survivors(self._manager.coordinator, [])
+    key = f"{self._manager.name}/leaving"
+    try:
+      if coord.process_index != 0:
+        coord.kv_set(f"{key}/{coord.process_index}", "1")
+      else:
+        lost = set(watcher.lost) if watcher is not None else set()
+        others = {str(p) for p in range(1, coord.process_count)} - {
+            str(p) for p in lost}
+        end = time.monotonic() + LEAVE_LAST_SECS
+        while time.monotonic() < end and not others <= {
+            k.rsplit("/", 1)[1] for k in coord.kv_dir(key)}:
+          time.sleep(0.05)
+        time.sleep(0.2)  # From their mark to their exit.
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("leaving without the others (%r)", e)
     _leave(self._exit_code)
 
   def _save(self, lost: set[int]) -> None:

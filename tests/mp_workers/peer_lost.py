@@ -6,9 +6,10 @@ Every process runs a callback that saves every 3 steps (each save meets the
 others at barriers in its commit), with JAX's recoverability on, so the
 survivors live on after the kill. The victim writes the wall-clock time to
 DIR/killed_at just before it kills itself. Each survivor reports what its
-loop raised, at which step, and how long after the kill; then it leaves
-with `PREEMPTED_EXIT_CODE` at once (JAX's own shutdown aborts when a peer
-is gone), as the documented loop does.
+loop raised, at which step, and how long after the kill; then it exits
+with `PREEMPTED_EXIT_CODE`, as the documented loop does (the library's exit
+hook ends the process before JAX's own shutdown, which aborts when a peer
+is gone, and process 0 last).
 """
 
 import os
@@ -52,4 +53,4 @@ result["step"] = step
 result["secs_after_kill"] = time.time() - float(
     (DIR / "killed_at").read_text())
 _setup.emit(result)
-os._exit(PREEMPTED_EXIT_CODE if result["raised"] == "PeerLostError" else 1)
+sys.exit(PREEMPTED_EXIT_CODE if result["raised"] == "PeerLostError" else 1)
