@@ -15,7 +15,7 @@ with a `CheckpointManager` (`orbax_import`). Paths go through `etils.epath`,
 so `gs://` and `s3://` directories work too. See docs/cli.md.
 `inventory` finds the steps; `manifest`, `reader` and `verify` read them
 without JAX, so the command starts quickly; only `import-orbax` imports JAX,
-and Orbax from the `[orbax]` extra.
+and tensorstore (the `[orbax]` extra) to read Orbax's arrays.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ EXIT_CODES_HELP = """\
 exit codes:
   0  success
   1  a checkpoint failed verification (corrupt, truncated or missing data
-     files) or its manifest is damaged; import-orbax: Orbax could not read
-     the step
+     files) or its manifest is damaged; import-orbax: the Orbax step is
+     damaged or holds strings
   2  usage error (bad arguments, --keep 0 without --force, or what
-     import-orbax needs: --step, --item, orbax-checkpoint)
+     import-orbax needs: --step, --item, tensorstore)
   3  directory or step not found, or no finalized step
   4  could not read or delete (permission denied, I/O error)
   5  import-orbax: DEST_DIR already holds that step (nothing was written)
@@ -384,15 +384,14 @@ def _join(directory: str, step: int) -> str:
 
 
 def cmd_import_orbax(args: argparse.Namespace, out: TextIO) -> int:
-  # The one command that needs JAX; Orbax is imported by the conversion
-  # alone. It runs on the host, never on an accelerator a job may be using.
+  # The one command that needs JAX (and tensorstore, for Orbax's arrays). It runs on the host, never on an accelerator a job may be using.
   if "jax" not in sys.modules:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from flax_ckpt_plugin import orbax_import  # pylint: disable=g-import-not-at-top
   try:
     result = orbax_import.import_orbax(args.source, args.dest, item=args.item,
                                        step=args.step)
-  except (orbax_import.OrbaxNotInstalledError,
+  except (orbax_import.TensorstoreNotInstalledError,
           orbax_import.OrbaxImportError) as e:
     raise CliError(str(e), EXIT_USAGE) from e
   except FileExistsError as e:
@@ -515,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     The exit code: `EXIT_OK`, `EXIT_CORRUPT`, `EXIT_NOT_FOUND`, `EXIT_IO`,
     `EXIT_EXISTS` (`import-orbax` into a step that exists), or
     `EXIT_USAGE` for `prune --keep 0` without `--force` and for what
-    `import-orbax` needs (`--step`, `--item`, orbax-checkpoint). Other bad
+    `import-orbax` needs (`--step`, `--item`, tensorstore). Other bad
     arguments exit with `EXIT_USAGE` through argparse (`SystemExit`).
   """
   parser = _parser()

@@ -37,6 +37,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import orbax_import
 from helpers import two_device_mesh
+from launcher import run_workers
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent  # Where `flax-ckpt` is installed.
@@ -235,6 +236,32 @@ def test_sharded_train_state_converted_by_a_process_without_that_mesh(
     assert got.sharding == want.sharding
 
 
+def _leaf_path(keypath) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k)))
+                  for k in keypath)
+
+
+@pytest.mark.multiprocess
+def test_a_step_that_two_processes_saved(tmp_path, run):
+  """Orbax's 2-process save (each process its own OCDBT database, merged by
+  process 0) converts leaf for leaf, its sharded kernels whole."""
+  (worker,) = run_workers("orbax_save", 2, args=[str(tmp_path / "orbax")],
+                          timeout=240)[:1]
+  saved = worker.json
+  assert "params/Dense_0/kernel" in saved["sharded"]
+  r = run("import-orbax", tmp_path / "orbax" / "2", tmp_path / "ours")
+  assert r.returncode == 0, r.stderr
+  with CheckpointManager(tmp_path / "ours", read_only=True) as mgr:
+    restored = mgr.restore(None)
+  digests = {}
+  for keypath, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+    value = np.asarray(leaf)
+    h = hashlib.sha256(f"{value.dtype.str}{value.shape}".encode())
+    h.update(np.ascontiguousarray(value).tobytes())
+    digests[_leaf_path(keypath)] = h.hexdigest()
+  assert digests == saved["digests"]
+
+
 class _Net(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs):
@@ -361,17 +388,62 @@ def test_errors_name_what_to_do_and_write_nothing(case, orbax_step, tmp_path,
   assert case == "holds-orbax-steps" or not dest.exists()
 
 
-def test_without_orbax_the_command_says_what_to_install(orbax_step, tmp_path,
-                                                        monkeypatch, run):
-  for name in [m for m in sys.modules if m.split(".")[0] == "orbax"]:
-    monkeypatch.delitem(sys.modules, name)
-  monkeypatch.setitem(sys.modules, "orbax", None)  # `import orbax` fails.
+def test_without_tensorstore_the_command_says_what_to_install(
+    orbax_step, tmp_path, monkeypatch, run):
+  monkeypatch.setitem(sys.modules, "tensorstore", None)  # The import fails.
   r = run("import-orbax", orbax_step, tmp_path / "ours")
   assert (r.returncode, r.stdout) == (2, "")
   assert r.stderr.startswith(
-      "flax-ckpt import-orbax: import-orbax needs orbax-checkpoint: pip"
-      " install 'flax_ckpt_plugin[orbax]' (")
+      "flax-ckpt import-orbax: import-orbax needs tensorstore (flax installs"
+      " it): pip install 'flax_ckpt_plugin[orbax]' (")
   assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("case", ["metadata", "array", "list"])
+def test_a_damaged_orbax_step_is_named_and_nothing_is_written(case, tmp_path,
+                                                              run):
+  """What Orbax's files hold is checked: a damaged `_METADATA`, an array
+  whose files are gone, a list whose indices skip one."""
+  source = tmp_path / "orbax" / "1"
+  handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)  # A dir per array.
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(source.absolute(), args=ocp.args.PyTreeSave(
+        {"w": np.ones(3), "b": [1, 2]}))
+  if case == "metadata":
+    (source / "_METADATA").write_text('{"tree_metadata": ')
+    message = (f"cannot read Orbax's metadata {source}/_METADATA:"
+               " JSONDecodeError: Expecting value: line 1 column 19 (char 18)")
+  elif case == "array":
+    for f in (source / "w").iterdir():
+      f.unlink()
+    message = f"cannot read leaf ['w'] of {source} (Orbax's array 'w'): "
+  else:
+    text = (source / "_METADATA").read_text()
+    (source / "_METADATA").write_text(text.replace(
+        "('b', '1')", "('b', '2')").replace('"key": "1"', '"key": "2"'))
+    message = (f"{source}/_METADATA: the list at ['b'] has indices ['0', '2'],"
+               " not 0 to 1")
+  r = run("import-orbax", source, tmp_path / "ours")
+  assert (r.returncode, r.stdout) == (1, "")
+  assert r.stderr.startswith(f"flax-ckpt import-orbax: {message}"), r.stderr
+  assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("layout", [dict(use_zarr3=True),
+                                    dict(use_ocdbt=False)])
+def test_zarr3_and_one_directory_per_array(layout, tmp_path, train_step,
+                                           host_copy, assert_trees_equal):
+  """Orbax's other layouts: zarr 3 arrays, and arrays outside OCDBT."""
+  state = trained(train_step, steps=2)
+  expected = host_copy(state)
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**layout)) as checkpointer:
+    checkpointer.save((tmp_path / "orbax" / "2").absolute(),
+                      args=ocp.args.PyTreeSave(state))
+  assert ((tmp_path / "orbax" / "2" / "manifest.ocdbt").exists()
+          == layout.get("use_ocdbt", True))
+  orbax_import.import_orbax(tmp_path / "orbax" / "2", tmp_path / "ours")
+  assert_trees_equal(restore(tmp_path / "ours", trained(train_step, 1, 1)),
+                     expected)
 
 
 def test_strings_cannot_be_converted(tmp_path, run):
@@ -401,6 +473,7 @@ try:
   cli.main(["import-orbax", "--help"])
 except SystemExit as e:
   codes.append(e.code)
+codes.append(cli.main(["import-orbax", sys.argv[2], sys.argv[1] + "-import"]))
 loaded = sorted(m for m in sys.modules if m.split(".")[0] == "orbax")
 assert not loaded, f"orbax was imported: {loaded[:5]}"
 sys.exit(max(codes))
@@ -408,12 +481,14 @@ sys.exit(max(codes))
 
 
 @pytest.mark.multiprocess
-def test_only_import_orbax_imports_orbax(tmp_path):
+def test_orbax_is_never_imported(orbax_step, tmp_path):
+  """Not by the library, not by the CLI, not even by a conversion."""
   r = subprocess.run([sys.executable, "-c", _WITHOUT_ORBAX,
-                      str(tmp_path / "ckpt")], capture_output=True, text=True,
-                     timeout=120, check=False)
+                      str(tmp_path / "ckpt"), str(orbax_step)],
+                     capture_output=True, text=True, timeout=120, check=False)
   assert r.returncode == 0, r.stderr
   assert "step 1: ok" in r.stdout and "ORBAX_STEP_DIR DEST_DIR" in r.stdout
+  assert f"imported {orbax_step} (Orbax item 'default') as step 4" in r.stdout
 
 
 # -- docs/cli.md and docs/integrations.md ----------------------------------------
