@@ -39,16 +39,16 @@ PACKAGE = "flax_ckpt_plugin"
 # exist; importing one that exists must work (it needs its extra installed).
 EXTRA_MODULES = ("flax_ckpt_plugin.clu_hooks", "flax_ckpt_plugin.cli",
                  "flax_ckpt_plugin.retention",
-                 "flax_ckpt_plugin.orbax_import")
+                 "flax_ckpt_plugin.importer")
 # The API of an extra module without `__all__`; otherwise every public class
 # and function defined there. The CLI's other functions are its internals.
 MODULE_API = {
     "flax_ckpt_plugin.cli": ("main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
                              "EXIT_NOT_FOUND", "EXIT_IO", "EXIT_EXISTS"),
     "flax_ckpt_plugin.retention": ("Policy",),
-    "flax_ckpt_plugin.orbax_import": (
+    "flax_ckpt_plugin.importer": (
         "import_orbax", "locate", "read_tree", "ImportResult", "OrbaxStep",
-        "OrbaxImportError", "OrbaxNotInstalledError", "OrbaxReadError"),
+        "OrbaxImportError", "TensorstoreNotInstalledError", "OrbaxReadError"),
 }
 # The classes a user meets first, in this order; then the rest by kind.
 FIRST = ("CheckpointCallback", "CheckpointManager")

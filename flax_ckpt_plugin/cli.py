@@ -11,7 +11,7 @@ Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
 `prune`, which deletes through `atomicity.delete_step` and never claims the
 directory as a writer, so it can run beside a training job, and
 `import-orbax`, which saves a step that Orbax wrote as a new step of DEST_DIR
-with a `CheckpointManager` (`orbax_import`). Paths go through `etils.epath`,
+with a `CheckpointManager` (`importer`, `zarr_tree`). Paths go through `etils.epath`,
 so `gs://` and `s3://` directories work too. See docs/cli.md.
 `inventory` finds the steps; `manifest`, `reader` and `verify` read them
 without JAX, so the command starts quickly; only `import-orbax` imports JAX,
@@ -387,12 +387,12 @@ def cmd_import_orbax(args: argparse.Namespace, out: TextIO) -> int:
   # The one command that needs JAX (and tensorstore, for Orbax's arrays). It runs on the host, never on an accelerator a job may be using.
   if "jax" not in sys.modules:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from flax_ckpt_plugin import orbax_import  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import importer  # pylint: disable=g-import-not-at-top
   try:
-    result = orbax_import.import_orbax(args.source, args.dest, item=args.item,
+    result = importer.import_orbax(args.source, args.dest, item=args.item,
                                        step=args.step)
-  except (orbax_import.TensorstoreNotInstalledError,
-          orbax_import.OrbaxImportError) as e:
+  except (importer.TensorstoreNotInstalledError,
+          importer.OrbaxImportError) as e:
     raise CliError(str(e), EXIT_USAGE) from e
   except FileExistsError as e:
     raise CliError(str(e), EXIT_EXISTS) from e

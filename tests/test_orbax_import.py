@@ -1,4 +1,4 @@
-"""`flax-ckpt import-orbax` (orbax_import), tested as a user runs it.
+"""`flax-ckpt import-orbax` (importer), tested as a user runs it.
 
 Orbax itself writes the checkpoints, the way its documentation shows
 (`CheckpointManager` with `StandardSave`, `StandardCheckpointer`,
@@ -35,7 +35,7 @@ import pytest
 from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import orbax_import
+from flax_ckpt_plugin import importer
 from helpers import two_device_mesh
 from launcher import run_workers
 
@@ -139,7 +139,7 @@ def test_python_scalars_numpy_leaves_and_the_pytree_checkpointer(
   expected = host_copy(tree)
   ocp.PyTreeCheckpointer().save((tmp_path / "checkpoint_7").absolute(), tree)
 
-  result = orbax_import.import_orbax(tmp_path / "checkpoint_7",
+  result = importer.import_orbax(tmp_path / "checkpoint_7",
                                      tmp_path / "ours")
   assert (result.source.step, result.source.item) == (7, None)
   assert result.leaves == 20
@@ -292,7 +292,7 @@ def test_nnx_model_and_optimizer_state(tmp_path, host_copy,
   expected = host_copy(saved)
   standard_save(tmp_path / "orbax" / "2", saved)
 
-  orbax_import.import_orbax(tmp_path / "orbax" / "2", tmp_path / "ours")
+  importer.import_orbax(tmp_path / "orbax" / "2", tmp_path / "ours")
   manifest = manifest_lib.read(epath.Path(tmp_path / "ours" / "2"), 2)
   impls = {leaf.path: leaf.key_impl for leaf in manifest.leaves
            if leaf.key_impl is not None}
@@ -441,7 +441,7 @@ def test_zarr3_and_one_directory_per_array(layout, tmp_path, train_step,
                       args=ocp.args.PyTreeSave(state))
   assert ((tmp_path / "orbax" / "2" / "manifest.ocdbt").exists()
           == layout.get("use_ocdbt", True))
-  orbax_import.import_orbax(tmp_path / "orbax" / "2", tmp_path / "ours")
+  importer.import_orbax(tmp_path / "orbax" / "2", tmp_path / "ours")
   assert_trees_equal(restore(tmp_path / "ours", trained(train_step, 1, 1)),
                      expected)
 
