@@ -38,13 +38,15 @@ PACKAGE = "flax_ckpt_plugin"
 # Public modules that `__all__` does not re-export, documented when they
 # exist; importing one that exists must work (it needs its extra installed).
 EXTRA_MODULES = ("flax_ckpt_plugin.clu_hooks", "flax_ckpt_plugin.cli",
+                 "flax_ckpt_plugin.commands",
                  "flax_ckpt_plugin.retention",
                  "flax_ckpt_plugin.importer")
 # The API of an extra module without `__all__`; otherwise every public class
 # and function defined there. The CLI's other functions are its internals.
 MODULE_API = {
-    "flax_ckpt_plugin.cli": ("main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
-                             "EXIT_NOT_FOUND", "EXIT_IO", "EXIT_EXISTS"),
+    "flax_ckpt_plugin.cli": ("main",),
+    "flax_ckpt_plugin.commands": ("EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
+                                  "EXIT_NOT_FOUND", "EXIT_IO", "EXIT_EXISTS"),
     "flax_ckpt_plugin.retention": ("Policy",),
     "flax_ckpt_plugin.importer": (
         "import_orbax", "locate", "read_tree", "ImportResult", "OrbaxStep",

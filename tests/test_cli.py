@@ -21,7 +21,9 @@ import pytest
 from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import cli
+from flax_ckpt_plugin.inventory import human_age
 from flax_ckpt_plugin.verify import human_size
+from flax_ckpt_plugin.verify import Progress
 
 KERNEL = "params/params/Dense_0/kernel"  # float32[8,16] in conftest's MLP.
 
@@ -235,9 +237,9 @@ def test_help_lists_exit_codes_and_sizes_are_human():
   for line in ("0  success", "1  a checkpoint failed verification",
                "2  usage error", "3  directory or step not found"):
     assert line in help_text
-  assert [cli.human_size(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30)] == [
+  assert [human_size(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30)] == [
       "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
-  assert [cli.human_age(s) for s in (5, 200, 7300, 200000, -3)] == [
+  assert [human_age(s) for s in (5, 200, 7300, 200000, -3)] == [
       "5s ago", "3m ago", "2h ago", "2d ago", "in the future"]
 
 
@@ -249,7 +251,7 @@ class _Terminal(io.StringIO):
 def test_progress_redraws_on_a_terminal_and_prints_lines_elsewhere():
   tty, log = _Terminal(), io.StringIO()
   for stream in (tty, log):
-    progress = cli.Progress(3 << 20, stream)
+    progress = Progress(3 << 20, stream)
     progress.update(1 << 20, label="step 7")
     progress.finish()
   assert tty.getvalue().startswith(
