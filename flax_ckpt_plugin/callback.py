@@ -208,14 +208,11 @@ class CheckpointCallback:
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._watcher = self._rescue = None
+    self._watcher = None
     if watch_peers and coord.process_count > 1:
-      self._rescue = rescue.Rescue(self.manager, self.local,
+      self._watcher = rescue.watch(self.manager, self.local,
+                                   poll_secs=watch_poll_secs,
                                    exit_code=PREEMPTED_EXIT_CODE)
-      self._watcher = liveness.watch(
-          coord, self.manager.name, poll_secs=watch_poll_secs,
-          on_lost=self._rescue.on_lost)
-      self._rescue.watching(self._watcher)
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -294,11 +291,8 @@ class CheckpointCallback:
     return True
 
   def _raise_lost_instead(self, error: Exception) -> None:
-    """Raises `PeerLostError` for `error` if a peer was lost meanwhile: a
-    wait that a lost peer ended fails with whatever error it got."""
-    lost = self._watcher.error() if self._watcher is not None else None
-    if lost is not None and not isinstance(error, type(lost)):
-      raise lost from error
+    if self._watcher is not None:
+      self._watcher.raise_instead(error)
 
   def should_save(self, step: int) -> bool:
     """Whether a trigger fires at `step`; call it at every step.
@@ -363,18 +357,8 @@ class CheckpointCallback:
                   " loop should stop", step, self.directory)
 
   def _local_quietly(self, what: str, fn: Callable[[Any], Any]) -> None:
-    """`fn(local manager)`; an error is logged, never raised: the local
-    tier is this process's alone, and a loop that stopped on one process
-    would leave the others waiting for it in the next collective. A step
-    it failed to save is simply missing there (restores fall through)."""
-    if self.local is None:
-      return
-    try:
-      fn(self.local.manager)
-    except Exception as e:  # pylint: disable=broad-except
-      log.error("the local tier's %s in %s failed (training goes on; the"
-                " persistent tier is unaffected): %r", what,
-                self.local.directory, e)
+    if self.local is not None:  # See `LocalTier.quietly`.
+      self.local.quietly(what, fn)
 
   def restore_or_initialize(self, state: Any) -> Any:
     """The newest good finalized step restored like `state`, else `state`.

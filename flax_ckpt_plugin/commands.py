@@ -30,7 +30,8 @@ from flax_ckpt_plugin.inventory import scan
 from flax_ckpt_plugin.inventory import size_and_mtime
 from flax_ckpt_plugin.inventory import table
 from flax_ckpt_plugin.inventory import zero_d_values
-from flax_ckpt_plugin.manifest import LeafRecord
+from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.records import describe
 from flax_ckpt_plugin.verify import Progress
 from flax_ckpt_plugin.verify import human_size
 from flax_ckpt_plugin.verify import verify_step
@@ -172,9 +173,9 @@ def _leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
   if leaf.is_scalar:
     return f"{leaf.kind} = {leaf.value!r}"
   if leaf.path in values:
-    return (f"{manifest_lib.describe(leaf.dtype, leaf.shape)} ="
+    return (f"{describe(leaf.dtype, leaf.shape)} ="
             f" {values[leaf.path]!r}")
-  desc = manifest_lib.describe(leaf.dtype, leaf.shape)
+  desc = describe(leaf.dtype, leaf.shape)
   if leaf.kind == "numpy":
     desc += " (numpy)"
   if leaf.key_impl is not None:

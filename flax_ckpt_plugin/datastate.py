@@ -4,9 +4,10 @@ In a multi-host job every process reads its own slice of the data, so each
 has its own iterator position (Grain keeps one state per process). Each
 process stores its state with the step, itself, in a file of its own
 (`data/process_NNNNN.state`), and a restore gives each process its own
-state back. No pickle: a state is either bytes (stored as they are) or a
-JSON value (stored as UTF-8 JSON text). The manifest lists each process's
-file with its size and CRC-32C (`data_states`, docs/format.md).
+state back. Nothing executable is stored: a state is either bytes (stored
+as they are) or a JSON value (stored as UTF-8 JSON text). The manifest
+lists each process's file with its size and CRC-32C (`data_states`,
+docs/format.md).
 
 A data iterator is any object with `get_state()` and `set_state(state)`:
 Grain's `DataLoaderIterator` (bytes) and its dataset iterators (dicts),

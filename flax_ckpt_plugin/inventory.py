@@ -20,7 +20,7 @@ from flax_ckpt_plugin import atomicity
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.manifest import Manifest
+from flax_ckpt_plugin.records import Manifest
 from flax_ckpt_plugin.retention import Policy
 from flax_ckpt_plugin.reader import ByteReader
 

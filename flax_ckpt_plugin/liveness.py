@@ -115,6 +115,13 @@ class Watcher:
     if error is not None:
       raise error
 
+  def raise_instead(self, error: Exception) -> None:
+    """Raises `PeerLostError` in place of `error` if a peer was lost: a
+    wait that a lost peer ended fails with whatever error it got."""
+    lost = self.error()
+    if lost is not None and not isinstance(error, type(lost)):
+      raise lost from error
+
   def close(self) -> None:
     """Records that this process closed, then stops polling (no wait).
 

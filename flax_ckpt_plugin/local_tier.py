@@ -71,6 +71,19 @@ class LocalTier:
   def directory(self) -> epath.Path:
     return self.manager.directory
 
+  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+              ) -> None:
+    """`fn(self.manager)`; an error is logged, never raised: the local
+    tier is this process's alone, and a loop that stopped on one process
+    would leave the others waiting for it in the next collective. A step
+    it failed to save is simply missing there (restores fall through)."""
+    try:
+      fn(self.manager)
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("the local tier's %s in %s failed (training goes on; the"
+                " persistent tier is unaffected): %r", what, self.directory,
+                e)
+
 
 def open_tier(directory: epath.PathLike, job: str, *,
               coordinator: coordinator_lib.Coordinator, timeout_ms: int

@@ -2,7 +2,7 @@
 
 `read` turns a step's `manifest.json` (written by `storage.write_manifest`,
 described in docs/format.md) into a `Manifest` of `LeafRecord`s and
-`ShardRecord`s, or raises `CheckpointCorruptedError` naming the file and the
+`ShardRecord`s (the types are in `records`; this module re-exports them), or raises `CheckpointCorruptedError` naming the file and the
 leaf. Every check happens here, before any data file is opened: readers
 (`reader`, `restore`, `verify`, the CLI) then use attributes and trust them;
 the writer runs `parse` too, on each merged manifest before it finalizes.
@@ -12,14 +12,12 @@ library JAX itself uses), so the CLI starts quickly.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
 from typing import Any, Iterable
 
 from etils import epath
-import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
@@ -27,180 +25,20 @@ from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import handles
 from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.records import ARRAY_KINDS
+from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.records import Manifest
+from flax_ckpt_plugin.records import parse_dtype
+from flax_ckpt_plugin.records import SCALAR_KINDS
+from flax_ckpt_plugin.records import ShardRecord
 from flax_ckpt_plugin.storage import FORMAT_NAME
 from flax_ckpt_plugin.storage import FORMAT_VERSION
 from flax_ckpt_plugin.storage import MANIFEST
 
-Index = tuple[tuple[int, int], ...]
-SCALAR_KINDS = ("int", "float", "bool")
-ARRAY_KINDS = ("array", "numpy")
 # The largest manifest read (docs/format.md); a million shards take ~60 MiB.
 MAX_MANIFEST_BYTES = 256 << 20
 # What a PRNG impl's name may be: jax's own are e.g. 'threefry2x32'.
 _KEY_IMPL = re.compile(r"[A-Za-z0-9_]{1,64}")
-
-
-def _ml_dtypes_by_name() -> dict[str, np.dtype]:
-  """'bfloat16' -> dtype(ml_dtypes.bfloat16), for every type ml_dtypes has."""
-  table = {}
-  for name in dir(ml_dtypes):
-    obj = getattr(ml_dtypes, name)
-    if not isinstance(obj, type) or name.startswith("_"):
-      continue
-    try:
-      dtype = np.dtype(obj)
-    except TypeError:
-      continue  # finfo, iinfo.
-    if dtype.name == name:
-      table[name] = dtype
-  return table
-
-
-_ML_DTYPES = _ml_dtypes_by_name()
-
-
-def parse_dtype(name: Any, where: str) -> np.dtype:
-  """A numeric dtype from its manifest name; anything else is corruption.
-
-  Accepts what the writer writes, `str(dtype)` of a jax or numpy array: the
-  numpy names and those of `ml_dtypes` (`bfloat16`, `float8_e4m3fn`,
-  `int4`, ...).
-
-  Raises:
-    CheckpointCorruptedError: `name` names no dtype, or an object,
-      structured or zero-size one; the message starts with `where`.
-  """
-  dtype = _ML_DTYPES.get(name) if isinstance(name, str) else None
-  if dtype is None:
-    if not isinstance(name, str):  # np.dtype(None) would be float64.
-      raise CheckpointCorruptedError(f"{where}: unknown dtype {name!r:.60}")
-    try:
-      dtype = np.dtype(name)
-    except (TypeError, ValueError, SyntaxError) as e:  # "," is parsed.
-      raise CheckpointCorruptedError(
-          f"{where}: unknown dtype {name!r:.60}") from e
-  if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
-    raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
-  return dtype
-
-
-def describe(dtype: np.dtype, shape: Iterable[int]) -> str:
-  """'float32[512,10]': how errors and the CLI show an array's type."""
-  dtype = np.dtype(dtype)
-  name = dtype.str if dtype.byteorder == ">" else dtype.name  # '>f4'.
-  return f"{name}[{','.join(str(d) for d in shape)}]"
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardRecord:
-  """One block of an array: `index` of the global array, at `offset` of `file`.
-
-  Attributes:
-    file: the data file's name, relative to the step directory.
-    offset: the block's first byte in `file`.
-    nbytes: the block's size in bytes.
-    index: [start, stop) per axis of the global array.
-    crc32c: the CRC-32C of each `Manifest.checksum_block_bytes` of the block.
-  """
-  file: str
-  offset: int
-  nbytes: int
-  index: Index
-  crc32c: tuple[int, ...]
-
-  @property
-  def index_list(self) -> list[list[int]]:
-    """`index` as the manifest writes it, for messages: [[0, 16], [0, 4]]."""
-    return [list(r) for r in self.index]
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafRecord:
-  """One leaf of the saved tree.
-
-  Attributes:
-    path: the key path joined with '/', e.g. 'params/dense_1/kernel'.
-    keys: the exact key path, one single-key dict per level (docs/format.md).
-    kind: 'array', 'numpy' (array kinds) or 'int', 'float', 'bool'.
-    dtype: the array kinds' dtype; None for Python scalars.
-    shape: the global shape; () for Python scalars.
-    shards: where the array kinds' values are, sorted by index.
-    value: a Python scalar's value; None for arrays.
-    key_impl: the PRNG impl of typed key data, e.g. 'threefry2x32', or None.
-  """
-  path: str
-  keys: tuple[Any, ...]
-  kind: str
-  dtype: np.dtype | None
-  shape: tuple[int, ...]
-  shards: tuple[ShardRecord, ...] = ()
-  value: bool | int | float | None = None
-  key_impl: str | None = None
-
-  @property
-  def is_array(self) -> bool:
-    return self.kind in ARRAY_KINDS
-
-  @property
-  def is_scalar(self) -> bool:
-    return self.kind in SCALAR_KINDS
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of array data (0 for Python scalars)."""
-    if self.dtype is None:
-      return 0
-    return math.prod(self.shape) * self.dtype.itemsize
-
-  def describe(self) -> str:
-    """'float32[512,10]', or 'Python int 3', for messages."""
-    if self.is_scalar:
-      return f"Python {self.kind} {self.value!r}"
-    desc = describe(self.dtype, self.shape)
-    if self.key_impl is not None:
-      desc += f" (key data of PRNG impl {self.key_impl})"
-    return desc
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-  """A step's validated `manifest.json` (see docs/format.md for each field).
-
-  Informational fields that are absent or of the wrong type (`created`,
-  `created_unix`, `process_count`, `byte_order`) are None: they never stop
-  a restore.
-  """
-  format: str
-  format_version: int
-  step: int
-  created: str | None
-  created_unix: float | None
-  process_count: int | None
-  byte_order: str | None
-  files: dict[str, int]
-  checksum_algorithm: str
-  checksum_block_bytes: int
-  leaves: tuple[LeafRecord, ...]
-  extra: Any = None
-  metrics: Any = None
-  # For a step of one process's shards (the local tier): that process's
-  # index and the job's process count; None for a whole step.
-  scope: tuple[int, int] | None = None
-  # Per process index, its data state's file (see `datastate`); None if
-  # the step has none.
-  data_states: dict[int, datastate.Record] | None = None
-  # The writer's retention policy when it saved the step (informational:
-  # None if absent or not a policy).
-  retention: retention_lib.Policy | None = None
-
-  @property
-  def total_bytes(self) -> int:
-    """Bytes of array data of the whole checkpoint (all processes)."""
-    return sum(leaf.nbytes for leaf in self.leaves)
-
-  @property
-  def leaf_by_path(self) -> dict[str, LeafRecord]:
-    return {leaf.path: leaf for leaf in self.leaves}
 
 
 def _corrupt(where: str, what: str) -> CheckpointCorruptedError:

@@ -17,8 +17,8 @@ import numpy as np
 
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
-from flax_ckpt_plugin.manifest import describe
-from flax_ckpt_plugin.manifest import LeafRecord
+from flax_ckpt_plugin.records import describe
+from flax_ckpt_plugin.records import LeafRecord
 
 # A structure mismatch names at most this many leaves of each list, and this
 # many leaves whose shape or dtype differs.

@@ -126,7 +126,7 @@ def from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
   return lax.bitcast_convert_type(u8, dtype)
 
 
-def sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
+def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
                   dtypes: tuple[np.dtype, ...]):
   """Every device's shard from the one source that sent it (a sum over the
   replicas with one nonzero term), and the flat buffer everywhere."""
@@ -275,7 +275,7 @@ def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int
         (len(devices), flat_bytes), sharding, pieces)
   dtypes = tuple(leaf.dtype for _, leaf, *_ in stacked)
   gather = jax.jit(
-      functools.partial(sum_of_bytes, dtypes=dtypes),
+      functools.partial(_sum_of_bytes, dtypes=dtypes),
       out_shardings=([plan.sharding for _, _, plan, *_ in stacked],
                      flat_out_sharding))
   return gather.lower(arrays, flat_in).compile(), (arrays, flat_in)

@@ -22,9 +22,9 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.manifest import Index
-from flax_ckpt_plugin.manifest import LeafRecord
-from flax_ckpt_plugin.manifest import ShardRecord
+from flax_ckpt_plugin.records import Index
+from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.records import ShardRecord
 from flax_ckpt_plugin.storage import block_checksums
 
 # Errors that mean a manifest's file name cannot name a data file.

@@ -65,6 +65,20 @@ WAIT_SECS = 5.0
 SETTLE_SECS = 600.0
 
 
+def watch(manager: CheckpointManager,
+          local: local_tier_lib.LocalTier | None, *, poll_secs: float,
+          exit_code: int) -> liveness.Watcher:
+  """Starts watching the peers; a loss starts the survivors' `Rescue`.
+
+  Called on every process at the same point (see `liveness`).
+  """
+  rescue = Rescue(manager, local, exit_code=exit_code)
+  watcher = liveness.watch(manager.coordinator, manager.name,
+                           poll_secs=poll_secs, on_lost=rescue.on_lost)
+  rescue.watching(watcher)
+  return watcher
+
+
 class Rescue:
   """The survivors' save and exit, for one callback; see the module doc.
 

@@ -28,9 +28,9 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import staging
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
-from flax_ckpt_plugin.manifest import Index
-from flax_ckpt_plugin.manifest import LeafRecord
-from flax_ckpt_plugin.manifest import Manifest
+from flax_ckpt_plugin.records import Index
+from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.records import Manifest
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import held_elements
 from flax_ckpt_plugin.reader import host_buffer

@@ -16,7 +16,7 @@ While a step is written, each process also leaves `data/process_NNNNN.json`
 from the primary's); the primary host merges the tables into the manifest
 and removes both before finalizing. `docs/format.md` describes the format for
 readers with numpy alone; `manifest` reads and validates the manifest and
-`reader` the data files. Nothing here unpickles or executes anything.
+`reader` the data files. Nothing read here is ever executed: only JSON and raw bytes.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-from flax_ckpt_plugin.manifest import LeafRecord
-from flax_ckpt_plugin.manifest import Manifest
-from flax_ckpt_plugin.manifest import ShardRecord
+from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.records import Manifest
+from flax_ckpt_plugin.records import ShardRecord
 from flax_ckpt_plugin.reader import ByteReader
 
 _VERIFY_CHUNK = 16 << 20  # Bytes read per call when verifying.
