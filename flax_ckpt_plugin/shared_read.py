@@ -27,9 +27,15 @@ Memory: a process holds, per shared region, about its range of the rows
 (each local device's slot, padded to the longest slot) besides the result;
 for a region read whole by one process, a block of its size per device.
 
-Called by every process with the same `key` (see `restore`): the reads are
-agreed on before anyone enters the program, so a damaged file on one
-process is known to all, and none waits in a collective for it.
+The shared leaves go in batches of about `BATCH_BYTES`, one program each,
+started (JAX dispatches it and returns) as soon as a batch is read, so
+that the collectives of one batch run while the next is read.
+
+Called by every process with the same `key` (see `restore`). Every process
+starts every program, whatever it meets: one whose file is damaged goes
+on with zeros and raises its error once its programs ran, and the
+agreement that follows tells all to drop the result (and try an older
+step), so none waits in a collective for another.
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ from flax_ckpt_plugin.treepaths import normalize_index
 # costs about the same whatever its size (here 20 ms with 4 processes, so
 # 1000 of them would take 20 s), and reading them costs storage little.
 MIN_SHARED_BYTES = 64 << 10
+# Shared leaves go in batches of about this many bytes, one program each:
+# a batch is shared while the next is read. Each program costs one
+# collective's fixed time (see above), so batches are not smaller.
+BATCH_BYTES = 16 << 20
 
 
 class _Split(NamedTuple):
@@ -245,9 +255,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
     manifest = own[0] if own else manifest_lib.of_step(
         groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
-    extra = None if before is None else before(manifest)
-    return _prepare(step_dir, manifest, target, backend, verify,
-                    where) + (extra,)
+    return _prepare(step_dir, manifest, target, backend, verify, where,
+                    before)
 
   outcome = coordinator_lib.agree(coord, f"{key}/read", prepare,
                                   timeout_ms=timeout_ms)
@@ -284,15 +293,14 @@ def _check(outcome: coordinator_lib.Outcome, where: str,
 
 
 def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
-             backend: Any, verify: bool, where: str):
+             backend: Any, verify: bool, where: str, before: Any):
   """Matches the target, reads this process's parts and its own leaves,
-  and builds the program; everything that can fail fails here."""
+  and starts the programs that share them; see `_read`."""
   targets, treedef = leaf_paths(target)
   saved = manifest.leaf_by_path
   matching.match_structure(saved, [(p, t) for p, _, t in targets], step_dir)
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
-  t0 = time.perf_counter()
   leaves, load = [], {}
   for path, _, t in targets:
     t = restore_lib.on_context_mesh(path, t)
@@ -306,66 +314,136 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
         or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
             _split(t, load))
     leaves.append((leaf, t, split))
-  shared = [(s, leaf.dtype, t.sharding) for leaf, t, s in leaves if s]
-  program = jax.jit(
-      lambda stacked: _assemble(stacked, [(d, s.rows, s.index, s.stacked)
-                                          for s, d, _ in shared]),
-      out_shardings=[sharding for _, _, sharding in shared])
-  # The program depends on the shapes alone: compile it while reading.
-  # Traced here, where the caller's settings hold (`jax.enable_x64` is
-  # per thread).
-  lowered = shared and program.lower([
-      jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
-      for s, _, _ in shared])
+  batches = _batches(leaves)
+  # The programs depend on the shapes alone: traced and compiled on a
+  # thread while this one reads, with the caller's `jax_enable_x64` (a
+  # per-thread setting, as under `jax.enable_x64`).
+  x64 = jax.config.jax_enable_x64
+
+  def build(batch: list[int]) -> Any:
+    how = [(leaves[i][0].dtype, leaves[i][2]) for i in batch]
+    with jax.enable_x64(x64):
+      return jax.jit(
+          lambda stacked: _assemble(stacked, [
+              (d, s.rows, s.index, s.stacked) for d, s in how]),
+          out_shardings=[leaves[i][1].sharding for i in batch]).lower([
+              jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
+              for _, s in how]).compile()
+
   with concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="flax_ckpt_plugin-compile") as pool:
-    compiling = pool.submit(lambda: lowered and lowered.compile())
-    plans, nbytes = _read(step_dir, manifest, backend, verify, where, leaves)
-    t = time.perf_counter()
-    compiled = compiling.result()
-  log.debug("%s: read %d bytes in %.2f s, then waited %.2f s for the"
-            " program", where, nbytes, t - t0, time.perf_counter() - t)
-  return treedef, plans, compiled, nbytes
+    compiling = [pool.submit(build, batch) for batch in batches]  # In order.
+    extra, plans, nbytes = _read(step_dir, manifest, backend, verify, where,
+                                 leaves, batches, compiling, before)
+  return treedef, plans, nbytes, extra
+
+
+def _batches(leaves: list) -> list[list[int]]:
+  """The shared leaves (their positions) in runs of about `BATCH_BYTES`,
+  in order: one program each, so that sharing one runs while the next is
+  read. The same on every process."""
+  batches, size = [[]], 0
+  for i, (leaf, _, split) in enumerate(leaves):
+    if split is None:
+      continue
+    if size >= BATCH_BYTES:
+      batches.append([])
+      size = 0
+    batches[-1].append(i)
+    size += leaf.nbytes
+  return batches if batches[0] else []
 
 
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
-          verify: bool, where: str, leaves: list) -> tuple[list, int]:
-  """This process's leaves and its parts of the shared ones, on its
-  devices; and the bytes it read."""
+          verify: bool, where: str, leaves: list, batches: list[list[int]],
+          compiling: list, before: Any) -> tuple[Any, list, int]:
+  """Runs `before(manifest)`, reads this process's leaves and its parts
+  of the shared ones, and starts each batch's program once its parts are
+  read, while the next batch is read.
+
+  Every process starts every program, whatever happens here: a process
+  that fails (a damaged file) goes on with zeros in its slots and raises
+  its error once all programs ran, so that no other process waits in a
+  collective for it; the agreement (`restore`) then tells all to drop the
+  result.
+
+  Returns:
+    What `before` returned; per leaf, ("own", its value) or ("shared",
+    (batch, position)); the bytes read.
+  """
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes, "where": where}
-  plans = []
+  batch_of = {i: (b, k) for b, batch in enumerate(batches)
+              for k, i in enumerate(batch)}
+  slots: dict[int, jax.Array] = {}
+  outputs: list[Any] = []
+  plans: list[Any] = []
+  error = extra = None
+  t0 = time.perf_counter()
   try:
-    for leaf, t, split in leaves:
+    try:
+      extra = None if before is None else before(manifest)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    for i, (leaf, t, split) in enumerate(leaves):
       if split is None:
-        plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
+        if error is None:
+          try:
+            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
+            continue
+          except Exception as e:  # pylint: disable=broad-except
+            error = e
+        plans.append(("own", None))
         continue
-      lr = LeafReader(leaf=leaf, **lr_args)
-      local = {d: normalize_index(i, leaf.shape) for d, i in
-               t.sharding.addressable_devices_indices_map(leaf.shape).items()}
-      ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
-      for device, region in local.items():
-        lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
-        if hi > lo:
-          a, b = ranges.get(region, (lo, hi))
-          ranges[region] = (min(a, lo), max(b, hi))
-      got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:])))
-             for region, (lo, hi) in ranges.items()}  # Each read once.
-      blocks = []
-      for device, region in local.items():
-        dims = tuple(hi - lo for lo, hi in region) + (leaf.dtype.itemsize,)
-        block = np.zeros((1, split.rows) + dims[1:], np.uint8)
-        lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
-        if hi > lo:
-          first, data = got[region]
-          block[0, :hi - lo] = data[lo - first:hi - first]
-        blocks.append(jax.device_put(block, device))
-      plans.append(("split", jax.make_array_from_single_device_arrays(
-          split.shape, split.stacked, blocks)))
+      try:
+        slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+        slots[i] = _slots(leaf, t, split, lr_args, read=False)
+      plans.append(("shared", batch_of[i]))
+      b, k = batch_of[i]
+      if k == len(batches[b]) - 1:  # The batch is read: share it.
+        arrays = [slots.pop(j) for j in batches[b]]
+        outputs.append(compiling[b].result()(arrays))
+        del arrays
   finally:
     reader.close()
-  return plans, reader.bytes_read
+  log.debug("%s: read %d bytes in %.2f s (%d batches shared)", where,
+            reader.bytes_read, time.perf_counter() - t0, len(batches))
+  if error is not None:
+    jax.block_until_ready(outputs)  # Every process ran them: none waits.
+    raise error
+  return extra, (plans, outputs), reader.bytes_read
+
+
+def _slots(leaf: Any, t: Any, split: _Split, lr_args: dict, *, read: bool
+           ) -> jax.Array:
+  """This process's slots of a shared leaf (zeros unless `read`)."""
+  local = {d: normalize_index(i, leaf.shape) for d, i in
+           t.sharding.addressable_devices_indices_map(leaf.shape).items()}
+  ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
+  for device, region in local.items():
+    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+    if hi > lo:
+      a, b = ranges.get(region, (lo, hi))
+      ranges[region] = (min(a, lo), max(b, hi))
+  got = {}
+  if read:
+    lr = LeafReader(leaf=leaf, **lr_args)
+    got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:])))
+           for region, (lo, hi) in ranges.items()}  # Each read once.
+  blocks = []
+  for device, region in local.items():
+    dims = tuple(hi - lo for lo, hi in region) + (leaf.dtype.itemsize,)
+    block = np.zeros((1, split.rows) + dims[1:], np.uint8)
+    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+    if hi > lo and read:
+      first, data = got[region]
+      block[0, :hi - lo] = data[lo - first:hi - first]
+    blocks.append(jax.device_put(block, device))
+  return jax.make_array_from_single_device_arrays(split.shape, split.stacked,
+                                                  blocks)
 
 
 def _runs(index: np.ndarray) -> list[tuple[int, int]]:
@@ -404,15 +482,14 @@ def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
   return out
 
 
-def _run(treedef: Any, plans: list, compiled: Any, nbytes: int, extra: Any
+def _run(treedef: Any, plans: tuple[list, list], nbytes: int, extra: Any
          ) -> tuple[Any, int, Any]:
-  """The collective part: every process, the same program."""
+  """Waits for the programs that `_read` started; the tree."""
   t = time.perf_counter()
-  arrays = [p for kind, p in plans if kind == "split"]
-  out = jax.block_until_ready(compiled(arrays)) if arrays else []
-  del arrays
-  log.debug("shared %d leaves in %.2f s", len(out), time.perf_counter() - t)
-  gathered = iter(out)
-  leaves = [next(gathered) if kind == "split" else value
-            for kind, value in plans]
+  kinds, outputs = plans
+  outputs = jax.block_until_ready(outputs)
+  log.debug("shared %d batches in %.2f s after the reads", len(outputs),
+            time.perf_counter() - t)
+  leaves = [outputs[value[0]][value[1]] if kind == "shared" else value
+            for kind, value in kinds]
   return jax.tree_util.tree_unflatten(treedef, leaves), nbytes, extra

@@ -427,3 +427,43 @@ def test_a_64_bit_leaf_restores_together_inside_enable_x64(tmp_path):
   for o in out:
     assert (o["step"], o["dtype"], o["head"], o["sum"]) == (
         3, "int64", w[:4].tolist(), int(w.sum())), o
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
+    tmp_path):
+  """2 processes restore together two replicated 20 MB leaves, shared in
+  two batches (one program each, started as soon as its batch is read).
+  Step 2's `a` is damaged in the half that process 1 reads: process 1
+  finds it, goes on with zeros through both programs, so that process 0
+  does not wait in a collective for it, and then both drop step 2 and
+  restore step 1, each reading about half of it."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  length = 5_000_000
+  base = np.arange(length, dtype=np.float32)
+  with CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as manager:
+    for step in (1, 2):
+      manager.save(step, {"a": base + step, "b": base * step})
+      manager.wait_until_finished()
+  step_dir = tmp_path / "ckpt" / "2"
+  (shard,) = manifest_lib.read(step_dir, 2).leaf_by_path["a"].shards
+  with open(step_dir / shard.file, "r+b") as f:  # In process 1's half.
+    f.seek(shard.offset + shard.nbytes * 3 // 4)
+    f.write(b"\xff\xff\xff\xff")
+  results = run_workers("shared_damage", 2,
+                        args=[tmp_path / "ckpt", str(length)],
+                        timeout=RUN_TIMEOUT)
+  want = {"a": float((base + 1).sum(dtype=np.float64)),
+          "b": float(base.sum(dtype=np.float64))}
+  nbytes = 2 * 4 * length
+  for r in results:
+    o = r.json
+    assert (o["step"], o["sums"]) == (1, want), o
+    # Its half of each leaf, in whole 4 MiB checksum blocks.
+    assert o["read"] <= nbytes / 2 + 2 * (4 << 20), o
+  assert re.search(r"checksum mismatch", results[1].stderr), format_logs(
+      results)
+  assert re.search(r"skipping damaged steps \[2\]|after skipping damaged"
+                   r" steps \[2\]", results[0].stderr), format_logs(results)

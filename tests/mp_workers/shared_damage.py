@@ -1,0 +1,42 @@
+"""Restores the newest valid step together, two leaves shared in batches.
+
+    shared_damage.py DIR LENGTH
+
+What a resumed job does at start: `restore_newest_valid` into a target of
+two float32 leaves `a` and `b` of LENGTH values, replicated on every device
+of the job, so the processes split their reading and share it
+(`shared_read`), one batch per leaf when LENGTH is large. Prints the step
+restored, each leaf's sum and the bytes this process read.
+"""
+
+import sys
+
+import _setup
+
+_setup.init()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+import numpy as np
+
+import flax_ckpt_plugin
+
+
+def main(directory: str, length: str) -> dict:
+  everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("d",)),
+                             PartitionSpec())
+  leaf = jax.ShapeDtypeStruct((int(length),), np.float32, sharding=everywhere)
+  with flax_ckpt_plugin.CheckpointManager(directory,
+                                          barrier_timeout_secs=60) as mgr:
+    step, tree = mgr.restore_newest_valid({"a": leaf, "b": leaf})
+    read = mgr.last_restore_stats.nbytes_read
+  sums = {k: float(np.asarray(v.addressable_data(0)).sum(dtype=np.float64))
+          for k, v in tree.items()}
+  return {"step": step, "sums": sums, "read": read}
+
+
+if __name__ == "__main__":
+  _setup.emit(main(*sys.argv[1:]))
