@@ -12,10 +12,13 @@ socket of our own. Only the primary reads the manifest; the others receive
 it through the coordinator.
 
 A region under `writeplan.SPLIT_BYTES` (which the save wrote whole) is
-read whole by one process, into the slot of one of its devices. Regions
-under `MIN_SHARED_BYTES` are not shared: a collective costs about the same
-whatever its size (20 ms each here, so 1000 small leaves would take 20 s),
-while a small region read by every process costs storage little. Those,
+read whole by one process (the one that has read least so far), into the
+slot of one of its devices. A collective costs about the same whatever
+its size (20 ms each here with 4 processes), so the small leaves that are
+replicated on every device are packed (`_Pack`): each device contributes
+one slot holding the leaves it read, one collective gathers the slots,
+and each process cuts the leaves out on the host. Regions under
+`MIN_SHARED_BYTES` are not shared (a page costs storage little). Those,
 and the leaves it does not take (Python scalars, numpy and
 non-`NamedSharding` targets, PRNG keys, dtypes XLA does not bitcast or JAX
 holds narrower (64-bit ones without `jax_enable_x64`), bytes saved
@@ -25,7 +28,9 @@ process per region), are read by each process as in
 
 Memory: a process holds, per shared region, about its range of the rows
 (each local device's slot, padded to the longest slot) besides the result;
-for a region read whole by one process, a block of its size per device.
+for a region read whole by one process, a block of its size per device,
+except packed leaves: every device then holds the batch's packed leaves
+once (all slots), and the process one host copy of them.
 
 The shared leaves go in batches of about `BATCH_BYTES`, one program each,
 started (JAX dispatches it and returns) as soon as a batch is read, so
@@ -41,6 +46,7 @@ step), so none waits in a collective for another.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import time
 from typing import Any, NamedTuple
@@ -70,13 +76,12 @@ from flax_ckpt_plugin.treepaths import leaf_paths
 from flax_ckpt_plugin.treepaths import normalize_index
 
 
-# Smaller regions are read by every process that needs them: a collective
-# costs about the same whatever its size (here 20 ms with 4 processes, so
-# 1000 of them would take 20 s), and reading them costs storage little.
-MIN_SHARED_BYTES = 64 << 10
+# Smaller regions are read by every process that needs them: reading them
+# costs storage little.
+MIN_SHARED_BYTES = 4 << 10
 # Shared leaves go in batches of about this many bytes, one program each:
-# a batch is shared while the next is read. Each program costs one
-# collective's fixed time (see above), so batches are not smaller.
+# a batch is shared while the next is read. A collective costs about 20 ms
+# here whatever its size, so batches are not smaller.
 BATCH_BYTES = 16 << 20
 
 
@@ -130,16 +135,23 @@ def _split(target: Any, load: dict[int, int] | None = None
                    stacked, replicas, load)
 
 
-def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
-              load) -> _Split | None:
-  """The plan (see `_Split`), or None: regions under `MIN_SHARED_BYTES`,
-  of unequal rows, or cut in different places."""
+@functools.lru_cache(maxsize=64)
+def _positions(mesh: Any, spare: tuple[str, ...]) -> dict[Any, int]:
+  """Device: its index along the replica (`spare`) axes of `mesh`."""
   spare_axes = [mesh.axis_names.index(a) for a in spare]
-  position = {}  # Device: its index along the replica (spare) axes.
+  position = {}
   for coords, device in np.ndenumerate(mesh.devices):
     position[device] = int(np.ravel_multi_index(
         [coords[a] for a in spare_axes],
         [mesh.devices.shape[a] for a in spare_axes])) if spare_axes else 0
+  return position
+
+
+def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
+              load) -> _Split | None:
+  """The plan (see `_Split`), or None: regions under `MIN_SHARED_BYTES`,
+  of unequal rows, or cut in different places."""
+  position = _positions(mesh, tuple(spare))
   regions = sorted(by_region)
   lengths = {hi - lo for (lo, hi), *_ in regions}
   nbytes = math.prod(hi - lo for lo, hi in regions[0]) * itemsize
@@ -164,9 +176,12 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
     for proc, (a, b) in zip(procs, writeplan.cuts(
         length, min(len(procs), length))):
       mine = [d for d in devices if d.process_index == proc]
-      if whole is not None:  # All rows to its first device, none else.
-        mine, (a, b) = [d for d in devices if d.process_index == whole][:1], (
-            0, length)
+      if whole is not None:  # All rows to its least loaded device.
+        mine, (a, b) = [min((d for d in devices if d.process_index == whole),
+                            key=lambda d: (load.get(("device", d.id), 0),
+                                           position[d]))], (0, length)
+        load[("device", mine[0].id)] = load.get(
+            ("device", mine[0].id), 0) + nbytes
       for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
         slots[d] = (a + c, a + e)
         layout[position[d]] = (a + c, a + e)
@@ -315,26 +330,38 @@ def _prepare(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
             _split(t, load))
     leaves.append((leaf, t, split))
   batches = _batches(leaves)
+  packs = [_pack(leaves, batch) for batch in batches]
   # The programs depend on the shapes alone: traced and compiled on a
   # thread while this one reads, with the caller's `jax_enable_x64` (a
   # per-thread setting, as under `jax.enable_x64`).
   x64 = jax.config.jax_enable_x64
 
-  def build(batch: list[int]) -> Any:
-    how = [(leaves[i][0].dtype, leaves[i][2]) for i in batch]
+  def build(batch: list[int], pack: _Pack | None) -> Any:
+    alone = [i for i in batch if pack is None or i not in pack.pieces]
+    how = [(leaves[i][0].dtype, leaves[i][2]) for i in alone]
+
+    def program(flat, stacked):
+      return (_assemble(stacked, [(d, s.rows, s.index, s.stacked)
+                                  for d, s in how]),
+              None if pack is None else _constrain(flat, pack.everywhere))
+
     with jax.enable_x64(x64):
       return jax.jit(
-          lambda stacked: _assemble(stacked, [
-              (d, s.rows, s.index, s.stacked) for d, s in how]),
-          out_shardings=[leaves[i][1].sharding for i in batch]).lower([
-              jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
-              for _, s in how]).compile()
+          program,
+          out_shardings=([leaves[i][1].sharding for i in alone],
+                         pack and pack.everywhere)).lower(
+              pack and jax.ShapeDtypeStruct(
+                  (len(pack.devices), pack.length), np.uint8,
+                  sharding=pack.sharding),
+              [jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
+               for _, s in how]).compile()
 
   with concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="flax_ckpt_plugin-compile") as pool:
-    compiling = [pool.submit(build, batch) for batch in batches]  # In order.
+    compiling = [pool.submit(build, batch, pack)  # In order.
+                 for batch, pack in zip(batches, packs)]
     extra, plans, nbytes = _read(step_dir, manifest, backend, verify, where,
-                                 leaves, batches, compiling, before)
+                                 leaves, batches, packs, compiling, before)
   return treedef, plans, nbytes, extra
 
 
@@ -354,9 +381,61 @@ def _batches(leaves: list) -> list[list[int]]:
   return batches if batches[0] else []
 
 
+class _Pack(NamedTuple):
+  """The small replicated leaves of a batch, packed so that one collective
+  shares them all. Each device of the mesh contributes one slot of
+  `length` bytes: the leaves it read, end to end (`pieces`: per leaf
+  position, (slot, offset, bytes, device, first row, end row) of each
+  piece, in row order). The program gathers the slots on every device;
+  each process then cuts the leaves out on the host and puts them on its
+  devices (`_run`). A program that cut them out itself took XLA about
+  13 ms per leaf to compile (8 devices), longer than the reads."""
+  sharding: NamedSharding  # [slots, length], a slot per device of the mesh.
+  everywhere: NamedSharding  # The same, on every device.
+  devices: list[Any]  # Slot k is devices[k]'s.
+  length: int
+  pieces: dict[int, list[tuple[int, int, int, Any, int, int]]]
+
+
+def _pack(leaves: list, batch: list[int]) -> _Pack | None:
+  """The pack of a batch's leaves under `writeplan.SPLIT_BYTES` that are
+  replicated on every device of one mesh (the mesh of the first), or None
+  when fewer than two are. Their slots pack into one array; a larger leaf,
+  or one sharded over some axis, keeps its own."""
+  def replicated(i):
+    leaf, t, _ = leaves[i]
+    return (leaf.nbytes < writeplan.SPLIT_BYTES
+            and all(e is None for e in t.sharding.spec))
+  chosen = [i for i in batch if replicated(i)]
+  if len(chosen) < 2:
+    return None
+  mesh = leaves[chosen[0]][1].sharding.mesh
+  chosen = [i for i in chosen if leaves[i][1].sharding.mesh == mesh]
+  devices = list(mesh.devices.flat)
+  slot = {d: k for k, d in enumerate(devices)}
+  fill = [0] * len(devices)
+  pieces = {}
+  for i in chosen:
+    leaf, _, split = leaves[i]
+    row = leaf.nbytes // leaf.shape[0]
+    mine = []
+    for d, (_, rows) in sorted(split.parts.items(),
+                               key=lambda kv: kv[1][1][0]):
+      lo, hi = rows[0]
+      if hi > lo:
+        k = slot[d]
+        mine.append((k, fill[k], (hi - lo) * row, d, lo, hi))
+        fill[k] += (hi - lo) * row
+    pieces[i] = mine
+  return _Pack(NamedSharding(mesh, PartitionSpec(mesh.axis_names, None)),
+               NamedSharding(mesh, PartitionSpec()), devices,
+               max(1, max(fill)), pieces)
+
+
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           verify: bool, where: str, leaves: list, batches: list[list[int]],
-          compiling: list, before: Any) -> tuple[Any, list, int]:
+          packs: list[_Pack | None], compiling: list, before: Any
+          ) -> tuple[Any, list, int]:
   """Runs `before(manifest)`, reads this process's leaves and its parts
   of the shared ones, and starts each batch's program once its parts are
   read, while the next batch is read.
@@ -368,8 +447,10 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   result.
 
   Returns:
-    What `before` returned; per leaf, ("own", its value) or ("shared",
-    (batch, position)); the bytes read.
+    What `before` returned; per leaf, ("own", its value), ("shared",
+    (batch, position among the batch's outputs)) or ("packed", (batch,
+    target, record, pieces)); the programs' outputs and the packs; the
+    bytes read.
   """
   reader = ByteReader(step_dir, manifest.files, backend)
   lr_args = {"reader": reader, "verify": verify,
@@ -377,6 +458,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   batch_of = {i: (b, k) for b, batch in enumerate(batches)
               for k, i in enumerate(batch)}
   slots: dict[int, jax.Array] = {}
+  flats: dict[int, dict[Any, np.ndarray]] = {}  # Per batch: packed slots.
   outputs: list[Any] = []
   plans: list[Any] = []
   error = extra = None
@@ -396,17 +478,36 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
             error = e
         plans.append(("own", None))
         continue
+      b, k = batch_of[i]
+      pack = packs[b]
+      if pack is not None and pack.pieces and b not in flats:
+        flats[b] = {d: np.zeros((1, pack.length), np.uint8)
+                    for d in pack.devices
+                    if d.process_index == jax.process_index()}
       try:
-        slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
+        if pack is not None and i in pack.pieces:
+          if error is None:
+            _fill(flats[b], leaf, t, split, pack.pieces[i], lr_args)
+        else:
+          slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
       except Exception as e:  # pylint: disable=broad-except
         error = e
-        slots[i] = _slots(leaf, t, split, lr_args, read=False)
-      plans.append(("shared", batch_of[i]))
-      b, k = batch_of[i]
+        if pack is None or i not in pack.pieces:
+          slots[i] = _slots(leaf, t, split, lr_args, read=False)
+      plans.append(("packed", (b, t, leaf, pack.pieces[i]))
+                   if pack is not None
+                   and i in pack.pieces else ("shared", (b, sum(
+                       j not in (pack.pieces if pack else ()) for j in
+                       batches[b][:k]))))
       if k == len(batches[b]) - 1:  # The batch is read: share it.
-        arrays = [slots.pop(j) for j in batches[b]]
-        outputs.append(compiling[b].result()(arrays))
-        del arrays
+        flat = None
+        if pack is not None:
+          flat = jax.make_array_from_single_device_arrays(
+              (len(pack.devices), pack.length), pack.sharding,
+              [jax.device_put(x, d) for d, x in flats.pop(b).items()])
+        arrays = [slots.pop(j) for j in batches[b] if j in slots]
+        outputs.append(compiling[b].result()(flat, arrays))
+        del arrays, flat
   finally:
     reader.close()
   log.debug("%s: read %d bytes in %.2f s (%d batches shared)", where,
@@ -414,7 +515,22 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   if error is not None:
     jax.block_until_ready(outputs)  # Every process ran them: none waits.
     raise error
-  return extra, (plans, outputs), reader.bytes_read
+  return extra, (plans, outputs, packs), reader.bytes_read
+
+
+def _fill(flats: dict[Any, np.ndarray], leaf: Any, t: Any, split: _Split,
+          pieces: list, lr_args: dict) -> None:
+  """Reads this process's rows of a packed leaf into its devices' slots."""
+  del t, split
+  lr = LeafReader(leaf=leaf, **lr_args)
+  rest = tuple((0, n) for n in leaf.shape[1:])
+  mine = [p for p in pieces if p[3] in flats]
+  if not mine:
+    return
+  lo, hi = min(p[4] for p in mine), max(p[5] for p in mine)
+  data = peer.as_bytes(lr.read(((lo, hi),) + rest)).reshape(hi - lo, -1)
+  for _, offset, n, device, a, b in mine:  # Each read once.
+    flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
 
 
 def _slots(leaf: Any, t: Any, split: _Split, lr_args: dict, *, read: bool
@@ -482,14 +598,28 @@ def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
   return out
 
 
-def _run(treedef: Any, plans: tuple[list, list], nbytes: int, extra: Any
-         ) -> tuple[Any, int, Any]:
+def _run(treedef: Any, plans: tuple[list, list, list], nbytes: int,
+         extra: Any) -> tuple[Any, int, Any]:
   """Waits for the programs that `_read` started; the tree."""
   t = time.perf_counter()
-  kinds, outputs = plans
+  kinds, outputs, _ = plans
   outputs = jax.block_until_ready(outputs)
   log.debug("shared %d batches in %.2f s after the reads", len(outputs),
             time.perf_counter() - t)
-  leaves = [outputs[value[0]][value[1]] if kind == "shared" else value
-            for kind, value in kinds]
+  hosts = {b: np.asarray(flat.addressable_shards[0].data)
+           for b, (_, flat) in enumerate(outputs) if flat is not None}
+  leaves = []
+  for kind, value in kinds:
+    if kind == "own":
+      leaves.append(value)
+    elif kind == "shared":
+      leaves.append(outputs[value[0]][0][value[1]])
+    else:  # Cut out of the gathered slots, on the host.
+      b, target, leaf, pieces = value
+      host = hosts[b]
+      data = np.concatenate([host[k, offset:offset + n]
+                             for k, offset, n, *_ in pieces])
+      leaves.append(restore_lib.from_host(
+          leaf, target, data.view(leaf.dtype).reshape(leaf.shape),
+          same_everywhere=True))
   return jax.tree_util.tree_unflatten(treedef, leaves), nbytes, extra

@@ -467,3 +467,22 @@ def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
       results)
   assert re.search(r"skipping damaged steps \[2\]|after skipping damaged"
                    r" steps \[2\]", results[0].stderr), format_logs(results)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_many_small_replicated_leaves_are_read_once_and_shared(tmp_path):
+  """300 replicated leaves of 2-24 KiB (float32, bfloat16, int8, bool,
+  int32), restored by 2 processes together: each leaf is read by one
+  process, and the leaves travel packed, one collective per batch; every
+  device gets every leaf bit for bit. Storage serves the state once, not
+  twice."""
+  run_workers("many_leaves", 2, args=["save", tmp_path / "ckpt"],
+              timeout=RUN_TIMEOUT)
+  out = [r.json for r in run_workers("many_leaves", 2,
+                                     args=["restore", tmp_path / "ckpt"],
+                                     timeout=RUN_TIMEOUT)]
+  for o in out:
+    assert (o["step"], o["wrong"]) == (4, []), o
+  total = out[0]["total"]
+  assert sum(o["read"] for o in out) <= 1.1 * total, out
+  assert min(o["read"] for o in out) >= 0.3 * total, out  # Both read.
