@@ -184,9 +184,12 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
   return _assemble(shape, lr.dtype, sharding, devices, pieces)
 
 
-def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
+                 same_everywhere: bool = False) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
-  a Python scalar, whose value is in the manifest)."""
+  a Python scalar, whose value is in the manifest). `same_everywhere`: as
+  for `from_host` (every process restores this leaf from the same bytes),
+  so that no leaf costs a collective."""
   if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
@@ -194,11 +197,12 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
     host = np.asarray(value, dtype=target.dtype)
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
-    return jax.device_put(host, _target_sharding(target))
+    return _put(host, _target_sharding(target), same_everywhere)
   lr = LeafReader(leaf=saved, **lr_args)
   if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
       or lr.dtype.byteorder == ">" or saved.key_impl is not None):
-    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
+    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)),
+                     same_everywhere=same_everywhere)
   return _restore_array(lr, lr.shape, _target_sharding(target))
 
 
@@ -219,11 +223,20 @@ def from_host(saved: LeafRecord, target: Any, host: np.ndarray, *,
     return host if isinstance(target, np.ndarray) else host[()]
   if host.dtype.byteorder == ">":  # Saved big-endian by an older version.
     host = host.astype(host.dtype.newbyteorder("="))
-  if saved.key_impl is not None:
-    host = jax.random.wrap_key_data(host, impl=saved.key_impl)
   sharding = _target_sharding(target)
-  if (same_everywhere and saved.key_impl is None
-      and not sharding.is_fully_addressable):
+  if saved.key_impl is None:
+    return _put(host, sharding, same_everywhere)
+  if same_everywhere and not sharding.is_fully_addressable:
+    return jax.random.wrap_key_data(_put(host, sharding, True),
+                                    impl=saved.key_impl)
+  return jax.device_put(jax.random.wrap_key_data(host, impl=saved.key_impl),
+                        sharding)
+
+
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding,
+         same_everywhere: bool) -> jax.Array:
+  """`host` on `sharding`; see `from_host` for `same_everywhere`."""
+  if same_everywhere and not sharding.is_fully_addressable:
     return jax.make_array_from_callback(host.shape, sharding,
                                         lambda index: host[index])
   return jax.device_put(host, sharding)

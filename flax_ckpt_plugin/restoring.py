@@ -25,6 +25,7 @@ from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import read_plan
 from flax_ckpt_plugin import shared_read
 from flax_ckpt_plugin.async_commit import AsyncCommitter
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -203,7 +204,7 @@ class Restoring:
     """
     if (not self.share_reads or target is None
         or self.coordinator.process_count < 2
-        or not shared_read.worth_it(target)):
+        or not read_plan.worth_it(target)):
       return self.restore(target, step, verify=verify,
                           data_iterator=data_iterator)
     self._check_open()

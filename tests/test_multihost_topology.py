@@ -437,7 +437,11 @@ def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
   Step 2's `a` is damaged in the half that process 1 reads: process 1
   finds it, goes on with zeros through both programs, so that process 0
   does not wait in a collective for it, and then both drop step 2 and
-  restore step 1, each reading about half of it."""
+  restore step 1, each reading about half of it. A typed PRNG key after
+  `a`, which each process reads alone, is placed without a collective:
+  process 1 skips it after the damage, and process 0 must not wait for it
+  there either."""
+  import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
@@ -445,7 +449,8 @@ def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
   base = np.arange(length, dtype=np.float32)
   with CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as manager:
     for step in (1, 2):
-      manager.save(step, {"a": base + step, "b": base * step})
+      manager.save(step, {"a": base + step, "b": base * step,
+                          "key": jax.random.key(step)})
       manager.wait_until_finished()
   step_dir = tmp_path / "ckpt" / "2"
   (shard,) = manifest_lib.read(step_dir, 2).leaf_by_path["a"].shards
@@ -461,6 +466,7 @@ def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
   for r in results:
     o = r.json
     assert (o["step"], o["sums"]) == (1, want), o
+    assert o["key"] == jax.random.key_data(jax.random.key(1)).tolist(), o
     # Its half of each leaf, in whole 4 MiB checksum blocks.
     assert o["read"] <= nbytes / 2 + 2 * (4 << 20), o
   assert re.search(r"checksum mismatch", results[1].stderr), format_logs(

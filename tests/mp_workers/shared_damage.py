@@ -5,8 +5,9 @@
 What a resumed job does at start: `restore_newest_valid` into a target of
 two float32 leaves `a` and `b` of LENGTH values, replicated on every device
 of the job, so the processes split their reading and share it
-(`shared_read`), one batch per leaf when LENGTH is large. Prints the step
-restored, each leaf's sum and the bytes this process read.
+(`shared_read`), one batch per leaf when LENGTH is large; and a typed PRNG
+key `key`, which each process reads alone. Prints the step restored, each
+leaf's sum, the key's data and the bytes this process read.
 """
 
 import sys
@@ -31,11 +32,16 @@ def main(directory: str, length: str) -> dict:
   leaf = jax.ShapeDtypeStruct((int(length),), np.float32, sharding=everywhere)
   with flax_ckpt_plugin.CheckpointManager(directory,
                                           barrier_timeout_secs=60) as mgr:
-    step, tree = mgr.restore_newest_valid({"a": leaf, "b": leaf})
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                               sharding=everywhere)
+    step, tree = mgr.restore_newest_valid({"a": leaf, "b": leaf, "key": key})
     read = mgr.last_restore_stats.nbytes_read
+  key = tree.pop("key")
   sums = {k: float(np.asarray(v.addressable_data(0)).sum(dtype=np.float64))
           for k, v in tree.items()}
-  return {"step": step, "sums": sums, "read": read}
+  return {"step": step, "sums": sums, "read": read,
+          "key": np.asarray(jax.random.key_data(key).addressable_data(
+              0)).tolist()}
 
 
 if __name__ == "__main__":
