@@ -298,6 +298,5 @@ def _run(treedef: Any, plans: list[tuple], compiled: Any,
       value = host[offset:offset + leaf.nbytes].view(leaf.dtype).reshape(
           leaf.shape)
       offset += leaf.nbytes
-      leaves.append(restore_lib.from_host(leaf, rest[0], value.copy(),
-                                          same_everywhere=True))
+      leaves.append(restore_lib.from_host(leaf, rest[0], value.copy()))
   return jax.tree_util.tree_unflatten(treedef, leaves), extra

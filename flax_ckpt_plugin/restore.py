@@ -184,12 +184,9 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
   return _assemble(shape, lr.dtype, sharding, devices, pieces)
 
 
-def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
-                 same_everywhere: bool = False) -> Any:
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
-  a Python scalar, whose value is in the manifest). `same_everywhere`: as
-  for `from_host` (every process restores this leaf from the same bytes),
-  so that no leaf costs a collective."""
+  a Python scalar, whose value is in the manifest)."""
   if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
@@ -197,23 +194,20 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
     host = np.asarray(value, dtype=target.dtype)
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
-    return _put(host, _target_sharding(target), same_everywhere)
+    return _put(host, _target_sharding(target))
   lr = LeafReader(leaf=saved, **lr_args)
   if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
       or lr.dtype.byteorder == ">" or saved.key_impl is not None):
-    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)),
-                     same_everywhere=same_everywhere)
+    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
   return _restore_array(lr, lr.shape, _target_sharding(target))
 
 
-def from_host(saved: LeafRecord, target: Any, host: np.ndarray, *,
-              same_everywhere: bool = False) -> Any:
+def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
   """A leaf like `target` from all of `saved`'s values, on the host.
 
-  `same_everywhere`: every process holds the same `host` (the result of a
-  collective), so each places its own shards without the check that
-  `jax.device_put` makes for a sharding over several processes (a
-  collective per leaf, about 10 ms each here).
+  Every process that restores the leaf holds the same values (the step's
+  checksummed bytes, or a collective's result), so each places its own
+  shards (`_put`), and no leaf costs a collective.
   """
   if isinstance(target, (bool, int, float)):
     return type(target)(host[()].item())
@@ -225,18 +219,20 @@ def from_host(saved: LeafRecord, target: Any, host: np.ndarray, *,
     host = host.astype(host.dtype.newbyteorder("="))
   sharding = _target_sharding(target)
   if saved.key_impl is None:
-    return _put(host, sharding, same_everywhere)
-  if same_everywhere and not sharding.is_fully_addressable:
-    return jax.random.wrap_key_data(_put(host, sharding, True),
-                                    impl=saved.key_impl)
+    return _put(host, sharding)
+  if not sharding.is_fully_addressable:
+    return jax.random.wrap_key_data(_put(host, sharding), impl=saved.key_impl)
   return jax.device_put(jax.random.wrap_key_data(host, impl=saved.key_impl),
                         sharding)
 
 
-def _put(host: np.ndarray, sharding: jax.sharding.Sharding,
-         same_everywhere: bool) -> jax.Array:
-  """`host` on `sharding`; see `from_host` for `same_everywhere`."""
-  if same_everywhere and not sharding.is_fully_addressable:
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`host`, the same on every process, on `sharding`. Over several
+  processes, `jax.device_put` would first check that every process holds
+  the same values, with a collective per leaf (about 10 ms each here, and
+  a wait for a process that restores alone or skipped the leaf); each
+  process places its own shards instead."""
+  if not sharding.is_fully_addressable:
     return jax.make_array_from_callback(host.shape, sharding,
                                         lambda index: host[index])
   return jax.device_put(host, sharding)

@@ -21,7 +21,8 @@ batch's collectives run while the next is read. Every process starts every
 program, whatever it meets: one whose file is damaged goes on with zeros
 and raises its error once its programs ran, and the agreement that follows
 tells all to drop the result (and try an older step), so none waits in a
-collective for another. Leaves read alone are placed without a collective.
+collective for another. Leaves read alone are placed without a collective
+(`restore.from_host`).
 
 Memory: a process holds, per shared region, about its range of the rows
 (each local device's slot, padded to the longest slot) besides the result;
@@ -221,7 +222,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   that fails (a damaged file) goes on with zeros in its slots and raises
   its error once all programs ran, so that no other process waits in a
   collective for it; the agreement (`restore`) then tells all to drop the
-  result. Its own leaves are placed without a collective (see
+  result. Leaves it reads alone are placed without a collective (see
   `restore.from_host`), so skipping them after an error costs no one.
 
   Returns:
@@ -242,6 +243,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
               for k, i in enumerate(batch)}
   slots: dict[int, jax.Array] = {}
   flats: dict[int, dict[Any, np.ndarray]] = {}  # Per batch: packed slots.
+  own_outputs: dict[int, int] = {}  # Per batch: its program's outputs.
   outputs: list[Any] = []
   plans: list[Any] = []
   error = extra = None
@@ -255,8 +257,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       if split is None:
         if error is None:
           try:
-            plans.append(("own", restore_lib.restore_leaf(
-                leaf, t, lr_args, same_everywhere=True)))
+            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
             continue
           except Exception as e:  # pylint: disable=broad-except
             error = e
@@ -276,11 +277,11 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
       except Exception as e:  # pylint: disable=broad-except
         error = e  # `_inputs` gives the leaf zeros.
-      plans.append(("packed", (b, t, leaf, pack.pieces[i]))
-                   if pack is not None
-                   and i in pack.pieces else ("shared", (b, sum(
-                       j not in (pack.pieces if pack else ()) for j in
-                       batches[b][:k]))))
+      if pack is not None and i in pack.pieces:
+        plans.append(("packed", (b, t, leaf, pack.pieces[i])))
+      else:  # Its place among the program's own outputs.
+        plans.append(("shared", (b, own_outputs.get(b, 0))))
+        own_outputs[b] = own_outputs.get(b, 0) + 1
       if k == len(batches[b]) - 1:  # The batch is read: share it.
         program = compiling[b].result()
         try:
@@ -436,8 +437,7 @@ def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any
         data = np.concatenate([host[1][k, offset:offset + size]
                                for k, offset, size, *_ in pieces]).view(
                                    leaf.dtype).reshape(leaf.shape)
-      leaves.append(restore_lib.from_host(leaf, target, data,
-                                          same_everywhere=True))
+      leaves.append(restore_lib.from_host(leaf, target, data))
       if last[b] == n:  # Free the batch's slots, here and on the devices.
         host, outputs[b] = None, (outputs[b][0], None)
   return jax.tree_util.tree_unflatten(treedef, leaves), nbytes, extra
