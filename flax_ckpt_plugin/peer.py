@@ -119,6 +119,10 @@ def as_bytes(arr: np.ndarray) -> np.ndarray:
 
 
 def from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Values of `dtype` from their bytes (`as_bytes`'s layout), or from
+  themselves with an axis of 1 last (`read_plan.carrier`)."""
+  if u8.dtype == dtype:
+    return u8[..., 0]
   if dtype == np.bool_:
     return u8[..., 0] != 0
   if dtype.itemsize == 1:

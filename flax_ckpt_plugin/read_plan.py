@@ -59,7 +59,7 @@ class Split(NamedTuple):
 def split(target: Any, load: dict[int, int] | None = None
            ) -> Split | None:
   """The plan of a target leaf whose regions several processes need (an
-  array of a dtype that travels as bytes, in regions of equal rows of
+  array of 8 to 64-bit numbers or booleans, in regions of equal rows of
   `MIN_SHARED_BYTES` or more), else None.
 
   A region of `writeplan.SPLIT_BYTES` or more is cut into one row range
@@ -88,8 +88,7 @@ def split(target: Any, load: dict[int, int] | None = None
          for ds in by_region.values()):
     return None  # No region needed by two processes: each reads its own.
   spare, stacked, replicas = peer.replica_axes(sharding, len(shape))
-  itemsize = np.dtype(dtype).itemsize
-  return _gathered(by_region, sharding.mesh, spare, shape, itemsize,
+  return _gathered(by_region, sharding.mesh, spare, shape, dtype,
                    stacked, replicas, load)
 
 
@@ -105,13 +104,14 @@ def _positions(mesh: Any, spare: tuple[str, ...]) -> dict[Any, int]:
   return position
 
 
-def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
+def _gathered(by_region, mesh, spare, shape, dtype, stacked, replicas,
               load) -> Split | None:
   """The plan (see `Split`), or None: regions under `MIN_SHARED_BYTES`,
   of unequal rows, or cut in different places."""
   position = _positions(mesh, tuple(spare))
   regions = sorted(by_region)
   lengths = {hi - lo for (lo, hi), *_ in regions}
+  itemsize = np.dtype(dtype).itemsize
   nbytes = math.prod(hi - lo for lo, hi in regions[0]) * itemsize
   if len(lengths) != 1 or nbytes < MIN_SHARED_BYTES:
     return None
@@ -178,7 +178,16 @@ def _gathered(by_region, mesh, spare, shape, itemsize, stacked, replicas,
                   + region[1:])
   regions_0 = shape[0] // length
   return Split(stacked, (replicas, regions_0 * rows) + shape[1:] + (
-      itemsize,), parts, rows, index)
+      itemsize // carrier(dtype).itemsize,), parts, rows, index)
+
+
+def carrier(dtype: Any) -> np.dtype:
+  """What a shared leaf's slots hold: its own dtype (a gather only copies,
+  and the program's output is then the gathered array itself; slots of
+  bytes would cost every device a second copy, converting), bytes for
+  booleans."""
+  dtype = np.dtype(dtype)
+  return np.dtype(np.uint8) if dtype == np.bool_ else dtype
 
 
 def worth_it(target: Any) -> bool:

@@ -35,6 +35,8 @@ host copy of them meanwhile.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import gc
 import time
 from typing import Any
 
@@ -88,6 +90,28 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
     RestoreFailedError: another process failed otherwise.
     StructureMismatchError: the target does not fit (raised by all).
   """
+  with _no_collection():
+    return _restore(coord, key, step_dir, read_manifest, target, step=step,
+                    reads_manifest=reads_manifest, backend=backend,
+                    verify=verify, timeout_ms=timeout_ms, before=before)
+
+
+@contextlib.contextmanager
+def _no_collection():
+  """Python's cyclic garbage collector paused (if it ran): a full
+  collection (about 0.1 s with JAX loaded) in one process delays every
+  process at the next agreement or collective."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
+def _restore(coord, key, step_dir, read_manifest, target, *, step,
+             reads_manifest, backend, verify, timeout_ms, before):
   where = str(step_dir)
   log.debug("%s: restoring together", where)
   shared = f"{key}/manifest"
@@ -204,8 +228,9 @@ def _compile(leaves: list, batch: list[int], pack: read_plan.Pack | None,
             pack and jax.ShapeDtypeStruct(
                 (len(pack.devices), pack.length), np.uint8,
                 sharding=pack.sharding),
-            [jax.ShapeDtypeStruct(s.shape, np.uint8, sharding=s.stacked)
-             for _, s in how]).compile()
+            [jax.ShapeDtypeStruct(s.shape, read_plan.carrier(d),
+                                  sharding=s.stacked)
+             for d, s in how]).compile()
 
 
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
@@ -344,7 +369,8 @@ def _fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
 def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
            read: bool
            ) -> jax.Array:
-  """This process's slots of a shared leaf (zeros unless `read`)."""
+  """This process's slots of a shared leaf (zeros unless `read`), of
+  `read_plan.carrier`'s dtype."""
   local = {d: normalize_index(i, leaf.shape) for d, i in
            t.sharding.addressable_devices_indices_map(leaf.shape).items()}
   ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
@@ -353,22 +379,24 @@ def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
     if hi > lo:
       a, b = ranges.get(region, (lo, hi))
       ranges[region] = (min(a, lo), max(b, hi))
+  carrier = read_plan.carrier(leaf.dtype)
   got = {}
   if read:
     lr = LeafReader(leaf=leaf, **lr_args)
-    got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:])))
+    got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:]))
+                    .view(carrier))
            for region, (lo, hi) in ranges.items()}  # Each read once.
   blocks = []
   for device, region in local.items():
-    dims = tuple(hi - lo for lo, hi in region) + (leaf.dtype.itemsize,)
-    block = np.zeros((1, split.rows) + dims[1:], np.uint8)
+    dims = tuple(hi - lo for lo, hi in region[1:]) + split.shape[-1:]
+    block = np.zeros((1, split.rows) + dims, carrier)
     lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
     if hi > lo and read:
       first, data = got[region]
       block[0, :hi - lo] = data[lo - first:hi - first]
     blocks.append(jax.device_put(block, device))
   return jax.make_array_from_single_device_arrays(split.shape, split.stacked,
-                                                  blocks, dtype=np.uint8)
+                                                  blocks, dtype=carrier)
 
 
 def _runs(index: np.ndarray) -> list[tuple[int, int]]:

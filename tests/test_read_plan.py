@@ -51,11 +51,11 @@ def test_small_regions_stay_shared_and_balanced_on_several_devices_a_process():
   between the processes."""
   mesh, load = _Mesh(), {}
   plans = [read_plan._gathered(  # pylint: disable=protected-access
-      _regions(mesh, False, 32), mesh, ("data", "model"), (32, 256), 4,
+      _regions(mesh, False, 32), mesh, ("data", "model"), (32, 256), np.float32,
       None, 8, load)]
   for _ in range(4):
     plans.append(read_plan._gathered(  # pylint: disable=protected-access
-        _regions(mesh, True, 64), mesh, ("data",), (64, 256), 4, None, 4,
+        _regions(mesh, True, 64), mesh, ("data",), (64, 256), np.float32, None, 4,
         load))
   assert all(p is not None for p in plans), plans
   readers = []
