@@ -27,11 +27,13 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from etils import epath
+import jax
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
+from flax_ckpt_plugin import elastic
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin import rescue
@@ -108,6 +110,13 @@ class CheckpointCallback:
       processes when `jax_enable_recoverability` is set (without it, JAX
       itself ends every process when one dies).
     watch_poll_secs: the period of those polls.
+    elastic: after a lost process, the loop goes on without it: it catches
+      the loss and calls `recover` (see `elastic`), instead of the
+      survivors saving and exiting for a relaunch. Needs a local tier.
+    elastic_wait_secs: how long after a loss the survivors wait for the
+      loop to call `recover` before they save and exit anyway (set it
+      above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
+      that long in a collective with the dead process).
     local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
       local tier (see `local_tier`): every `local_every_steps` steps each
       process also saves there every shard it holds, apart from the other
@@ -169,6 +178,8 @@ class CheckpointCallback:
                backend: backend_lib.Backend | None = None,
                watch_peers: bool | None = None,
                watch_poll_secs: float = 0.5,
+               elastic: bool = False,
+               elastic_wait_secs: float = 120.0,
                local_directory: epath.PathLike | None = None,
                local_every_steps: int | None = None,
                data_iterator: datastate.DataIterator | None = None,
@@ -208,11 +219,12 @@ class CheckpointCallback:
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._watcher = None
+    self._watcher = self._rescue = None
+    self._elastic = (watch_poll_secs, elastic_wait_secs if elastic else None)
     if watch_peers and coord.process_count > 1:
-      self._watcher = rescue.watch(self.manager, self.local,
-                                   poll_secs=watch_poll_secs,
-                                   exit_code=PREEMPTED_EXIT_CODE)
+      self._watcher, self._rescue = rescue.watch(
+          self.manager, self.local, poll_secs=watch_poll_secs,
+          exit_code=PREEMPTED_EXIT_CODE, elastic_secs=self._elastic[1])
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -395,6 +407,47 @@ class CheckpointCallback:
         "resumed: restored step %d from the %s tier of %s", step, tier,
         self.directory)
     return restored
+
+  def recover(self, make_target: Callable[[list[Any]], Any]
+              ) -> tuple[Any, int]:
+    """Goes on without a lost process: call it from the loop's handler of
+    `PeerLostError` or the runtime's error, on every survivor.
+
+    Args:
+      make_target: given the live devices, the abstract state on them (a
+        tree of `jax.ShapeDtypeStruct` with shardings on a mesh of those
+        devices, like the state).
+
+    Returns:
+      The state restored from the newest local step that every survivor
+      holds, placed on the live devices, and that step; the loop goes on
+      from the step after it.
+
+    Raises:
+      The error being handled: no process was lost, or the survivors
+      cannot restore (see `elastic`); the program should then exit, and
+      the survivors save what they hold and end with `PREEMPTED_EXIT_CODE`.
+    """
+    done = elastic.recover(
+        manager=self.manager, local=self.local, watcher=self._watcher,
+        rescue=self._rescue, make_target=make_target,
+        error=elastic.caught_error(), data_iterator=self.data_iterator,
+        poll_secs=self._elastic[0], exit_code=PREEMPTED_EXIT_CODE,
+        elastic_secs=self._elastic[1] or 120.0)
+    self._watcher, self._rescue = done.watcher, done.rescue
+    if self._every_secs is not None:
+      self._every_secs.regroup(self.manager.coordinator)
+    self.restored_step, self.restored_tier = done.step, local_tier.LOCAL
+    self._chosen = None
+    log.warning("lost process(es) %s; recovered in place at step %d in"
+                " %.2fs on processes %s (%d devices)", sorted(done.lost),
+                done.step, done.secs, done.members, sum(
+                    d.process_index in done.members for d in jax.devices()))
+    if self.metric_writer is not None and self.manager.is_primary:
+      self.metric_writer.write_scalars(done.step, {
+          "elastic/recover_secs": done.secs,
+          "elastic/live_processes": len(done.members)})
+    return done.state, done.step
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""

@@ -84,8 +84,10 @@ class Coordinator(Protocol):
   def preemption_notifier_installed(self) -> bool:
     """Whether the runtime catches SIGTERM and tells every process."""
 
-  def live_processes(self) -> dict[int, int]:
-    """The live processes and each one's incarnation id (see `liveness`).
+  def live_processes(self, process_ids: Sequence[int] | None = None,
+                     timeout_secs: float | None = None) -> dict[int, int]:
+    """The live processes (among `process_ids`, all by default) and each
+    one's incarnation id (see `liveness`).
 
     A barrier over the live processes: all of them poll it the same way.
     """
@@ -295,13 +297,15 @@ class JaxCoordinator:
       return
     self._call(f"kv_delete {key!r}", lambda: client.key_value_delete(key))
 
-  def live_processes(self) -> dict[int, int]:
+  def live_processes(self, process_ids: Sequence[int] | None = None,
+                     timeout_secs: float | None = None) -> dict[int, int]:
     client = self._multi()
     if client is None:
       return {self.process_index: 0}
-    everyone = list(range(self.process_count))
+    ids = list(range(self.process_count) if process_ids is None
+               else process_ids)
     return dict(self._call("the live processes",
-                           lambda: client.get_live_nodes(everyone)))
+                           lambda: client.get_live_nodes(ids), timeout_secs))
 
   def preemption_notifier_installed(self) -> bool:
     from jax._src import distributed  # pylint: disable=g-import-not-at-top

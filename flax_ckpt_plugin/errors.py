@@ -58,7 +58,8 @@ class PeerLostError(RuntimeError):
   Raised on the survivors by the callback and by every coordination call
   that would otherwise wait for the lost process. The job cannot go on as
   it was: exit (with `PREEMPTED_EXIT_CODE`, so that the launcher restarts
-  it) and relaunch every process.
+  it) and relaunch every process, or, with a callback made with
+  `elastic=True`, go on without it (`CheckpointCallback.recover`).
 
   Attributes:
     lost: each lost process's index, and how it was lost.
@@ -70,7 +71,8 @@ class PeerLostError(RuntimeError):
     names = "; ".join(f"process {p} {why}" for p, why in sorted(lost.items()))
     super().__init__(
         f"{names} (noticed on process {process_index} of {process_count}):"
-        " the job cannot go on without it; exit and relaunch every process")
+        " the job cannot go on as it was; exit and relaunch every process,"
+        " or go on without it (CheckpointCallback.recover)")
 
   def __reduce__(self):  # Picklable with its arguments.
     return (PeerLostError, (self.lost, 0, 0))

@@ -48,7 +48,9 @@ class SoloCoordinator(Rounds):
     for k in [k for k in self._kv if k == key or k.startswith(key + "/")]:
       del self._kv[k]
 
-  def live_processes(self) -> dict[int, int]:
+  def live_processes(self, process_ids=None, timeout_secs=None
+                     ) -> dict[int, int]:
+    del process_ids, timeout_secs
     return {0: 0}
 
   def reached_preemption_sync_point(self, step: int) -> bool:
@@ -67,6 +69,8 @@ class Survivors:
 
   def __init__(self, coord: coordinator_lib.Coordinator,
                members: Sequence[int]):
+    if isinstance(coord, Survivors):  # Survivors of survivors: the job's.
+      coord = coord._coord  # pylint: disable=protected-access
     unguarded = getattr(coord, "unguarded", None)
     self._coord = unguarded() if unguarded is not None else coord
     self.members = sorted(members)
@@ -98,6 +102,22 @@ class Survivors:
 
   def next_round(self, name: str) -> int:
     return self._coord.next_round(name)
+
+  def live_processes(self, *args, **kwargs) -> dict[int, int]:
+    return self._coord.live_processes(*args, **kwargs)
+
+  def abort_when(self, check, *, replacing=None) -> None:
+    """See `JaxCoordinator.abort_when`: a watcher of the survivors (see
+    `elastic`) ends their waits, not the job's first watcher."""
+    set_abort = getattr(self._coord, "abort_when", None)
+    if set_abort is not None:
+      set_abort(check, replacing=replacing)
+
+  def reached_preemption_sync_point(self, step: int) -> bool:
+    return self._coord.reached_preemption_sync_point(step)
+
+  def preemption_notifier_installed(self) -> bool:
+    return self._coord.preemption_notifier_installed()
 
 
 def share_text(coord: coordinator_lib.Coordinator, key: str,

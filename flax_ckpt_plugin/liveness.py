@@ -47,6 +47,10 @@ def recoverability_enabled() -> bool:
   return bool(getattr(jax.config, "jax_enable_recoverability", False))
 
 
+# How long `Watcher.close` waits for the last poll of every process.
+CLOSE_SECS = 10.0
+
+
 class Watcher:
   """Polls the live processes on a daemon thread; see the module doc.
 
@@ -57,12 +61,17 @@ class Watcher:
     poll_secs: the period of the polls.
     on_lost: called on the watcher's thread with the lost processes, once
       they are reported (see `rescue`).
+    members: the processes watched (all by default; the survivors of an
+      earlier loss, see `elastic`).
   """
 
   def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
                poll_secs: float = 0.5,
-               on_lost: Callable[[dict[int, str]], None] | None = None):
+               on_lost: Callable[[dict[int, str]], None] | None = None,
+               members: Any = None):
     self._coord = coord
+    self.members = sorted(range(coord.process_count) if members is None
+                          else members)
     self._on_lost = on_lost
     self.rounds = 0  # Polls answered so far.
     self._key = key
@@ -123,33 +132,40 @@ class Watcher:
       raise lost from error
 
   def close(self) -> None:
-    """Records that this process closed, then stops polling (no wait).
+    """Records that this process closes, then stops polling.
 
-    Unless a peer was lost, the coordinator's calls stop obeying `check`.
+    Every process stops after the same poll (see `_run`), waited for at
+    most `CLOSE_SECS`: a poll left waiting for a process that stopped
+    polling would still be inside JAX's client when the process exits,
+    which aborts it. Unless a peer was lost, the coordinator's calls stop
+    obeying `check`.
     """
     if self._stop.is_set():
       return
     try:
       self._coord.kv_set(f"{self._key}/closed/{self._coord.process_index}",
-                         "1")
+                         str(self.rounds + 2))
     except Exception:  # pylint: disable=broad-except
       pass  # The peers may then report this process lost: harmless now.
+    if self._thread.is_alive() and self._thread is not threading.current_thread():
+      self._thread.join(CLOSE_SECS)
     self._stop.set()
     set_abort: Any = getattr(self._coord, "abort_when", None)
     if set_abort is not None and not self.lost:
       set_abort(None, replacing=self.check)
 
-  def _closed_peers(self) -> set[int]:
+  def _closed_peers(self) -> dict[int, int]:
+    """The processes that close: each one's last poll (see `_run`)."""
     try:
-      return {int(k.rsplit("/", 1)[1])
-              for k in self._coord.kv_dir(f"{self._key}/closed")}
+      return {int(k.rsplit("/", 1)[1]): int(v)
+              for k, v in self._coord.kv_dir(f"{self._key}/closed").items()}
     except Exception:  # pylint: disable=broad-except
-      return set()
+      return {}
 
   def _run(self) -> None:
     first: dict[int, int] | None = None
     me = self._coord.process_index
-    everyone = set(range(self._coord.process_count))
+    everyone = set(self.members)
     while not self._stop.is_set():
       try:
         live = self._coord.live_processes()
@@ -174,7 +190,7 @@ class Watcher:
                    for p, inc in live.items()
                    if p != me and p in first and inc != first[p]})
       if lost:
-        closed = self._closed_peers()
+        closed = set(self._closed_peers())
         lost = {p: why for p, why in lost.items() if p not in closed}
         everyone -= closed
       if lost:
@@ -183,6 +199,13 @@ class Watcher:
           self._on_lost(lost)
         return
       self.rounds += 1
+      # A poll is a barrier, so every process counts the same rounds. One
+      # that closes after round R-2 (or during R-1) stops after round R;
+      # its mark is visible to all once round R is done, so all stop there
+      # too, and none starts a poll that the others never join.
+      closing = self._closed_peers()
+      if closing and self.rounds >= min(closing.values()):
+        return
       self._stop.wait(self._poll_secs)
 
   def _report(self, lost: dict[int, str]) -> None:
@@ -194,13 +217,38 @@ class Watcher:
 
 def watch(coord: coordinator_lib.Coordinator, name: str, *,
           poll_secs: float = 0.5,
-          on_lost: Callable[[dict[int, str]], None] | None = None
-          ) -> Watcher:
+          on_lost: Callable[[dict[int, str]], None] | None = None,
+          members: Any = None) -> Watcher:
   """A started watcher, which every coordination call of `coord` obeys."""
   n = coord.next_round(f"liveness/{name}")
   key = f"flax_ckpt_plugin/liveness/{name}/{n}"
-  watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost).start()
+  watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
+                    members=members).start()
   set_abort: Any = getattr(coord, "abort_when", None)
   if set_abort is not None:
     set_abort(watcher.check)
   return watcher
+
+
+def outlive(coord: coordinator_lib.Coordinator, members: Any,
+            timeout_secs: float) -> None:
+  """Process 0, at its exit: waits (at most `timeout_secs`) until every
+  other member has left the coordination service, which process 0 hosts.
+
+  With recoverability on, JAX's shutdown does not wait for the other
+  processes, and one still shutting down when process 0 is gone is
+  aborted (status -6). A poll of the live processes among (0, p) is a
+  barrier over the live ones, so it returns once p is gone.
+  """
+  me = coord.process_index
+  end = time.monotonic() + timeout_secs
+  for p in members:
+    while p != me and time.monotonic() < end:
+      try:
+        if p not in coord.live_processes([me, p], timeout_secs=2.0):
+          break
+      except Exception:  # pylint: disable=broad-except
+        pass  # Still there: ask again.
+  if time.monotonic() >= end:
+    log.warning("process %d leaves before the others did (%.0fs)", me,
+                timeout_secs)

@@ -159,6 +159,7 @@ class CheckpointManager(Restoring):
     for hook in commit_hooks:
       self.add_commit_hook(hook)
     self._steps: list[int] = []
+    self._writers: list[int] | None = None  # None: every process.
     # The primary's recorded metrics of each step, for `keep_best` (steps
     # of earlier runs are read from their manifests when first needed).
     self._metrics: dict[int, Any] = {}
@@ -245,7 +246,7 @@ class CheckpointManager(Restoring):
         blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
         check_still_writer=self.check_still_writer, scope=self.scope,
-        data_state=encoded,
+        data_state=encoded, writers=self._writers,
         retention=self.retention.to_json() if self.retention.deletes else None)
     self._saves += 1
     del leaves
@@ -318,6 +319,20 @@ class CheckpointManager(Restoring):
       return False
     self._committer.check()
     return True
+
+  def regroup(self, coordinator: Any, wait_secs: float) -> None:
+    """Goes on with the processes of `coordinator` alone (the survivors
+    of a lost peer, a `groups.Survivors`): later saves meet them only, and
+    they write every byte. The save that the loss broke is waited for (at
+    most `wait_secs`) and its error dropped."""
+    try:
+      if not self.wait_until_finished(wait_secs):
+        log.warning("the save the loss broke still runs after %.0fs",
+                    wait_secs)
+    except Exception as e:  # pylint: disable=broad-except
+      log.info("dropped the error of the save the loss broke: %r", e)
+    self.coordinator = coordinator
+    self._writers = list(coordinator.members)
 
   def check_for_errors(self) -> None:
     """Raises the error of a finished background save, without waiting."""

@@ -59,6 +59,9 @@ TIMEOUT_SECS = 60.0
 LEAVE_LAST_SECS = 5.0
 # How long a survivor waits for its own background saves to end.
 WAIT_SECS = 5.0
+# How long process 0, ending well, waits for the others to leave JAX's
+# coordination service, which it hosts (see `liveness.outlive`).
+OUTLIVE_SECS = 30.0
 # How long an exiting program waits to learn whether a peer was lost: a
 # dead peer is declared dead after JAX's heartbeat timeout (100 s by
 # default); when none died, two polls (about 1 s) settle it.
@@ -67,16 +70,21 @@ SETTLE_SECS = 600.0
 
 def watch(manager: CheckpointManager,
           local: local_tier_lib.LocalTier | None, *, poll_secs: float,
-          exit_code: int) -> liveness.Watcher:
-  """Starts watching the peers; a loss starts the survivors' `Rescue`.
+          exit_code: int, elastic_secs: float | None = None,
+          members: Any = None) -> tuple[liveness.Watcher, "Rescue"]:
+  """Starts watching the peers (`members`: all by default); a loss starts
+  the survivors' `Rescue`, or with `elastic_secs` waits that long for the
+  loop to recover in place (`elastic`) first.
 
   Called on every process at the same point (see `liveness`).
   """
-  rescue = Rescue(manager, local, exit_code=exit_code)
+  rescue = Rescue(manager, local, exit_code=exit_code,
+                  elastic_secs=elastic_secs)
   watcher = liveness.watch(manager.coordinator, manager.name,
-                           poll_secs=poll_secs, on_lost=rescue.on_lost)
+                           poll_secs=poll_secs, on_lost=rescue.on_lost,
+                           members=members)
   rescue.watching(watcher)
-  return watcher
+  return watcher, rescue
 
 
 class Rescue:
@@ -86,16 +94,23 @@ class Rescue:
     manager: the persistent tier.
     local: this process's local tier, or None (then nothing is saved).
     exit_code: the status the process ends with after a loss.
+    elastic_secs: if not None, a loss first waits this long for the loop to
+      recover in place (`recovered`) or give up (`give_up`), and only then
+      saves and leaves.
   """
 
   def __init__(self, manager: CheckpointManager,
-               local: local_tier_lib.LocalTier | None, *, exit_code: int):
+               local: local_tier_lib.LocalTier | None, *, exit_code: int,
+               elastic_secs: float | None = None):
     self._manager = manager
     self._local = local
     self._exit_code = exit_code
+    self._elastic_secs = elastic_secs
     self._watcher: liveness.Watcher | None = None
     self._started = threading.Event()
     self._done = threading.Event()
+    self._decided = threading.Event()  # The loop recovered or gave up.
+    self._recovered = threading.Event()
     self.saved_step: int | None = None  # What the survivors saved.
     register = getattr(threading, "_register_atexit", None)
     try:  # Before `atexit` handlers: JAX's shutdown is one.
@@ -107,8 +122,24 @@ class Rescue:
   def watching(self, watcher: liveness.Watcher) -> None:
     self._watcher = watcher
 
+  def recovered(self) -> None:
+    """The loop goes on without the lost peers: nothing to save or end."""
+    self._recovered.set()
+    self._decided.set()
+
+  def give_up(self) -> None:
+    """The loop could not recover: save, then leave (as without
+    `elastic_secs`)."""
+    self._decided.set()
+
   def on_lost(self, lost: dict[int, str]) -> None:
     """The watcher's thread, once peers are lost: save, then leave."""
+    if self._elastic_secs is not None:
+      if not self._decided.wait(self._elastic_secs):
+        log.error("the loop did not recover within %.0fs of the loss;"
+                  " saving and leaving", self._elastic_secs)
+      if self._recovered.is_set():
+        return
     self._started.set()
     try:
       self._save(set(lost))
@@ -127,14 +158,27 @@ class Rescue:
     """The program is exiting: if a peer is lost (or being lost), finish
     the survivors' save and end with the preemption status."""
     watcher = self._watcher
-    if watcher is None or (watcher.closed and not watcher.lost):
+    if watcher is None or self._recovered.is_set():
+      return
+    if watcher.closed and not watcher.lost:  # The loop ended well.
+      if watcher.members[0] == self._manager.coordinator.process_index == 0:
+        liveness.outlive(groups.Survivors(self._manager.coordinator, []),
+                         watcher.members, OUTLIVE_SECS)
       return
     if not self._started.is_set() and not watcher.settle(SETTLE_SECS):
       watcher.close()  # No peer is lost: the others must not think so.
       return
+    self.give_up()  # Exiting: the loop did not recover.
     if self._started.wait(2.0):  # The watcher reports, then starts it.
       self._done.wait(TIMEOUT_SECS * 4)
     self._leave()
+
+  def _members(self) -> list[int]:
+    """The processes watched: the job's, or the survivors of a loss that
+    the loop recovered from."""
+    if self._watcher is not None:
+      return self._watcher.members
+    return list(range(self._manager.coordinator.process_count))
 
   def _leave(self) -> None:
     """Ends the process; process 0 last.
@@ -152,7 +196,7 @@ class Rescue:
         coord.kv_set(f"{key}/{coord.process_index}", "1")
       else:
         lost = set(watcher.lost) if watcher is not None else set()
-        others = {str(p) for p in range(1, coord.process_count)} - {
+        others = {str(p) for p in self._members() if p} - {
             str(p) for p in lost}
         end = time.monotonic() + LEAVE_LAST_SECS
         while time.monotonic() < end and not others <= {
@@ -177,12 +221,12 @@ class Rescue:
       log.warning("a peer was lost and there is no local tier to save from")
       return
     coord = manager.coordinator
-    members = sorted(set(range(coord.process_count)) - lost)
+    members = sorted(set(self._members()) - lost)
     group = groups.Survivors(coord, members)
     key = f"{manager.name}/rescue/{'-'.join(map(str, members))}"
     timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
                      * 1000)
-    step, latest = _common_step(group, key, local, manager, timeout_ms)
+    step, latest = common_step(group, key, local, manager, timeout_ms)
     if step is None or (latest is not None and latest >= step):
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
@@ -226,7 +270,7 @@ def _agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
   return outcome.result
 
 
-def _common_step(group: groups.Survivors, key: str,
+def common_step(group: groups.Survivors, key: str,
                  local: local_tier_lib.LocalTier, manager: CheckpointManager,
                  timeout_ms: int) -> tuple[int | None, int | None]:
   """The newest local step that every survivor holds, and the newest

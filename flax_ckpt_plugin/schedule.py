@@ -46,6 +46,11 @@ class EverySecs:
     self._secs_per_step: float | None = None  # Primary: the latest rate.
     self.asks = 0  # How often this process asked in all.
 
+  def regroup(self, coord: coordinator_lib.Coordinator) -> None:
+    """Meets `coord`'s processes from now on (the survivors, see
+    `elastic`)."""
+    self._coord = coord
+
   def _answer(self, step: int, now: float) -> str:
     """Primary: 'due', or 'next N' (the step at which all ask again)."""
     remaining = self.every_secs - (now - self._last_save)

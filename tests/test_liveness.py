@@ -83,15 +83,20 @@ def test_a_missing_or_restarted_peer_is_lost(answer, why):
   assert "noticed on process 0 of 3" in str(e.value)
 
 
-def test_a_peer_that_closed_is_not_lost():
-  coord = ScriptedCoordinator([ALL, ALL, {0: 10, 1: 11}])
-  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/2", "1")
+def test_a_peer_that_closed_is_not_lost_and_all_stop_after_its_last_poll():
+  """Process 2 closed after round 0 (it polls rounds 1 and 2, then stops):
+  gone at round 2, it is not lost, and this watcher stops after round 2
+  too, so that no poll waits for a process that stopped polling."""
+  coord = ScriptedCoordinator([ALL, {0: 10, 1: 11}])
+  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/2", "2")
   w = liveness.watch(coord, "run", poll_secs=0.01)
-  assert _wait_for(lambda: coord.polls >= 6)
+  assert _wait_for(lambda: coord.polls >= 2)
+  time.sleep(0.2)
+  assert coord.polls == 2
   assert w.lost == {}
   w.check()
-  w.close()
-  assert coord.kv["flax_ckpt_plugin/liveness/run/0/closed/0"] == "1"
+  w.close()  # After round 2: its own last poll would be round 4.
+  assert coord.kv["flax_ckpt_plugin/liveness/run/0/closed/0"] == "4"
 
 
 def test_no_answer_is_asked_again_until_the_service_says_who_died():
@@ -121,7 +126,7 @@ def test_no_answer_after_a_peer_closed_ends_the_watch_quietly():
   """A peer that closed stops polling, so polls block until their deadline:
   that is not a loss."""
   coord = ScriptedCoordinator([ALL, TimeoutError("no answer in 32 s")])
-  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/1", "1")
+  coord.kv_set("flax_ckpt_plugin/liveness/run/0/closed/1", "5")
   w = liveness.watch(coord, "run", poll_secs=0.01)
   assert _wait_for(lambda: coord.polls >= 2)
   time.sleep(0.1)

@@ -18,7 +18,9 @@ from typing import Any
 
 # XLA reads its flags when jax first initializes a backend: set them before
 # anything imports jax.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = " ".join(
+    ["--xla_force_host_platform_device_count=2"]
+    + os.environ.get("WORKER_XLA_FLAGS", "").split())
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position

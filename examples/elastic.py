@@ -1,0 +1,125 @@
+"""Train on several processes and go on without one that dies, in place.
+
+    python examples/elastic.py --launch 4 --kill-process 2 --kill-step 12
+
+starts 4 local processes of 2 CPU devices each (as examples/multihost.py
+does); process 2 SIGKILLs itself at step 12, as a lost machine would. The
+other three notice (JAX's recoverability, a 3 s heartbeat), their step's
+collective fails (CPU collectives time out after 10 s here), and
+`cb.recover` restores the newest step of the local tier (every 3 steps, in
+/dev/shm) on their 6 devices: they go on from there in the same processes,
+saving to the persistent tier (every 10 steps) by themselves, and end with
+code 0. Without `--kill-*`, kill a process by hand (`kill -9 PID`, with
+`--step-secs 0.5`). Losing process 0, which hosts JAX's coordination
+service, still ends the job: run it again and it resumes from the tiers.
+
+The global batch stays the same on any number of devices: it is a function
+of the step, split over the 'data' axis of whatever mesh is live (48 rows
+divide over 8 devices and over 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from multihost import launch
+
+GLOBAL_BATCH = 48
+
+
+def train(args: argparse.Namespace) -> None:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_collective_timeout_seconds=10")
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_enable_recoverability", True)
+  jax.distributed.initialize(args.coordinator, args.num_processes,
+                             args.process_id, heartbeat_timeout_seconds=3)
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top
+
+  model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
+
+  def create():
+    params = model.init(jax.random.key(0), jnp.ones((1, 32)))
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-3))
+
+  def make_target(devices):
+    """The state's shapes on a data-parallel mesh of `devices`."""
+    global mesh  # pylint: disable=global-variable-undefined
+    mesh = Mesh(np.array(devices), ("data",))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+                        jax.eval_shape(create))
+
+  @jax.jit
+  def train_step(state, x, y):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(
+        (state.apply_fn(p, x) - y) ** 2))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  def batch(step):  # The same global batch on every process, any mesh.
+    rng = np.random.default_rng(step)
+    x = rng.standard_normal((GLOBAL_BATCH, 32), dtype=np.float32)
+    return (jax.make_array_from_callback(
+        a.shape, NamedSharding(mesh, P("data")), lambda i, a=a: a[i])
+            for a in (x, np.tanh(x[:, :8])))
+
+  target = make_target(jax.devices())
+  state = jax.jit(create, out_shardings=target.step.sharding)()
+  cb = CheckpointCallback(
+      args.workdir, every_steps=10, last_step=args.num_steps, elastic=True,
+      local_directory=f"/dev/shm/flax_ckpt_plugin_elastic/{args.process_id}",
+      local_every_steps=3)
+  state = cb.restore_or_initialize(state)
+  step = int(state.step)
+  while step < args.num_steps:
+    try:
+      for step in range(step + 1, args.num_steps + 1):
+        if (args.process_id, step) == (args.kill_process, args.kill_step):
+          os.kill(os.getpid(), signal.SIGKILL)  # A lost machine.
+        state, loss = train_step(state, *batch(step))
+        loss = float(loss)  # One step at a time on every process.
+        cb(step, state, metrics={"loss": loss})
+        if cb.should_stop:  # A preemption checkpoint is durable.
+          sys.exit(cb.close() or 75)
+    except Exception:  # pylint: disable=broad-except
+      # A lost process: PeerLostError, or its collective's error. Go on
+      # from the newest local step, on the live devices.
+      state, step = cb.recover(make_target)
+  cb.close()
+  if jax.process_index() == 0:
+    print(f"done at step {step} on {len(mesh.devices.flat)} devices, loss"
+          f" {loss:.5f}", flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", default="/tmp/flax_ckpt_plugin_elastic")
+  parser.add_argument("--num-steps", type=int, default=40)
+  parser.add_argument("--kill-process", type=int, default=-1)
+  parser.add_argument("--kill-step", type=int, default=-1)
+  parser.add_argument("--launch", type=int, default=0,
+                      help="start this many local processes")
+  parser.add_argument("--devices-per-process", type=int, default=2)
+  parser.add_argument("--coordinator", default="")
+  parser.add_argument("--num-processes", type=int, default=1)
+  parser.add_argument("--process-id", type=int, default=0)
+  args = parser.parse_args()
+  if args.launch:
+    sys.exit(launch(args, __file__))
+  train(args)
+
+
+if __name__ == "__main__":
+  main()

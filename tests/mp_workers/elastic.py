@@ -1,0 +1,163 @@
+"""A data-parallel loop that goes on without a lost process (`recover`).
+
+Usage:
+  elastic.py DIR END PERSISTENT_EVERY LOCAL_EVERY [VICTIM KILL_STEP HEARTBEAT]
+  elastic.py verify DIR        (one process: digests of every persistent step)
+
+The mesh is ("data",) over every device; the TrainState is replicated, the
+global batch of BATCH rows is split over "data" (BATCH divides by 8 and 6
+devices, so it stays the same when a process's 2 devices are lost). The
+local tier is DIR/local_<process> every LOCAL_EVERY steps, the persistent
+one DIR/ckpt every PERSISTENT_EVERY; the callback is elastic.
+
+With VICTIM, that process SIGKILLs itself once it finished step
+KILL_STEP - 1 (writing the time to DIR/killed_at); JAX's recoverability is
+on, with heartbeat HEARTBEAT seconds, and CPU collectives time out after
+COLLECTIVE_TIMEOUT (env WORKER_XLA_FLAGS, set by the test). The survivors
+catch the loss, call `cb.recover(make_target)` and train to END.
+
+Reports: the digest of the state at every step a save started (by
+generation: 0 before a recovery, 1 after), each recovery (the step, the
+digest of the recovered state, seconds from the kill to the recovery and
+to the first step completed after it), and the final state's digest.
+"""
+
+import hashlib
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import _setup
+
+VERIFY = sys.argv[1] == "verify"
+if VERIFY:
+  DIR = pathlib.Path(sys.argv[2])
+  VICTIM = -1
+else:
+  DIR = pathlib.Path(sys.argv[1])
+  END, PERSISTENT_EVERY, LOCAL_EVERY = (int(a) for a in sys.argv[2:5])
+  VICTIM, KILL_STEP, HEARTBEAT = (
+      (int(a) for a in sys.argv[5:8]) if len(sys.argv) > 5 else (-1, -1, 0))
+if VERIFY:
+  pass
+elif VICTIM >= 0:
+  _setup.init(recoverable=True, heartbeat_timeout_seconds=HEARTBEAT)
+else:
+  _setup.init()
+
+import flax.linen as nn  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax.training import train_state  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+IN, HIDDEN, OUT, BATCH = 8, 16, 4, 48
+
+
+class MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(OUT)(nn.relu(nn.Dense(HIDDEN)(x)))
+
+
+def _create(rng):
+  model = MLP()
+  params = model.init(rng, jnp.zeros((1, IN)))["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=optax.adam(1e-2))
+
+
+SHAPES = jax.eval_shape(_create, jax.random.key(0))
+
+
+def digest(state) -> str:
+  """sha256 of every leaf's bytes (replicated: this process's copy)."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(state):
+    value = np.asarray(leaf.addressable_shards[0].data if isinstance(
+        leaf, jax.Array) else leaf)
+    h.update(f"{value.dtype.str}{value.shape}".encode())
+    h.update(np.ascontiguousarray(value).tobytes())
+  return h.hexdigest()
+
+
+def make_target(devices):
+  """The abstract state on a mesh of `devices`; rebuilds the step too."""
+  global train_step  # pylint: disable=global-statement
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  replicated = NamedSharding(mesh, P())
+  batch = NamedSharding(mesh, P("data"))
+
+  def step_fn(state):
+    rng = jax.random.fold_in(jax.random.key(1), state.step)
+    x = jax.lax.with_sharding_constraint(
+        jax.random.normal(rng, (BATCH, IN)), batch)
+    y = jnp.sin(x[:, :OUT])
+    grads = jax.grad(lambda p: jnp.mean(
+        (state.apply_fn({"params": p}, x) - y) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  train_step = jax.jit(step_fn, out_shardings=replicated, donate_argnums=0)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+      SHAPES)
+
+
+if VERIFY:  # A fresh job of one process: every persistent step's digest.
+  target = make_target(jax.devices())
+  with CheckpointManager(DIR / "ckpt", read_only=True) as mgr:
+    _setup.emit({str(s): digest(mgr.restore(target, s))
+                 for s in mgr.all_steps()})
+  sys.exit(0)
+
+target = make_target(jax.devices())
+state = jax.jit(_create, out_shardings=target.step.sharding)(
+    jax.random.key(0))
+cb = CheckpointCallback(
+    DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
+    local_directory=DIR / f"local_{_setup.PROCESS_ID}",
+    local_every_steps=LOCAL_EVERY, barrier_timeout_secs=60, elastic=True)
+state = cb.restore_or_initialize(state)
+saved: dict[str, str] = {}  # "generation/step": digest, at saves.
+recoveries = []
+generation, step = 0, int(state.step)
+while step < END:
+  try:
+    for step in range(step + 1, END + 1):
+      if _setup.PROCESS_ID == VICTIM and step == KILL_STEP:
+        # Steps run asynchronously: the victim dies having finished the
+        # steps before KILL_STEP (their all-reduces done on every process).
+        jax.block_until_ready(state)
+        (DIR / "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+      state = train_step(state)
+      if recoveries and "first_step_secs" not in recoveries[-1]:
+        jax.block_until_ready(state)
+        recoveries[-1]["first_step_secs"] = time.time() - float(
+            (DIR / "killed_at").read_text())
+      if cb(step, state):
+        saved[f"{generation}/{step}"] = digest(state)
+  except Exception as e:  # pylint: disable=broad-except
+    if VICTIM < 0:
+      raise
+    failed = f"{type(e).__name__}: {str(e)[:300]}"
+    state, step = cb.recover(make_target)
+    generation += 1
+    recoveries.append({
+        "step": step, "digest": digest(state), "failed": failed,
+        "recovered_secs": time.time() - float(
+            (DIR / "killed_at").read_text()),
+        "devices": len(jax.tree.leaves(state)[0].sharding.device_set)})
+cb.close()
+_setup.emit({"restored_step": cb.restored_step, "saved": saved,
+             "recoveries": recoveries, "step": step,
+             "digest": digest(state)})

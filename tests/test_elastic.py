@@ -1,0 +1,129 @@
+"""The survivors of a lost process go on training in place (`recover`).
+
+Four real JAX processes (2 CPU devices each) train a data-parallel model
+(`mp_workers/elastic.py`, callback made with `elastic=True`) with a local
+tier every LOCAL_EVERY steps and the persistent tier every
+PERSISTENT_EVERY; JAX's recoverability on, heartbeat HEARTBEAT s, CPU
+collectives timing out after COLLECTIVE_TIMEOUT s (the launch settings that
+docs/fault_tolerance.md recommends). A random non-zero process SIGKILLs
+itself at a random step. The survivors must complete a step on the 6 live
+devices within COLLECTIVE_TIMEOUT + 5 s of the kill, without exiting,
+resuming from a state bit-identical to the snapshot they saved at that step,
+at most LOCAL_EVERY steps before the kill; they run to the end, and every
+persistent step of the run restores in a fresh one-process job as the state
+the processes held when they saved it. `FLAX_CKPT_PLUGIN_ELASTIC_TRIALS`
+sets how many random (victim, step) trials run (2 by default; the
+acceptance run is 10).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import types
+
+import pytest
+
+from flax_ckpt_plugin import elastic
+from launcher import run_workers
+from launcher import WorkerGroup
+
+N, HEARTBEAT, COLLECTIVE_TIMEOUT = 4, 3, 8
+END, PERSISTENT_EVERY, LOCAL_EVERY = 30, 5, 3
+TIMEOUT = 240
+TRIALS = int(os.environ.get("FLAX_CKPT_PLUGIN_ELASTIC_TRIALS", "2"))
+ENV = {"WORKER_XLA_FLAGS":
+       f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}"}
+
+
+def _trial(run, victim: int, kill_step: int) -> list[dict]:
+  """One run with a kill; the survivors' reports (asserted on)."""
+  with WorkerGroup("elastic", N, env=ENV, args=[
+      run, END, PERSISTENT_EVERY, LOCAL_EVERY, victim, kill_step,
+      HEARTBEAT]) as g:
+    results = g.wait(TIMEOUT, check=False)
+  logs = "\n".join(r.log() for r in results)
+  assert results[victim].returncode == -9, logs
+  reports = []
+  for r in results:
+    if r.process_id == victim:
+      continue
+    assert r.returncode == 0, logs  # Never exited: ran to the end.
+    reports.append(r.json)
+  for report in reports:
+    (recovery,) = report["recoveries"]
+    assert recovery["devices"] == 2 * (N - 1), logs
+    assert recovery["first_step_secs"] < COLLECTIVE_TIMEOUT + 5, (recovery,
+                                                                 logs)
+    step = recovery["step"]
+    assert 0 <= kill_step - step <= LOCAL_EVERY, (kill_step, recovery)
+    # The in-memory snapshot it saved at that step, before the kill.
+    assert recovery["digest"] == report["saved"][f"0/{step}"], logs
+    assert report["step"] == END
+  assert len({json.dumps(r["recoveries"][0]["step"]) for r in reports}) == 1
+  assert len({r["digest"] for r in reports}) == 1, logs
+  assert "recovered in place at step" in logs, logs
+  return reports
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT * (2 * TRIALS + 1) + 60)
+def test_survivors_recover_in_place_and_every_persistent_step_restores(
+    tmp_path):
+  rng = random.Random(22)
+  table = []
+  for trial in range(TRIALS):
+    victim = rng.randrange(1, N)
+    kill_step = rng.randrange(LOCAL_EVERY + 1, END - 1)
+    run = tmp_path / f"trial{trial}"
+    reports = _trial(run, victim, kill_step)
+    (verified,) = [r.json for r in run_workers(
+        "elastic", 1, args=["verify", run], timeout=TIMEOUT)]
+    steps = sorted(int(s) for s in verified)
+    assert steps and steps[-1] == END, steps
+    assert any(s > kill_step for s in steps), steps  # Saved while degraded.
+    for s in steps:  # The state held at that save, in either generation.
+      held = {d for k, d in reports[0]["saved"].items()
+              if k.endswith(f"/{s}")}
+      assert verified[str(s)] in held, (s, verified, reports[0]["saved"])
+    recovery = reports[0]["recoveries"][0]
+    table.append((victim, kill_step, recovery["step"],
+                  round(max(r["recoveries"][0]["first_step_secs"]
+                            for r in reports), 2)))
+  print("victim, killed at, resumed at, first step after the kill (s):",
+        *table, sep="\n")
+
+
+class _Watcher:
+  """A watcher that saw no loss (a fake: the real one needs a dead peer)."""
+  lost: dict = {}
+  members = [0, 1]
+  closed = False
+
+
+def test_recover_raises_an_error_no_lost_peer_explains_at_once():
+  error = ValueError("a bug in the loop")
+  with pytest.raises(ValueError, match="a bug in the loop") as info:
+    elastic.recover(
+        manager=types.SimpleNamespace(coordinator=None), local=object(),
+        watcher=_Watcher(), rescue=object(), make_target=None,
+        error=error, data_iterator=None, poll_secs=0.5, exit_code=75,
+        elastic_secs=1.0)
+  assert info.value is error
+  assert "no process was lost" in " ".join(info.value.__notes__)
+
+
+def test_recover_needs_an_elastic_callback_with_a_local_tier():
+  error = RuntimeError("collective failed")
+  with pytest.raises(RuntimeError) as info:
+    elastic.recover(
+        manager=None, local=None, watcher=None, rescue=None,
+        make_target=None, error=error, data_iterator=None, poll_secs=0.5,
+        exit_code=75, elastic_secs=1.0)
+  assert "elastic=True" in " ".join(info.value.__notes__)
+
+
+def test_recover_outside_an_except_block_says_how_to_call_it():
+  with pytest.raises(RuntimeError, match="except"):
+    elastic.caught_error()
