@@ -46,6 +46,7 @@ def train(args: argparse.Namespace) -> None:
   import optax  # pylint: disable=g-import-not-at-top
 
   from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import PREEMPTED_EXIT_CODE  # pylint: disable=g-import-not-at-top
 
   model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
 
@@ -79,7 +80,7 @@ def train(args: argparse.Namespace) -> None:
   state = jax.jit(create, out_shardings=target.step.sharding)()
   cb = CheckpointCallback(
       args.workdir, every_steps=10, last_step=args.num_steps, elastic=True,
-      local_directory=f"/dev/shm/flax_ckpt_plugin_elastic/{args.process_id}",
+      local_directory=f"{args.local_dir}/{args.process_id}",
       local_every_steps=3)
   state = cb.restore_or_initialize(state)
   step = int(state.step)
@@ -92,7 +93,8 @@ def train(args: argparse.Namespace) -> None:
         loss = float(loss)  # One step at a time on every process.
         cb(step, state, metrics={"loss": loss})
         if cb.should_stop:  # A preemption checkpoint is durable.
-          sys.exit(cb.close() or 75)
+          cb.close()
+          sys.exit(PREEMPTED_EXIT_CODE)
     except Exception:  # pylint: disable=broad-except
       # A lost process: PeerLostError, or its collective's error. Go on
       # from the newest local step, on the live devices.
@@ -106,6 +108,9 @@ def train(args: argparse.Namespace) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", default="/tmp/flax_ckpt_plugin_elastic")
+  parser.add_argument("--local-dir", default="/dev/shm/flax_ckpt_plugin_elastic",
+                      help="the local tier: a per-host path (here per"
+                      " process)")
   parser.add_argument("--num-steps", type=int, default=40)
   parser.add_argument("--kill-process", type=int, default=-1)
   parser.add_argument("--kill-step", type=int, default=-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import operator
 import os
 import threading
@@ -26,6 +27,7 @@ from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import commit as commit_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin import storage
@@ -331,8 +333,21 @@ class CheckpointManager(Restoring):
                     wait_secs)
     except Exception as e:  # pylint: disable=broad-except
       log.info("dropped the error of the save the loss broke: %r", e)
-    self.coordinator = coordinator
-    self._writers = list(coordinator.members)
+    members = list(coordinator.members)
+    self.coordinator, self._writers = coordinator, members
+    if self.primary_host not in members:
+      self.primary_host = members[0]
+      self.is_primary = coordinator.process_index == members[0]
+    # That save may have finalized its step before it broke: the primary
+    # lists the steps anew, for all.
+    key = f"{self.name}/regroup/{coordinator.next_round(self.name)}"
+    if self.is_primary:
+      groups.share_text(coordinator, key, json.dumps(
+          atomicity_lib.finalized_steps(self.directory)))
+    steps = json.loads(groups.fetch_text(coordinator, key,
+                                         self.barrier_timeout_ms))
+    with self._lock:
+      self._steps = sorted(steps)
 
   def check_for_errors(self) -> None:
     """Raises the error of a finished background save, without waiting."""

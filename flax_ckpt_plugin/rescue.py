@@ -161,9 +161,12 @@ class Rescue:
     if watcher is None or self._recovered.is_set():
       return
     if watcher.closed and not watcher.lost:  # The loop ended well.
-      if watcher.members[0] == self._manager.coordinator.process_index == 0:
-        liveness.outlive(groups.Survivors(self._manager.coordinator, []),
-                         watcher.members, OUTLIVE_SECS)
+      coord = self._manager.coordinator
+      if watcher.members[0] == coord.process_index == 0:
+        liveness.outlive(groups.Survivors(coord, []), watcher.members,
+                         OUTLIVE_SECS)
+      if len(watcher.members) < coord.process_count:
+        _shutdown_jax()  # After a recovery in place (see `elastic`).
       return
     if not self._started.is_set() and not watcher.settle(SETTLE_SECS):
       watcher.close()  # No peer is lost: the others must not think so.
@@ -250,6 +253,21 @@ class Rescue:
     log.warning("survivors %s saved step %d from their local tiers to %s"
                 " (%d bytes written here)", members, step,
                 manager.directory, stats.process_bytes)
+
+
+def _shutdown_jax() -> None:
+  """Leaves JAX's coordination service now, while Python still runs.
+
+  Calls that waited for the lost process when it died (a barrier of the
+  save it broke waits out its whole timeout) are still inside JAX's client:
+  leaving ends them with an error on their threads, where the interpreter's
+  own teardown would abort the process (status 134).
+  """
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.shutdown()
+  except Exception as e:  # pylint: disable=broad-except
+    log.warning("leaving JAX's coordination service failed: %r", e)
 
 
 def _leave(code: int) -> None:
