@@ -27,7 +27,6 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from etils import epath
-import jax
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
@@ -439,14 +438,8 @@ class CheckpointCallback:
       self._every_secs.regroup(self.manager.coordinator)
     self.restored_step, self.restored_tier = done.step, local_tier.LOCAL
     self._chosen = None
-    log.warning("lost process(es) %s; recovered in place at step %d in"
-                " %.2fs on processes %s (%d devices)", sorted(done.lost),
-                done.step, done.secs, done.members, sum(
-                    d.process_index in done.members for d in jax.devices()))
-    if self.metric_writer is not None and self.manager.is_primary:
-      self.metric_writer.write_scalars(done.step, {
-          "elastic/recover_secs": done.secs,
-          "elastic/live_processes": len(done.members)})
+    elastic.announce(done, self.metric_writer if self.manager.is_primary
+                     else None)
     return done.state, done.step
 
   def wait_until_finished(self) -> None:

@@ -48,6 +48,7 @@ from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier as local_tier_lib
 from flax_ckpt_plugin import rescue as rescue_lib
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
@@ -133,6 +134,19 @@ def recover(*, manager: CheckpointManager,
   secs = time.monotonic() - t0
   return Recovered(outcome.result, step, members, lost, secs, new_watcher,
                    new_rescue)
+
+
+def announce(done: Recovered, metric_writer: Any) -> None:
+  """The log line of a recovery, and its metrics (`metric_writer`: the
+  callback's, on the primary; else None)."""
+  log.warning("lost process(es) %s; recovered in place at step %d in %.2fs"
+              " on processes %s (%d devices)", sorted(done.lost), done.step,
+              done.secs, done.members,
+              sum(d.process_index in done.members for d in jax.devices()))
+  if metric_writer is not None:
+    metric_writer.write_scalars(done.step, {
+        "elastic/recover_secs": done.secs,
+        "elastic/live_processes": len(done.members)})
 
 
 def caught_error() -> BaseException:

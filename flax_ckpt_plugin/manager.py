@@ -335,6 +335,11 @@ class CheckpointManager(Restoring):
       log.info("dropped the error of the save the loss broke: %r", e)
     members = list(coordinator.members)
     self.coordinator, self._writers = coordinator, members
+    # Keys of their own: the survivors may have counted the broken save
+    # differently (one whose snapshot failed did not count it), and a key
+    # used before the loss names another set of processes.
+    self.name = f"{self.name}/survivors-{'-'.join(map(str, members))}"
+    self._saves = 0
     if self.primary_host not in members:
       self.primary_host = members[0]
       self.is_primary = coordinator.process_index == members[0]
