@@ -26,6 +26,7 @@ import types
 import pytest
 
 from flax_ckpt_plugin import elastic
+from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup
 
@@ -95,6 +96,30 @@ def test_survivors_recover_in_place_and_every_persistent_step_restores(
                             for r in reports), 2)))
   print("victim, killed at, resumed at, first step after the kill (s):",
         *table, sep="\n")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_survivors_that_lack_a_shard_do_not_recover_and_exit_to_relaunch(
+    tmp_path):
+  """The first kernel's columns are split over all 8 devices: the lost
+  process held the only copy of its columns, so the survivors cannot
+  restore on their 6 devices. `recover` raises the loop's error again (a
+  note says why), the loop ends, and the survivors end with
+  PREEMPTED_EXIT_CODE for a relaunch (nothing to save: they do not hold
+  every shard either)."""
+  victim, kill_step = 2, 11
+  with WorkerGroup("elastic", N, env=dict(ENV, ELASTIC_LAYOUT="sharded"),
+                   args=[tmp_path, END, PERSISTENT_EVERY, LOCAL_EVERY,
+                         victim, kill_step, HEARTBEAT]) as g:
+    results = g.wait(TIMEOUT, check=False)
+  logs = "\n".join(r.log() for r in results)
+  assert results[victim].returncode == -9, logs
+  for r in results:
+    if r.process_id != victim:
+      assert r.returncode == PREEMPTED_EXIT_CODE, logs
+      assert "recover() could not go on without [2]" in r.stderr, logs
+      assert "recovered in place" not in r.stderr, logs
 
 
 class _Watcher:

@@ -59,7 +59,10 @@ import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-IN, HIDDEN, OUT, BATCH = 8, 16, 4, 48
+IN, HIDDEN, OUT, BATCH = 8, 48, 4, 48
+# "sharded": the first kernel's columns are split over every device (48
+# divide over 8 and 6), so no survivor holds the lost process's columns.
+SHARDED = os.environ.get("ELASTIC_LAYOUT") == "sharded"
 
 
 class MLP(nn.Module):
@@ -80,7 +83,8 @@ SHAPES = jax.eval_shape(_create, jax.random.key(0))
 
 
 def digest(state) -> str:
-  """sha256 of every leaf's bytes (replicated: this process's copy)."""
+  """sha256 of every leaf's bytes (replicated: this process's copy; the
+  sharded layout digests this process's first shard)."""
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(state):
     value = np.asarray(leaf.addressable_shards[0].data if isinstance(
@@ -94,8 +98,15 @@ def make_target(devices):
   """The abstract state on a mesh of `devices`; rebuilds the step too."""
   global train_step  # pylint: disable=global-statement
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  replicated = NamedSharding(mesh, P())
   batch = NamedSharding(mesh, P("data"))
+
+  def sharding(keypath, x):
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k)))
+                  for k in keypath)[-2:]
+    split = SHARDED and names == ("Dense_1", "kernel")  # (IN, HIDDEN)
+    return NamedSharding(mesh, P(None, "data") if split else P())
+
+  shardings = jax.tree_util.tree_map_with_path(sharding, SHAPES)
 
   def step_fn(state):
     rng = jax.random.fold_in(jax.random.key(1), state.step)
@@ -106,10 +117,10 @@ def make_target(devices):
         (state.apply_fn({"params": p}, x) - y) ** 2))(state.params)
     return state.apply_gradients(grads=grads)
 
-  train_step = jax.jit(step_fn, out_shardings=replicated, donate_argnums=0)
+  train_step = jax.jit(step_fn, out_shardings=shardings, donate_argnums=0)
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-      SHAPES)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      SHAPES, shardings)
 
 
 if VERIFY:  # A fresh job of one process: every persistent step's digest.
@@ -120,7 +131,8 @@ if VERIFY:  # A fresh job of one process: every persistent step's digest.
   sys.exit(0)
 
 target = make_target(jax.devices())
-state = jax.jit(_create, out_shardings=target.step.sharding)(
+state = jax.jit(_create, out_shardings=jax.tree.map(lambda t: t.sharding,
+                                                    target))(
     jax.random.key(0))
 cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
