@@ -430,14 +430,20 @@ class CheckpointCallback:
     done = elastic.recover(
         manager=self.manager, local=self.local, watcher=self._watcher,
         rescue=self._rescue, make_target=make_target,
-        error=elastic.caught_error(), data_iterator=self.data_iterator,
+        error=elastic.caught_error(), data_iterator=(
+            self.data_iterator if self.restore_data_state else None),
         poll_secs=self._elastic[0], exit_code=PREEMPTED_EXIT_CODE,
-        elastic_secs=self._elastic[1] or 120.0)
+        elastic_secs=self._elastic[1])
     self._watcher, self._rescue = done.watcher, done.rescue
     if self._every_secs is not None:
-      self._every_secs.regroup(self.manager.coordinator)
+      self._every_secs.regroup(self.manager.coordinator,
+                               is_primary=self.manager.is_primary)
     self.restored_step, self.restored_tier = done.step, local_tier.LOCAL
-    self._chosen = None
+    self.restored_extra, self._chosen = done.extra, None
+    # Newer local steps belong to the timeline the loss ended: the loop
+    # computes those steps anew, and saves them anew.
+    newer = [s for s in self.local.manager.all_steps() if s > done.step]
+    self._local_quietly("discard", lambda m: m.discard(newer))
     elastic.announce(done, self.metric_writer if self.manager.is_primary
                      else None)
     return done.state, done.step

@@ -57,14 +57,13 @@ from flax_ckpt_plugin.manager import CheckpointManager
 # heartbeat timeout is enough; JAX's default is 100 s. Other errors are
 # raised again at once.
 SETTLE_SECS = 120.0
-# How long the persistent tier's broken save may take to end.
-WAIT_SECS = 10.0
 
 
 class Recovered(NamedTuple):
   """What `recover` gives the callback."""
   state: Any
   step: int
+  extra: Any  # The step's `extra`.
   members: list[int]  # The survivors.
   lost: dict[int, str]
   secs: float  # From the call to the restored state.
@@ -87,7 +86,8 @@ def recover(*, manager: CheckpointManager,
       together (a note on it says why).
   """
   t0 = time.monotonic()
-  if watcher is None or rescue is None or local is None:
+  if (watcher is None or rescue is None or local is None
+      or elastic_secs is None):
     error.add_note("recover() needs a callback made with elastic=True,"
                    " local_directory= and several processes")
     raise error
@@ -96,43 +96,51 @@ def recover(*, manager: CheckpointManager,
     # A collective or a barrier with a dead peer can fail before the
     # coordination service declares it dead (one heartbeat timeout).
     end = time.monotonic() + SETTLE_SECS
-    while not watcher.lost and time.monotonic() < end and not watcher.closed:
+    while not watcher.lost and time.monotonic() < end and watcher.watching:
       time.sleep(0.05)
   lost = watcher.lost
   if not lost:
     error.add_note("recover(): no process was lost; the error is the loop's")
     raise error
+  if not rescue.claim():
+    error.add_note("recover(): too late, the survivors' save for a relaunch"
+                   f" had started ({elastic_secs:.0f}s after the loss)")
+    raise error
   members = sorted(set(watcher.members) - set(lost))
   group = groups.Survivors(manager.coordinator, members)
   timeout_ms = manager.barrier_timeout_ms
   key = f"{manager.name}/recover/{'-'.join(map(str, members))}"
+
+  def restore() -> Any:
+    devices = [d for d in jax.devices() if d.process_index in members]
+    return (local.manager.restore(make_target(devices), step,
+                                  data_iterator=data_iterator),
+            local.manager.metadata(step).extra)
+
   try:
     local.quietly("save", lambda m: m.wait_until_finished())
     step, _ = rescue_lib.common_step(group, key, local, manager, timeout_ms)
     if step is None:
       raise RuntimeError("the survivors hold no common step in their local"
                          f" tiers ({local.directory})")
-    devices = [d for d in jax.devices() if d.process_index in members]
-    target = make_target(devices)
-    outcome = coordinator_lib.agree(
-        group, f"{key}/restore", lambda: local.manager.restore(
-            target, step, data_iterator=data_iterator),
-        timeout_ms=timeout_ms)
+    outcome = coordinator_lib.agree(group, f"{key}/restore", restore,
+                                    timeout_ms=timeout_ms)
     if outcome.failures:
       raise RuntimeError(
           f"restoring local step {step} on the live devices failed:"
           f" {coordinator_lib.describe_failures(outcome.failures)}")
+    manager.regroup(group, manager.barrier_timeout_ms / 1000)
+    new_watcher, new_rescue = rescue_lib.watch(
+        manager, local, poll_secs=poll_secs, exit_code=exit_code,
+        elastic_secs=elastic_secs, members=members)
   except Exception as e:  # pylint: disable=broad-except
     rescue.give_up()
     error.add_note(f"recover() could not go on without {sorted(lost)}: {e}")
     raise error from (e if e is not error else None)
-  manager.regroup(group, WAIT_SECS)
-  new_watcher, new_rescue = rescue_lib.watch(
-      manager, local, poll_secs=poll_secs, exit_code=exit_code,
-      elastic_secs=elastic_secs, members=members)
   rescue.recovered()
   secs = time.monotonic() - t0
-  return Recovered(outcome.result, step, members, lost, secs, new_watcher,
+  (state, extra) = outcome.result
+  return Recovered(state, step, extra, members, lost, secs, new_watcher,
                    new_rescue)
 
 

@@ -104,6 +104,11 @@ class Watcher:
   def closed(self) -> bool:
     return self._stop.is_set()
 
+  @property
+  def watching(self) -> bool:
+    """Whether it still polls (not closed, and its thread runs)."""
+    return not self.closed and self._thread.is_alive()
+
   def settle(self, timeout: float) -> bool:
     """Waits until a peer is lost, the watch ends, or two polls that began
     after this call found everyone alive; True if a peer was lost.

@@ -346,10 +346,16 @@ class CheckpointManager(Restoring):
     # That save may have finalized its step before it broke: the primary
     # lists the steps anew, for all.
     key = f"{self.name}/regroup/{coordinator.next_round(self.name)}"
-    if self.is_primary:
-      groups.share_text(coordinator, key, json.dumps(
-          atomicity_lib.finalized_steps(self.directory)))
-    steps = json.loads(groups.fetch_text(coordinator, key,
+    outcome = coordinator_lib.agree(
+        coordinator, f"{key}/listed", lambda: self.is_primary and (
+            groups.share_text(coordinator, f"{key}/steps", json.dumps(
+                atomicity_lib.finalized_steps(self.directory)))),
+        timeout_ms=self.barrier_timeout_ms)
+    if outcome.failures:
+      raise RuntimeError(f"listing {self.directory} failed: "
+                         + coordinator_lib.describe_failures(
+                             outcome.failures))
+    steps = json.loads(groups.fetch_text(coordinator, f"{key}/steps",
                                          self.barrier_timeout_ms))
     with self._lock:
       self._steps = sorted(steps)

@@ -111,6 +111,8 @@ class Rescue:
     self._done = threading.Event()
     self._decided = threading.Event()  # The loop recovered or gave up.
     self._recovered = threading.Event()
+    self._claim = threading.Lock()  # Recovering and saving exclude each other.
+    self._claimed = False
     self.saved_step: int | None = None  # What the survivors saved.
     register = getattr(threading, "_register_atexit", None)
     try:  # Before `atexit` handlers: JAX's shutdown is one.
@@ -121,6 +123,14 @@ class Rescue:
 
   def watching(self, watcher: liveness.Watcher) -> None:
     self._watcher = watcher
+
+  def claim(self) -> bool:
+    """The loop starts to recover in place: False if the survivors' save
+    (for a relaunch) has started already; else it waits for `recovered`
+    or `give_up`, however long the recovery takes."""
+    with self._claim:
+      self._claimed = not self._started.is_set()
+      return self._claimed
 
   def recovered(self) -> None:
     """The loop goes on without the lost peers: nothing to save or end."""
@@ -136,8 +146,14 @@ class Rescue:
     """The watcher's thread, once peers are lost: save, then leave."""
     if self._elastic_secs is not None:
       if not self._decided.wait(self._elastic_secs):
-        log.error("the loop did not recover within %.0fs of the loss;"
-                  " saving and leaving", self._elastic_secs)
+        with self._claim:
+          if not self._claimed:  # Saving from now on: no recovery.
+            self._started.set()
+        if self._claimed:
+          self._decided.wait()
+        else:
+          log.error("the loop did not recover within %.0fs of the loss;"
+                    " saving and leaving", self._elastic_secs)
       if self._recovered.is_set():
         return
     self._started.set()
@@ -160,16 +176,17 @@ class Rescue:
     watcher = self._watcher
     if watcher is None or self._recovered.is_set():
       return
-    if watcher.closed and not watcher.lost:  # The loop ended well.
+    if (watcher.closed and not watcher.lost) or (
+        not self._started.is_set() and not watcher.settle(SETTLE_SECS)):
+      # No peer is lost (or it was, and the loop recovered): the others
+      # must not think this one is.
+      watcher.close()
       coord = self._manager.coordinator
       if watcher.members[0] == coord.process_index == 0:
         liveness.outlive(groups.Survivors(coord, []), watcher.members,
                          OUTLIVE_SECS)
       if len(watcher.members) < coord.process_count:
         _shutdown_jax()  # After a recovery in place (see `elastic`).
-      return
-    if not self._started.is_set() and not watcher.settle(SETTLE_SECS):
-      watcher.close()  # No peer is lost: the others must not think so.
       return
     self.give_up()  # Exiting: the loop did not recover.
     if self._started.wait(2.0):  # The watcher reports, then starts it.

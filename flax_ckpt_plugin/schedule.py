@@ -46,10 +46,15 @@ class EverySecs:
     self._secs_per_step: float | None = None  # Primary: the latest rate.
     self.asks = 0  # How often this process asked in all.
 
-  def regroup(self, coord: coordinator_lib.Coordinator) -> None:
+  def regroup(self, coord: coordinator_lib.Coordinator, *,
+              is_primary: bool) -> None:
     """Meets `coord`'s processes from now on (the survivors, see
-    `elastic`)."""
-    self._coord = coord
+    `elastic`), under a new key prefix: the counts start again (a survivor
+    whose save the loss broke did not count it), and the primary may be
+    another process."""
+    self._coord, self._is_primary = coord, is_primary
+    self._next_ask, self._round, self._asks_now = None, 0, 0
+    self._prev = self._secs_per_step = None
 
   def _answer(self, step: int, now: float) -> str:
     """Primary: 'due', or 'next N' (the step at which all ask again)."""
