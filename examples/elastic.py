@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 
+from multihost import add_launch_arguments
 from multihost import launch
 
 GLOBAL_BATCH = 48
@@ -114,12 +115,7 @@ def main() -> None:
   parser.add_argument("--num-steps", type=int, default=40)
   parser.add_argument("--kill-process", type=int, default=-1)
   parser.add_argument("--kill-step", type=int, default=-1)
-  parser.add_argument("--launch", type=int, default=0,
-                      help="start this many local processes")
-  parser.add_argument("--devices-per-process", type=int, default=2)
-  parser.add_argument("--coordinator", default="")
-  parser.add_argument("--num-processes", type=int, default=1)
-  parser.add_argument("--process-id", type=int, default=0)
+  add_launch_arguments(parser)
   args = parser.parse_args()
   if args.launch:
     sys.exit(launch(args, __file__))

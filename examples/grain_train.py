@@ -163,12 +163,7 @@ def main() -> None:
   parser.add_argument("--log-batches", action="store_true")
   parser.add_argument("--step-secs", type=float, default=0.0)
   parser.add_argument("--final-params", default=None)
-  parser.add_argument("--launch", type=int, default=0,
-                      help="start this many local processes")
-  parser.add_argument("--devices-per-process", type=int, default=2)
-  parser.add_argument("--coordinator", default="")
-  parser.add_argument("--num-processes", type=int, default=1)
-  parser.add_argument("--process-id", type=int, default=0)
+  multihost.add_launch_arguments(parser)
   args = parser.parse_args()
   if args.launch:
     sys.exit(multihost.launch(args, script=os.path.abspath(__file__)))

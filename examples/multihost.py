@@ -70,6 +70,16 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
   return codes[0] if len(set(codes)) == 1 else 1
 
 
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+  """--launch N, and what `launch` tells each process it starts."""
+  parser.add_argument("--launch", type=int, default=0,
+                      help="start this many local processes")
+  parser.add_argument("--devices-per-process", type=int, default=2)
+  parser.add_argument("--coordinator", default="")
+  parser.add_argument("--num-processes", type=int, default=1)
+  parser.add_argument("--process-id", type=int, default=0)
+
+
 def train(args: argparse.Namespace) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   if args.coordinator:
@@ -195,12 +205,7 @@ def main() -> None:
   parser.add_argument("--final-params", default=None,
                       help="process 0 writes the final state's leaves to"
                       " this .npz")
-  parser.add_argument("--launch", type=int, default=0,
-                      help="start this many local processes")
-  parser.add_argument("--devices-per-process", type=int, default=2)
-  parser.add_argument("--coordinator", default="")
-  parser.add_argument("--num-processes", type=int, default=1)
-  parser.add_argument("--process-id", type=int, default=0)
+  add_launch_arguments(parser)
   args = parser.parse_args()
   if args.launch:
     sys.exit(launch(args))

@@ -82,6 +82,46 @@ def leaf_digests(tree: Any) -> dict[str, str]:
   return out
 
 
+def mlp_train_state(rng, sizes: tuple[int, int, int]):
+  """The TrainState (Adam) of a 2-layer MLP of (in, hidden, out) sizes.
+
+  Flax names its layers in the order they are made: "Dense_0" is the
+  output layer (hidden x out), "Dense_1" the hidden one (in x hidden).
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  n_in, hidden, out = sizes
+
+  class MLP(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(out)(nn.relu(nn.Dense(hidden)(x)))
+
+  model = MLP()
+  params = model.init(rng, jax.numpy.zeros((1, n_in)))["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=optax.adam(1e-2))
+
+
+def die_at(step: int, victim: int, kill_step: int, directory: Any,
+           state: Any) -> None:
+  """SIGKILLs this process, as a lost machine, if it is `victim` and
+  `step` is `kill_step`, writing the time to `directory`/killed_at.
+
+  Steps run asynchronously: the victim waits for `state` first, so that it
+  dies having finished the steps before `kill_step` (their all-reduces
+  done on every process).
+  """
+  if PROCESS_ID == victim and step == kill_step:
+    import signal  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+    jax.block_until_ready(state)
+    (directory / "killed_at").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def emit(result: Any) -> None:
   """Prints the worker's result as the last line of stdout."""
   sys.stdout.flush()

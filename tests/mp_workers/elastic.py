@@ -25,7 +25,6 @@ to the first step completed after it), and the final state's digest.
 import hashlib
 import os
 import pathlib
-import signal
 import sys
 import time
 
@@ -47,14 +46,11 @@ elif VICTIM >= 0:
 else:
   _setup.init()
 
-import flax.linen as nn  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flax.training import train_state  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -65,18 +61,8 @@ IN, HIDDEN, OUT, BATCH = 8, 48, 4, 48
 SHARDED = os.environ.get("ELASTIC_LAYOUT") == "sharded"
 
 
-class MLP(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(OUT)(nn.relu(nn.Dense(HIDDEN)(x)))
-
-
 def _create(rng):
-  model = MLP()
-  params = model.init(rng, jnp.zeros((1, IN)))["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adam(1e-2))
+  return _setup.mlp_train_state(rng, (IN, HIDDEN, OUT))
 
 
 SHAPES = jax.eval_shape(_create, jax.random.key(0))
@@ -145,12 +131,7 @@ generation, step = 0, int(state.step)
 while step < END:
   try:
     for step in range(step + 1, END + 1):
-      if _setup.PROCESS_ID == VICTIM and step == KILL_STEP:
-        # Steps run asynchronously: the victim dies having finished the
-        # steps before KILL_STEP (their all-reduces done on every process).
-        jax.block_until_ready(state)
-        (DIR / "killed_at").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+      _setup.die_at(step, VICTIM, KILL_STEP, DIR, state)
       state = train_step(state)
       if recoveries and "first_step_secs" not in recoveries[-1]:
         jax.block_until_ready(state)

@@ -16,9 +16,7 @@ heartbeat HEARTBEAT seconds; the survivors report how their loop ended and
 leave as the documented loop does.
 """
 
-import os
 import pathlib
-import signal
 import sys
 import time
 
@@ -33,14 +31,11 @@ if VICTIM >= 0:
 else:
   _setup.init()
 
-import flax.linen as nn  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flax.training import train_state  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import PeerLostError  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -54,18 +49,8 @@ SPECS = {("Dense_0", "kernel"): P(None, "model"), ("Dense_0", "bias"):
          P("model"), ("Dense_1", "kernel"): P("model", None)}
 
 
-class MLP(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(OUT)(nn.relu(nn.Dense(HIDDEN)(x)))
-
-
 def _create(rng):
-  model = MLP()
-  params = model.init(rng, jnp.zeros((1, IN)))["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adam(1e-2))
+  return _setup.mlp_train_state(rng, (IN, HIDDEN, OUT))
 
 
 def _sharding(keypath, _):
@@ -103,12 +88,7 @@ result = {"restored_step": cb.restored_step, "restored_tier":
 step = int(state.step)
 try:
   for step in range(step + 1, END + 1):
-    if _setup.PROCESS_ID == VICTIM and step == KILL_STEP:
-      # Steps run asynchronously: the victim dies having finished the
-      # steps before KILL_STEP (their all-reduces done on every process).
-      jax.block_until_ready(state)
-      (DIR / "killed_at").write_text(repr(time.time()))
-      os.kill(os.getpid(), signal.SIGKILL)
+    _setup.die_at(step, VICTIM, KILL_STEP, DIR, state)
     state = train_step(state)
     cb(step, state, extra={"step": step})
   cb.close()
