@@ -31,7 +31,7 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
-from flax_ckpt_plugin import elastic as elastic_lib
+from flax_ckpt_plugin import elastic
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin.commit import CommitHook
@@ -214,7 +214,7 @@ class CheckpointCallback:
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._peers = elastic_lib.Peers(
+    self._peers = elastic.Peers(
         self.manager, self.local, poll_secs=watch_poll_secs,
         exit_code=PREEMPTED_EXIT_CODE,
         elastic_secs=elastic_wait_secs if elastic else None) if (
@@ -389,7 +389,7 @@ class CheckpointCallback:
     handled if no process was lost or the survivors cannot restore: let
     the program end; the survivors save and exit with PREEMPTED_EXIT_CODE.
     """
-    error = elastic_lib.caught_error()
+    error = elastic.caught_error()
     if self._peers is None:
       error.add_note("recover() needs a callback watching its peers")
       raise error
