@@ -19,6 +19,7 @@ manager.
 
 from __future__ import annotations
 
+import collections
 import operator
 import os
 import signal
@@ -34,9 +35,10 @@ from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import elastic
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
+from flax_ckpt_plugin import rescue
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import MetricWriter
-from flax_ckpt_plugin.stats import SaveMetrics
+from flax_ckpt_plugin.stats import save_metrics
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
@@ -110,8 +112,10 @@ class CheckpointCallback:
     elastic: after a lost process, the loop goes on without it: it catches
       the loss and calls `recover` (see `elastic`), instead of the
       survivors saving and exiting for a relaunch. Needs a local tier.
-    elastic_wait_secs: how long the survivors wait for `recover` before
-      they save and exit anyway (above the CPU collective timeout).
+    elastic_wait_secs: how long after a loss the survivors wait for the
+      loop to call `recover` before they save and exit anyway (set it
+      above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
+      that long in a collective with the dead process).
     local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
       local tier (see `local_tier`): every `local_every_steps` steps each
       process also saves there every shard it holds, apart from the other
@@ -214,14 +218,19 @@ class CheckpointCallback:
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._peers = elastic.Peers(
-        self.manager, self.local, poll_secs=watch_poll_secs,
-        exit_code=PREEMPTED_EXIT_CODE,
-        elastic_secs=elastic_wait_secs if elastic else None) if (
-            watch_peers and coord.process_count > 1) else None
-    self._metrics = SaveMetrics(metric_writer)
-    if metric_writer is not None:  # Before user hooks.
-      self.manager.add_commit_hook(self._metrics.record)
+    self._watcher = self._rescue = None
+    self._elastic = (watch_poll_secs, elastic_wait_secs if elastic else None)
+    if watch_peers and coord.process_count > 1:
+      self._watcher, self._rescue = rescue.watch(
+          self.manager, self.local, poll_secs=watch_poll_secs,
+          exit_code=PREEMPTED_EXIT_CODE, elastic_secs=self._elastic[1])
+    # Filled by the commit thread, written by the loop's thread: metric
+    # writers are not promised to be thread-safe.
+    self._finished: collections.deque[tuple[SaveStats, float]] = (
+        collections.deque())
+    self._last_durable = time.time()
+    if metric_writer is not None:
+      self.manager.add_commit_hook(self._record_save)  # Before user hooks.
     for hook in commit_hooks:
       self.manager.add_commit_hook(hook)
     self._every_secs = None if every_secs is None else EverySecs(
@@ -246,6 +255,16 @@ class CheckpointCallback:
   def add_commit_hook(self, hook: Callable[[SaveStats], None]) -> None:
     """See `CheckpointManager.add_commit_hook`."""
     self.manager.add_commit_hook(hook)
+
+  def _record_save(self, stats: SaveStats) -> None:
+    since = stats.finalized_at - self._last_durable
+    self._last_durable = stats.finalized_at
+    self._finished.append((stats, since))
+
+  def _write_metrics(self) -> None:
+    while self._finished:
+      stats, since = self._finished.popleft()
+      self.metric_writer.write_scalars(stats.step, save_metrics(stats, since))
 
   def _due(self, step: int) -> bool:
     due = (self._every_secs is not None
@@ -283,8 +302,8 @@ class CheckpointCallback:
     return True
 
   def _raise_lost_instead(self, error: Exception) -> None:
-    if self._peers is not None:
-      self._peers.watcher.raise_instead(error)
+    if self._watcher is not None:
+      self._watcher.raise_instead(error)
 
   def should_save(self, step: int) -> bool:
     """Whether a trigger fires at `step`; call it at every step.
@@ -296,9 +315,9 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
-    if self._peers is not None:
-      self._peers.watcher.check()
-    self._metrics.write()
+    if self._watcher is not None:
+      self._watcher.check()
+    self._write_metrics()
     self.manager.check_for_errors()
     self._local_quietly("save", lambda m: m.check_for_errors())
     self._chosen = None
@@ -363,9 +382,18 @@ class CheckpointCallback:
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
     """
-    found = local_tier.restore_for_callback(
-        state, self.local, self.manager, data_iterator=(
-            self.data_iterator if self.restore_data_state else None))
+    it = self.data_iterator if self.restore_data_state else None
+    if self.local is None:
+      found = self.manager.restore_newest_valid(state, data_iterator=it)
+      found = None if found is None else (found[0], local_tier.PERSISTENT, (
+          found[1], self.manager.metadata(found[0]).extra))
+    else:
+      found = local_tier.restore_into(state, self.local, self.manager,
+                                      data_iterator=it)
+    if self.local is not None:  # Newer local steps belong to another past.
+      newer = [s for s in self.local.manager.all_steps()
+               if found is None or s > found[0]]
+      self._local_quietly("discard", lambda m: m.discard(newer))
     if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)
@@ -381,26 +409,43 @@ class CheckpointCallback:
 
   def recover(self, make_target: Callable[[list[Any]], Any]
               ) -> tuple[Any, int]:
-    """Goes on without a lost process (see `elastic`): call it on every
-    survivor from the loop's handler of `PeerLostError` or the runtime's
-    error. `make_target(devices)` gives the abstract state (with shardings)
-    on a mesh of the live devices. Returns the newest local step that all
-    survivors hold, placed there, and that step. Raises the error being
-    handled if no process was lost or the survivors cannot restore: let
-    the program end; the survivors save and exit with PREEMPTED_EXIT_CODE.
+    """Goes on without a lost process: call it from the loop's handler of
+    `PeerLostError` or the runtime's error, on every survivor.
+
+    Args:
+      make_target: given the live devices, the abstract state on them (a
+        tree of `jax.ShapeDtypeStruct` with shardings on a mesh of those
+        devices, like the state).
+
+    Returns:
+      The state restored from the newest local step that every survivor
+      holds, placed on the live devices, and that step; the loop goes on
+      from the step after it.
+
+    Raises:
+      The error being handled: no process was lost, or the survivors
+      cannot restore (see `elastic`); the program should then exit, and
+      the survivors save what they hold and end with `PREEMPTED_EXIT_CODE`.
     """
-    error = elastic.caught_error()
-    if self._peers is None:
-      error.add_note("recover() needs a callback watching its peers")
-      raise error
-    done = self._peers.recover(make_target, error, data_iterator=(
-        self.data_iterator if self.restore_data_state else None),
-                               metric_writer=self.metric_writer)
+    done = elastic.recover(
+        manager=self.manager, local=self.local, watcher=self._watcher,
+        rescue=self._rescue, make_target=make_target,
+        error=elastic.caught_error(), data_iterator=(
+            self.data_iterator if self.restore_data_state else None),
+        poll_secs=self._elastic[0], exit_code=PREEMPTED_EXIT_CODE,
+        elastic_secs=self._elastic[1])
+    self._watcher, self._rescue = done.watcher, done.rescue
     if self._every_secs is not None:
       self._every_secs.regroup(self.manager.coordinator,
                                is_primary=self.manager.is_primary)
     self.restored_step, self.restored_tier = done.step, local_tier.LOCAL
     self.restored_extra, self._chosen = done.extra, None
+    # Newer local steps belong to the timeline the loss ended: the loop
+    # computes those steps anew, and saves them anew.
+    newer = [s for s in self.local.manager.all_steps() if s > done.step]
+    self._local_quietly("discard", lambda m: m.discard(newer))
+    elastic.announce(done, self.metric_writer if self.manager.is_primary
+                     else None)
     return done.state, done.step
 
   def wait_until_finished(self) -> None:
@@ -412,7 +457,7 @@ class CheckpointCallback:
       self._raise_lost_instead(e)
       raise
     finally:
-      self._metrics.write()
+      self._write_metrics()
 
   def close(self) -> None:
     """Restores signal handlers, waits for the running save, raises its error.
@@ -430,11 +475,11 @@ class CheckpointCallback:
       self._raise_lost_instead(e)
       raise
     finally:
-      self._metrics.write()
-      if self._peers is not None:
-        self._peers.watcher.close()
-    if self._peers is not None:
-      self._peers.watcher.check()
+      self._write_metrics()
+      if self._watcher is not None:
+        self._watcher.close()
+    if self._watcher is not None:
+      self._watcher.check()
 
   def __enter__(self) -> "CheckpointCallback":
     return self
@@ -448,6 +493,6 @@ class CheckpointCallback:
       self.manager.__exit__(exc_type, exc, tb)
       self._local_quietly("save", lambda m: m.close())
     finally:
-      self._metrics.write()
+      self._write_metrics()
       # The watcher goes on: the error may be a collective's with a peer
       # that is dying, which the exit hook then learns (see `rescue`).

@@ -144,39 +144,6 @@ def recover(*, manager: CheckpointManager,
                    new_rescue)
 
 
-class Peers:
-  """A callback's watch over its peers: the watcher and the survivors'
-  rescue of the processes it runs with now (see `rescue.watch`), and its
-  recovery in place (`elastic_secs`: None unless the callback is elastic).
-  """
-
-  def __init__(self, manager: CheckpointManager,
-               local: local_tier_lib.LocalTier | None, *, poll_secs: float,
-               exit_code: int, elastic_secs: float | None):
-    self._manager, self._local = manager, local
-    self._poll_secs, self._exit_code = poll_secs, exit_code
-    self._elastic_secs = elastic_secs
-    self.watcher, self.rescue = rescue_lib.watch(
-        manager, local, poll_secs=poll_secs, exit_code=exit_code,
-        elastic_secs=elastic_secs)
-
-  def recover(self, make_target: Callable[[list[Any]], Any],
-              error: BaseException, *, data_iterator: Any,
-              metric_writer: Any) -> Recovered:
-    """`recover`; from then on, watches the survivors. Local steps newer
-    than the one restored are discarded (see `LocalTier.discard_newer`);
-    the primary writes the recovery's metrics to `metric_writer`."""
-    done = recover(
-        manager=self._manager, local=self._local, watcher=self.watcher,
-        rescue=self.rescue, make_target=make_target, error=error,
-        data_iterator=data_iterator, poll_secs=self._poll_secs,
-        exit_code=self._exit_code, elastic_secs=self._elastic_secs)
-    self.watcher, self.rescue = done.watcher, done.rescue
-    self._local.discard_newer(done.step)
-    announce(done, metric_writer if self._manager.is_primary else None)
-    return done
-
-
 def announce(done: Recovered, metric_writer: Any) -> None:
   """The log line of a recovery, and its metrics (`metric_writer`: the
   callback's, on the primary; else None)."""

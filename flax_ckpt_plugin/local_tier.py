@@ -71,13 +71,6 @@ class LocalTier:
   def directory(self) -> epath.Path:
     return self.manager.directory
 
-  def discard_newer(self, step: int | None) -> None:
-    """Discards the steps newer than `step` (all if None), quietly: they
-    belong to a timeline the job left (a restore or a recovery went back
-    to `step`), and the loop computes and saves those steps anew."""
-    newer = [s for s in self.manager.all_steps() if step is None or s > step]
-    self.quietly("discard", lambda m: m.discard(newer))
-
   def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
               ) -> None:
     """`fn(self.manager)`; an error is logged, never raised: the local
@@ -219,24 +212,6 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
   if damaged:
     persistent.set_aside(damaged)
   return step, tier, tree
-
-
-def restore_for_callback(state: Any, local: LocalTier | None,
-                         persistent: CheckpointManager, *,
-                         data_iterator: datastate.DataIterator | None
-                         ) -> tuple[int, str, Any] | None:
-  """The callback's resume: (step, tier, (tree, extra)) from the fastest
-  tier (`restore_into`), or from the persistent tier alone without a local
-  one; None when there is nothing. Local steps newer than the one restored
-  are discarded."""
-  if local is None:
-    found = persistent.restore_newest_valid(state,
-                                            data_iterator=data_iterator)
-    return None if found is None else (found[0], PERSISTENT, (
-        found[1], persistent.metadata(found[0]).extra))
-  found = restore_into(state, local, persistent, data_iterator=data_iterator)
-  local.discard_newer(None if found is None else found[0])
-  return found
 
 
 def restore_into(state: Any, local: LocalTier,

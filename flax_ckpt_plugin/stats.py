@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import time
 from typing import Any, Protocol
 
 from etils import epath
@@ -76,25 +74,3 @@ def save_metrics(stats: SaveStats, secs_since_last_durable: float
       "checkpoint/gbytes_per_sec": stats.gbytes_per_sec,
       "checkpoint/secs_since_last_durable": secs_since_last_durable,
   }
-
-
-class SaveMetrics:
-  """A callback's per-save scalars (`save_metrics`): recorded by the commit
-  thread (`record`, a commit hook), written from the loop's thread
-  (`write`): metric writers are not promised to be thread-safe."""
-
-  def __init__(self, writer: MetricWriter | None):
-    self.writer = writer
-    self._finished: collections.deque[tuple[SaveStats, float]] = (
-        collections.deque())
-    self._last_durable = time.time()
-
-  def record(self, stats: SaveStats) -> None:
-    since = stats.finalized_at - self._last_durable
-    self._last_durable = stats.finalized_at
-    self._finished.append((stats, since))
-
-  def write(self) -> None:
-    while self._finished:
-      stats, since = self._finished.popleft()
-      self.writer.write_scalars(stats.step, save_metrics(stats, since))
