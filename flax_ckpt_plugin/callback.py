@@ -32,10 +32,10 @@ from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
-from flax_ckpt_plugin import elastic
+from flax_ckpt_plugin import elastic as elastic_lib
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin import rescue
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import MetricWriter
 from flax_ckpt_plugin.stats import save_metrics
@@ -201,29 +201,40 @@ class CheckpointCallback:
     self.metric_writer = metric_writer
     self.data_iterator = data_iterator
     self.restore_data_state = restore_data_state
+    coord = coordinator or coordinator_lib.default()
+    if watch_peers is None:
+      watch_peers = liveness.recoverability_enabled()
+    watch_peers = watch_peers and coord.process_count > 1
+    # A process relaunched after a loss, which the survivors take back: it
+    # opens its tiers by itself, then waits for them in
+    # `restore_or_initialize` (see `elastic`).
+    rejoins = elastic_lib.joining(coord, directory) if (
+        elastic and watch_peers) else None
+    if rejoins is not None:
+      coord = groups.Survivors(coord, [coord.process_index])
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep,
         keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
         best_metric=best_metric, best_mode=best_mode,
         keep_without_metric=keep_without_metric, atomicity=atomicity,
-        primary_host=primary_host, barrier_timeout_secs=barrier_timeout_secs,
-        name=name, coordinator=coordinator, backend=backend)
-    coord = self.manager.coordinator
+        primary_host=primary_host if rejoins is None else rejoins.primary,
+        barrier_timeout_secs=barrier_timeout_secs, name=name,
+        coordinator=coord, backend=backend)
     self.local_every_steps = local_every_steps
     self.local = None if local_directory is None else local_tier.open_tier(
         local_directory, local_tier.job_name(os.fspath(directory)),
         coordinator=coord, timeout_ms=self.manager.barrier_timeout_ms)
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
-    if watch_peers is None:
-      watch_peers = liveness.recoverability_enabled()
     # Started here, on every process at the same point: see `liveness`.
-    self._watcher = self._rescue = None
-    self._elastic = (watch_poll_secs, elastic_wait_secs if elastic else None)
-    if watch_peers and coord.process_count > 1:
-      self._watcher, self._rescue = rescue.watch(
-          self.manager, self.local, poll_secs=watch_poll_secs,
-          exit_code=PREEMPTED_EXIT_CODE, elastic_secs=self._elastic[1])
+    self._peers = elastic_lib.Peers(
+        self.manager, self.local, directory, poll_secs=watch_poll_secs,
+        exit_code=PREEMPTED_EXIT_CODE,
+        elastic_secs=elastic_wait_secs if elastic else None,
+        primary_host=primary_host, group=rejoins) if watch_peers else None
+    # The step at which the group takes back a relaunched process.
+    self._rebuild_at: int | None = None
+    self.should_rebuild = False
     # Filled by the commit thread, written by the loop's thread: metric
     # writers are not promised to be thread-safe.
     self._finished: collections.deque[tuple[SaveStats, float]] = (
@@ -293,17 +304,22 @@ class CheckpointCallback:
       Exception: the error of an earlier background save (once).
     """
     try:
-      if not self.should_save(step):
-        return False
-      self.save(step, state, extra=extra, metrics=metrics)
+      if self._peers is not None and self._peers.rebuild_due(step, state):
+        self._rebuild_at = step  # Saved to the local tier, then rebuilt.
+      saved = self.should_save(step)
+      if saved:
+        self.save(step, state, extra=extra, metrics=metrics)
+      if self._rebuild_at == step:
+        self._local_quietly("save", lambda m: m.wait_until_finished())
+        self.should_rebuild = True
     except Exception as e:
       self._raise_lost_instead(e)
       raise
-    return True
+    return saved
 
   def _raise_lost_instead(self, error: Exception) -> None:
-    if self._watcher is not None:
-      self._watcher.raise_instead(error)
+    if self._peers is not None:
+      self._peers.raise_instead(error)
 
   def should_save(self, step: int) -> bool:
     """Whether a trigger fires at `step`; call it at every step.
@@ -315,8 +331,8 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
-    if self._watcher is not None:
-      self._watcher.check()
+    if self._peers is not None:
+      self._peers.check()
     self._write_metrics()
     self.manager.check_for_errors()
     self._local_quietly("save", lambda m: m.check_for_errors())
@@ -332,7 +348,8 @@ class CheckpointCallback:
       self.should_stop = preempted  # That step is already durable.
       persistent = False
     local = (self.local is not None and not preempted and step > 0
-             and step % self.local_every_steps == 0
+             and (step % self.local_every_steps == 0
+                  or step == self._rebuild_at)
              and step not in self.local.manager.all_steps())
     if not (persistent or local):
       return False
@@ -371,7 +388,9 @@ class CheckpointCallback:
     if self.local is not None:  # See `LocalTier.quietly`.
       self.local.quietly(what, fn)
 
-  def restore_or_initialize(self, state: Any) -> Any:
+  def restore_or_initialize(
+      self, state: Any,
+      make_target: Callable[[list[Any]], Any] | None = None) -> Any:
     """The newest good finalized step restored like `state`, else `state`.
 
     A step that fails verification (damaged or missing files) is skipped
@@ -379,10 +398,20 @@ class CheckpointCallback:
     `restored_step` and `restored_extra` (the `extra` saved with it), or
     leaves them None when there is nothing to restore.
 
+    In an elastic job, a process relaunched after a loss instead waits
+    until the survivors take it back, and receives their state from their
+    local tiers (`restored_tier` "peer"; see `elastic`), on a mesh of
+    every device in the group's new order: `make_target(devices)` if given
+    (as for `recover`), else `state`'s meshes with their devices replaced
+    position for position.
+
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
     """
     it = self.data_iterator if self.restore_data_state else None
+    if self._peers is not None and self._peers.rejoining:
+      return self._rejoined(self._peers.rejoin(make_target, state, it),
+                            local_tier.PEER)
     if self.local is None:
       found = self.manager.restore_newest_valid(state, data_iterator=it)
       found = None if found is None else (found[0], local_tier.PERSISTENT, (
@@ -409,8 +438,9 @@ class CheckpointCallback:
 
   def recover(self, make_target: Callable[[list[Any]], Any]
               ) -> tuple[Any, int]:
-    """Goes on without a lost process: call it from the loop's handler of
-    `PeerLostError` or the runtime's error, on every survivor.
+    """Goes on without a lost process, or takes its replacement back: call
+    it on every survivor from the loop's handler of `PeerLostError` or the
+    runtime's error, and when `should_rebuild` is set (see `elastic`).
 
     Args:
       make_target: given the live devices, the abstract state on them (a
@@ -418,35 +448,44 @@ class CheckpointCallback:
         devices, like the state).
 
     Returns:
-      The state restored from the newest local step that every survivor
-      holds, placed on the live devices, and that step; the loop goes on
-      from the step after it.
+      The state and its step: after a loss, the newest local step that
+      every survivor holds, on the live devices (the loop goes on from the
+      step after it); after `should_rebuild`, the step just saved, on the
+      devices of every process, the relaunched ones too.
 
     Raises:
       The error being handled: no process was lost, or the survivors
       cannot restore (see `elastic`); the program should then exit, and
       the survivors save what they hold and end with `PREEMPTED_EXIT_CODE`.
     """
-    done = elastic.recover(
-        manager=self.manager, local=self.local, watcher=self._watcher,
-        rescue=self._rescue, make_target=make_target,
-        error=elastic.caught_error(), data_iterator=(
-            self.data_iterator if self.restore_data_state else None),
-        poll_secs=self._elastic[0], exit_code=PREEMPTED_EXIT_CODE,
-        elastic_secs=self._elastic[1])
-    self._watcher, self._rescue = done.watcher, done.rescue
+    it = self.data_iterator if self.restore_data_state else None
+    if self.should_rebuild:
+      self.should_rebuild, self._rebuild_at = False, None
+      done = self._peers.rejoin(make_target, None, None)
+      return self._rejoined(done, local_tier.LOCAL), done.step
+    if self._peers is None:
+      error = elastic_lib.caught_error()
+      error.add_note("recover() needs a callback made with elastic=True,"
+                     " local_directory= and several processes")
+      raise error
+    done = self._peers.recover(make_target, elastic_lib.caught_error(), it)
+    return self._rejoined(done, local_tier.LOCAL), done.step
+
+  def _rejoined(self, done: elastic_lib.Recovered, tier: str) -> Any:
+    """After `Peers.recover` or `Peers.rejoin`: the callback goes on with
+    the new group from `done.step`."""
     if self._every_secs is not None:
       self._every_secs.regroup(self.manager.coordinator,
                                is_primary=self.manager.is_primary)
-    self.restored_step, self.restored_tier = done.step, local_tier.LOCAL
+    self.restored_step, self.restored_tier = done.step, tier
     self.restored_extra, self._chosen = done.extra, None
     # Newer local steps belong to the timeline the loss ended: the loop
     # computes those steps anew, and saves them anew.
     newer = [s for s in self.local.manager.all_steps() if s > done.step]
     self._local_quietly("discard", lambda m: m.discard(newer))
-    elastic.announce(done, self.metric_writer if self.manager.is_primary
-                     else None)
-    return done.state, done.step
+    elastic_lib.announce(done, self.metric_writer if self.manager.is_primary
+                         else None)
+    return done.state
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""
@@ -476,10 +515,10 @@ class CheckpointCallback:
       raise
     finally:
       self._write_metrics()
-      if self._watcher is not None:
-        self._watcher.close()
-    if self._watcher is not None:
-      self._watcher.check()
+      if self._peers is not None:
+        self._peers.close()
+    if self._peers is not None:
+      self._peers.check()
 
   def __enter__(self) -> "CheckpointCallback":
     return self

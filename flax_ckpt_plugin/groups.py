@@ -86,6 +86,8 @@ class Survivors:
   def barrier(self, key: str, *, timeout_ms: int,
               process_ids: Sequence[int] | None = None) -> None:
     del process_ids
+    if self.members == [self.process_index]:
+      return  # A group of one meets nobody (and reuses no key of the job's).
     self._coord.barrier(key, timeout_ms=timeout_ms, process_ids=self.members)
 
   def kv_set(self, key: str, value: str) -> None:

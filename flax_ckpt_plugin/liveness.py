@@ -32,6 +32,7 @@ not reported lost.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any, Callable
@@ -63,13 +64,21 @@ class Watcher:
       they are reported (see `rescue`).
     members: the processes watched (all by default; the survivors of an
       earlier loss, see `elastic`).
+    join_key: with survivors, the key-value directory where a replacement
+      process says it wants to join (see `elastic`), read after each poll.
+    lost_key: set to the lost processes once they are reported (for a
+      replacement process, see `elastic`).
   """
 
   def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
                poll_secs: float = 0.5,
                on_lost: Callable[[dict[int, str]], None] | None = None,
-               members: Any = None):
+               members: Any = None, join_key: str | None = None,
+               lost_key: str | None = None):
     self._coord = coord
+    self._lost_key = lost_key
+    self._join_key = join_key
+    self._joining: frozenset[int] = frozenset()
     self.members = sorted(range(coord.process_count) if members is None
                           else members)
     self._on_lost = on_lost
@@ -99,6 +108,12 @@ class Watcher:
       return None
     return PeerLostError(lost, self._coord.process_index,
                          self._coord.process_count)
+
+  @property
+  def joining(self) -> frozenset[int]:
+    """The processes that asked to join the watched ones (see `join_key`)."""
+    with self._lock:
+      return self._joining
 
   @property
   def closed(self) -> bool:
@@ -173,7 +188,7 @@ class Watcher:
     everyone = set(self.members)
     while not self._stop.is_set():
       try:
-        live = self._coord.live_processes()
+        live = self._coord.live_processes(self.members)
       except PeerLostError:
         return
       except Exception:  # pylint: disable=broad-except
@@ -204,6 +219,7 @@ class Watcher:
           self._on_lost(lost)
         return
       self.rounds += 1
+      self._read_joining(everyone)
       # A poll is a barrier, so every process counts the same rounds. One
       # that closes after round R-2 (or during R-1) stops after round R;
       # its mark is visible to all once round R is done, so all stop there
@@ -213,22 +229,40 @@ class Watcher:
         return
       self._stop.wait(self._poll_secs)
 
+  def _read_joining(self, members: set[int]) -> None:
+    if self._join_key is None:
+      return
+    try:
+      asked = {int(k.rsplit("/", 1)[1]) for k in self._coord.kv_dir(
+          self._join_key)}
+    except Exception:  # pylint: disable=broad-except
+      return  # Read again after the next poll.
+    with self._lock:
+      self._joining = frozenset(asked - members)
+
   def _report(self, lost: dict[int, str]) -> None:
     with self._lock:
       self._lost.update(lost)
       self.lost_at = time.monotonic()
     log.error("%s", self.error())
+    if self._lost_key is not None:
+      try:
+        self._coord.kv_set(self._lost_key, json.dumps(sorted(lost)))
+      except Exception:  # pylint: disable=broad-except
+        pass  # Only a replacement process reads it, to learn it is late.
 
 
 def watch(coord: coordinator_lib.Coordinator, name: str, *,
           poll_secs: float = 0.5,
           on_lost: Callable[[dict[int, str]], None] | None = None,
-          members: Any = None) -> Watcher:
+          members: Any = None, join_key: str | None = None,
+          lost_key: str | None = None) -> Watcher:
   """A started watcher, which every coordination call of `coord` obeys."""
   n = coord.next_round(f"liveness/{name}")
   key = f"flax_ckpt_plugin/liveness/{name}/{n}"
   watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
-                    members=members).start()
+                    members=members, join_key=join_key,
+                    lost_key=lost_key).start()
   set_abort: Any = getattr(coord, "abort_when", None)
   if set_abort is not None:
     set_abort(watcher.check)

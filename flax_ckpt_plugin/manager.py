@@ -176,6 +176,7 @@ class CheckpointManager(Restoring):
           atomicity_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
       self._steps = steps
+    self._opened_name = self.name  # `regroup` names its groups under it.
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
@@ -322,11 +323,21 @@ class CheckpointManager(Restoring):
     self._committer.check()
     return True
 
-  def regroup(self, coordinator: Any, wait_secs: float) -> None:
-    """Goes on with the processes of `coordinator` alone (the survivors
-    of a lost peer, a `groups.Survivors`): later saves meet them only, and
-    they write every byte. The save that the loss broke is waited for (at
-    most `wait_secs`) and its error dropped."""
+  def regroup(self, coordinator: Any, wait_secs: float, *, tag: str,
+              primary_host: int) -> None:
+    """Goes on with the processes of `coordinator` alone (a
+    `groups.Survivors`: the survivors of a lost peer, or every process
+    again once a replacement rejoined, see `elastic`): later saves meet
+    them only, and they write every byte. The save that the loss broke is
+    waited for (at most `wait_secs`) and its error dropped.
+
+    Args:
+      coordinator: the group.
+      wait_secs: how long to wait for the running save.
+      tag: names the group's keys (the same on every member, new for each
+        regroup of the job).
+      primary_host: the group's primary (a member).
+    """
     try:
       if not self.wait_until_finished(wait_secs):
         log.warning("the save the loss broke still runs after %.0fs",
@@ -335,14 +346,14 @@ class CheckpointManager(Restoring):
       log.info("dropped the error of the save the loss broke: %r", e)
     members = list(coordinator.members)
     self.coordinator, self._writers = coordinator, members
-    # Keys of their own: the survivors may have counted the broken save
-    # differently (one whose snapshot failed did not count it), and a key
-    # used before the loss names another set of processes.
-    self.name = f"{self.name}/survivors-{'-'.join(map(str, members))}"
+    # Keys of their own: the members may have counted the broken save
+    # differently (one whose snapshot failed did not count it), a key used
+    # before names another set of processes, and a process that rejoins
+    # counted no save at all.
+    self.name = f"{self._opened_name}/{tag}"
     self._saves = 0
-    if self.primary_host not in members:
-      self.primary_host = members[0]
-      self.is_primary = coordinator.process_index == members[0]
+    self.primary_host = primary_host
+    self.is_primary = coordinator.process_index == primary_host
     # That save may have finalized its step before it broke: the primary
     # lists the steps anew, for all.
     key = f"{self.name}/regroup/{coordinator.next_round(self.name)}"

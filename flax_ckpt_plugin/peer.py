@@ -141,7 +141,8 @@ def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
 
 def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
             holders: list[int], local_dir: Any, target: Any, *,
-            timeout_ms: int) -> tuple[Any, Any]:
+            timeout_ms: int, devices: list[Any] | None = None
+            ) -> tuple[Any, Any]:
   """Restores `step` like `target`, from the local tiers of `holders`.
 
   Called on every process; see the module doc.
@@ -154,6 +155,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
     local_dir: this process's local tier directory (`LocalTier.directory`).
     target: what to restore into, as for `CheckpointManager.restore`.
     timeout_ms: how long to wait for the others at each phase.
+    devices: the devices that receive the leaves that travel whole, in
+      order (all by default; `elastic` gives the group's new order).
 
   Returns:
     The restored tree, and the step's `extra`.
@@ -179,7 +182,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
     saved = manifest_lib.parse(groups.fetch_text(
         coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
     return _prepare(saved, target, step_dir if holding else None,
-                    me == source, set(holders), where)
+                    me == source, set(holders), where,
+                    devices or jax.devices())
 
   prepared = _agree(coord, f"{key}/read", prepare, where, timeout_ms)
   return _run(*prepared)
@@ -194,7 +198,8 @@ def local_read(step_dir: Any) -> bytes:
 
 
 def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
-             is_source: bool, holders: set[int], where: str):
+             is_source: bool, holders: set[int], where: str,
+             devices: list[Any]):
   """Checks the target, plans every leaf, reads the bytes this process
   sends, and builds and compiles the program, so that anything that can
   fail here fails before any process enters a collective. Returns the
@@ -252,12 +257,12 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
   finally:
     if mine is not None:
       reader.close()
-  return (treedef, plans, *_program(plans, flat, sum(flat_parts)),
-          saved.extra)
+  return (treedef, plans,
+          *_program(plans, flat, sum(flat_parts), devices), saved.extra)
 
 
-def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int
-             ) -> tuple[Any, tuple[Any, Any]]:
+def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int,
+             devices: list[Any]) -> tuple[Any, tuple[Any, Any]]:
   """The compiled gather, and its inputs."""
   stacked = [p for p in plans if p[0] == "stacked"]
   arrays = [jax.make_array_from_single_device_arrays(
@@ -265,7 +270,7 @@ def _program(plans: list[tuple], flat: list[np.ndarray], flat_bytes: int
       blocks) for _, leaf, plan, _, blocks in stacked]
   flat_in, flat_out_sharding = None, None
   if flat_bytes:
-    devices = np.array(jax.devices())
+    devices = np.array(devices)
     mesh = jax.sharding.Mesh(devices, ("all",))
     sharding = NamedSharding(mesh, PartitionSpec("all", None))
     flat_out_sharding = NamedSharding(mesh, PartitionSpec())

@@ -129,6 +129,8 @@ class WorkerGroup:
     self._procs: list[subprocess.Popen] = []
     # Per worker, the wall-clock time `wait` saw it end (within 0.05 s).
     self.ended_at: dict[int, float] = {}
+    self.earlier: dict[int, list[WorkerResult]] = {}  # See `relaunch`.
+    self._log_names: dict[int, str] = {}
 
   def _worker_env(self, i: int) -> dict[str, str]:
     env = dict(os.environ)
@@ -152,7 +154,8 @@ class WorkerGroup:
     return env
 
   def _log_path(self, i: int, stream: str) -> str:
-    return os.path.join(self._log_dir, f"{i}.{stream}")
+    return os.path.join(self._log_dir,
+                        f"{self._log_names.get(i, i)}.{stream}")
 
   def start(self) -> "WorkerGroup":
     for i in range(self.num_processes):
@@ -164,6 +167,24 @@ class WorkerGroup:
             self._argv, env=self._worker_env(i), cwd=REPO_ROOT, stdout=out,
             stderr=err, stdin=subprocess.DEVNULL, start_new_session=True))
     return self
+
+  def relaunch(self, i: int) -> None:
+    """Starts worker `i` again (after it died), as a replaced machine: the
+    same process id and arguments. `earlier[i]` keeps the dead one's
+    result; its logs go to files of their own."""
+    old = self.results()[i]
+    self.earlier.setdefault(i, []).append(old)
+    self.ended_at.pop(i, None)
+    n = len(self.earlier[i])
+    self._log_names[i] = f"{i}.{n}"
+    with open(self._log_path(i, "out"), "wb") as out, \
+         open(self._log_path(i, "err"), "wb") as err:
+      self._procs[i] = subprocess.Popen(
+          self._argv, env=self._worker_env(i), cwd=REPO_ROOT, stdout=out,
+          stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+
+  def running(self, i: int) -> bool:
+    return self._procs[i].poll() is None
 
   def pid(self, i: int) -> int:
     return self._procs[i].pid

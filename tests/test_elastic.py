@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 import types
 
 import pytest
@@ -122,6 +123,63 @@ def test_survivors_that_lack_a_shard_do_not_recover_and_exit_to_relaunch(
       assert "recovered in place" not in r.stderr, logs
 
 
+REJOIN_END = 60
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_a_relaunched_process_rejoins_from_its_peers(tmp_path):
+  """Process 2 dies at step 9; the test relaunches it at once, as a
+  launcher replacing a machine would. The survivors recover in place,
+  then take the new process back at a step they agree on: it receives
+  their state over collectives (no persistent restore), all four then
+  hold bit-identical replicas at every step, and every persistent step of
+  the run restores as the state held when it was saved."""
+  victim, kill_step = 2, 9
+  with WorkerGroup("elastic", N, env=dict(ENV, ELASTIC_REJOIN="1"), args=[
+      tmp_path, REJOIN_END, PERSISTENT_EVERY, LOCAL_EVERY, victim,
+      kill_step, HEARTBEAT]) as g:
+    end = time.monotonic() + TIMEOUT
+    while g.running(victim) and time.monotonic() < end:
+      time.sleep(0.05)
+    relaunched_at = time.time()
+    g.relaunch(victim)
+    results = g.wait(TIMEOUT, check=False)
+  logs = "\n".join(r.log() for r in g.earlier[victim] + results)
+  assert g.earlier[victim][0].returncode == -9, logs
+  assert all(r.returncode == 0 for r in results), logs
+  reports = [r.json for r in results]
+  newcomer = reports[victim]
+  assert newcomer["tier"] == "peer", logs
+  assert not newcomer["read_persistent"], logs
+  (joined,) = newcomer["rejoins"]
+  for p, report in enumerate(reports):
+    assert report["step"] == REJOIN_END and report["devices"] == 2 * N, logs
+    if p != victim:
+      (recovery,) = report["recoveries"]
+      (rejoin,) = report["rejoins"]
+      assert recovery["step"] <= kill_step, report
+      assert recovery["step"] < rejoin["step"], report
+      assert rejoin["step"] == joined["step"], (rejoin, joined)
+      assert rejoin["devices"] == 2 * N, logs
+      assert "rejoined at step" in results[p].stderr, logs
+  # Bit-identical replicas at every step from the rejoin to the end.
+  steps = range(joined["step"], REJOIN_END + 1)
+  for s in steps:
+    assert len({r["digests"][str(s)] for r in reports}) == 1, (s, logs)
+  assert joined["digest"] == reports[0]["digests"][str(joined["step"])]
+  (verified,) = [r.json for r in run_workers(
+      "elastic", 1, args=["verify", tmp_path], timeout=TIMEOUT)]
+  persisted = sorted(int(s) for s in verified)
+  assert persisted[-1] == REJOIN_END, persisted
+  for s in persisted:
+    held = {d for k, d in reports[0]["saved"].items() if k.endswith(f"/{s}")}
+    assert verified[str(s)] in held, (s, verified, reports[0]["saved"])
+  print(f"relaunch to the newcomer's first step:"
+        f" {joined['first_step_at'] - relaunched_at:.2f}s; rejoined at step"
+        f" {joined['step']}")
+
+
 class _Watcher:
   """A watcher that saw no loss (a fake: the real one needs a dead peer)."""
   lost: dict = {}
@@ -129,14 +187,22 @@ class _Watcher:
   closed = False
 
 
+def _peers(watcher, local) -> elastic.Peers:
+  """Peers of a process that rejoins (so that it starts no watcher of its
+  own), given a fake `watcher`."""
+  coord = types.SimpleNamespace(process_count=2, process_index=1)
+  peers = elastic.Peers(
+      types.SimpleNamespace(coordinator=coord), local, "/tmp/x",
+      poll_secs=0.5, exit_code=75, elastic_secs=1.0, primary_host=0,
+      group=elastic.Group((0,), 1, 0))
+  peers.watcher, peers.rescue = watcher, object()
+  return peers
+
+
 def test_recover_raises_an_error_no_lost_peer_explains_at_once():
   error = ValueError("a bug in the loop")
   with pytest.raises(ValueError, match="a bug in the loop") as info:
-    elastic.recover(
-        manager=types.SimpleNamespace(coordinator=None), local=object(),
-        watcher=_Watcher(), rescue=object(), make_target=None,
-        error=error, data_iterator=None, poll_secs=0.5, exit_code=75,
-        elastic_secs=1.0)
+    _peers(_Watcher(), object()).recover(None, error, None)
   assert info.value is error
   assert "no process was lost" in " ".join(info.value.__notes__)
 
@@ -144,11 +210,26 @@ def test_recover_raises_an_error_no_lost_peer_explains_at_once():
 def test_recover_needs_an_elastic_callback_with_a_local_tier():
   error = RuntimeError("collective failed")
   with pytest.raises(RuntimeError) as info:
-    elastic.recover(
-        manager=None, local=None, watcher=None, rescue=None,
-        make_target=None, error=error, data_iterator=None, poll_secs=0.5,
-        exit_code=75, elastic_secs=1.0)
+    _peers(_Watcher(), None).recover(None, error, None)
   assert "elastic=True" in " ".join(info.value.__notes__)
+
+
+def test_a_relaunched_process_is_placed_on_the_groups_device_order():
+  """`on_devices` moves a state's mesh onto the new order position for
+  position; a leaf without a NamedSharding is named."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  order = elastic.device_order([0], 1)
+  assert order == devices[1:] + devices[:1]
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"w": jax.device_put(np.ones((4,), np.float32), sharding)}
+  moved = elastic.on_devices(state, order)
+  assert list(moved["w"].sharding.mesh.devices.flat) == order
+  assert moved["w"].shape == (4,)
+  with pytest.raises(ValueError, match="'w'"):
+    elastic.on_devices({"w": jax.device_put(np.ones(2), devices[0])}, order)
 
 
 def test_recover_outside_an_except_block_says_how_to_call_it():

@@ -26,8 +26,9 @@ class ScriptedCoordinator:
     self.kv: dict[str, str] = {}
     self.polls = 0
 
-  def live_processes(self):
+  def live_processes(self, process_ids=None):
     self.polls += 1
+    self.asked = process_ids
     answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
     if isinstance(answer, Exception):
       raise answer
@@ -65,6 +66,23 @@ def test_all_live_raises_nothing():
   assert _wait_for(lambda: coord.polls >= 5)
   w.check()
   assert w.lost == {}
+  assert coord.asked == [0, 1, 2]
+  w.close()
+
+
+def test_survivors_poll_themselves_and_read_who_asks_to_join():
+  """The survivors of process 2 poll 0 and 1 only (a relaunched process 2
+  that does not poll must not hold their polls up), and report process 2
+  once it asks to join under `join_key`; a member's request is ignored."""
+  coord = ScriptedCoordinator([{0: 10, 1: 11}])
+  w = liveness.watch(coord, "run", poll_secs=0.01, members=[0, 1],
+                     join_key="group/1/join")
+  assert _wait_for(lambda: coord.polls >= 3)
+  assert coord.asked == [0, 1] and w.joining == frozenset()
+  coord.kv_set("group/1/join/1", "1")
+  coord.kv_set("group/1/join/2", "1")
+  assert _wait_for(lambda: w.joining == frozenset({2}))
+  w.check()
   w.close()
 
 

@@ -108,13 +108,15 @@ def mlp_train_state(rng, sizes: tuple[int, int, int]):
 def die_at(step: int, victim: int, kill_step: int, directory: Any,
            state: Any) -> None:
   """SIGKILLs this process, as a lost machine, if it is `victim` and
-  `step` is `kill_step`, writing the time to `directory`/killed_at.
+  `step` is `kill_step`, writing the time to `directory`/killed_at; once
+  (a relaunched victim lives).
 
   Steps run asynchronously: the victim waits for `state` first, so that it
   dies having finished the steps before `kill_step` (their all-reduces
   done on every process).
   """
-  if PROCESS_ID == victim and step == kill_step:
+  if (PROCESS_ID == victim and step == kill_step
+      and not (directory / "killed_at").exists()):
     import signal  # pylint: disable=g-import-not-at-top
     import time  # pylint: disable=g-import-not-at-top
     jax.block_until_ready(state)

@@ -16,10 +16,19 @@ on, with heartbeat HEARTBEAT seconds, and CPU collectives time out after
 COLLECTIVE_TIMEOUT (env WORKER_XLA_FLAGS, set by the test). The survivors
 catch the loss, call `cb.recover(make_target)` and train to END.
 
+With ELASTIC_REJOIN=1 the test relaunches the victim once it died: the
+new process's `restore_or_initialize` waits until the survivors take it
+back, at a step where their callback sets `should_rebuild` and they call
+`cb.recover` again. Until then the survivors pause STEP_SECS after each
+step (a slower model), so that the newcomer's start-up (importing JAX,
+compiling) falls within the run.
+
 Reports: the digest of the state at every step a save started (by
-generation: 0 before a recovery, 1 after), each recovery (the step, the
-digest of the recovered state, seconds from the kill to the recovery and
-to the first step completed after it), and the final state's digest.
+generation: 0 before a recovery, 1 after, 2 after a rejoin), each recovery
+(the step, the digest of the recovered state, seconds from the kill to the
+recovery and to the first step completed after it), each rejoin, the
+digest of every step after the first rejoin, where the state came from,
+and the final state's digest.
 """
 
 import hashlib
@@ -56,6 +65,8 @@ from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-
 from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 IN, HIDDEN, OUT, BATCH = 8, 48, 4, 48
+REJOIN = os.environ.get("ELASTIC_REJOIN") == "1"
+STEP_SECS = 0.3
 # "sharded": the first kernel's columns are split over every device (48
 # divide over 8 and 6), so no survivor holds the lost process's columns.
 SHARDED = os.environ.get("ELASTIC_LAYOUT") == "sharded"
@@ -124,10 +135,20 @@ cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
     local_directory=DIR / f"local_{_setup.PROCESS_ID}",
     local_every_steps=LOCAL_EVERY, barrier_timeout_secs=60, elastic=True)
-state = cb.restore_or_initialize(state)
+state = cb.restore_or_initialize(state, make_target=make_target)
 saved: dict[str, str] = {}  # "generation/step": digest, at saves.
-recoveries = []
+recoveries, rejoins, digests = [], [], {}
 generation, step = 0, int(state.step)
+if cb.restored_tier == "peer":  # Relaunched: the survivors took it back.
+  generation = 2
+  rejoins.append({"step": step, "digest": digest(state)})
+  digests[step] = digest(state)
+
+
+def devices_of(tree) -> int:
+  return len(jax.tree.leaves(tree)[0].sharding.device_set)
+
+
 while step < END:
   try:
     for step in range(step + 1, END + 1):
@@ -137,8 +158,21 @@ while step < END:
         jax.block_until_ready(state)
         recoveries[-1]["first_step_secs"] = time.time() - float(
             (DIR / "killed_at").read_text())
+      if rejoins and "first_step_at" not in rejoins[-1]:
+        jax.block_until_ready(state)
+        rejoins[-1]["first_step_at"] = time.time()
       if cb(step, state):
         saved[f"{generation}/{step}"] = digest(state)
+      if rejoins:
+        digests[step] = digest(state)
+      if cb.should_rebuild:  # The survivors take the relaunched one back.
+        state, step = cb.recover(make_target)
+        generation += 1
+        rejoins.append({"step": step, "digest": digest(state),
+                        "devices": devices_of(state)})
+        digests[step] = digest(state)
+      elif REJOIN and devices_of(state) < 8:
+        time.sleep(STEP_SECS)
   except Exception as e:  # pylint: disable=broad-except
     if VICTIM < 0:
       raise
@@ -149,8 +183,11 @@ while step < END:
         "step": step, "digest": digest(state), "failed": failed,
         "recovered_secs": time.time() - float(
             (DIR / "killed_at").read_text()),
-        "devices": len(jax.tree.leaves(state)[0].sharding.device_set)})
+        "devices": devices_of(state)})
 cb.close()
 _setup.emit({"restored_step": cb.restored_step, "saved": saved,
              "recoveries": recoveries, "step": step,
-             "digest": digest(state)})
+             "digest": digest(state), "rejoins": rejoins,
+             "digests": digests, "tier": cb.restored_tier,
+             "read_persistent": cb.manager.last_restore_stats is not None,
+             "devices": devices_of(state)})
