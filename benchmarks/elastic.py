@@ -1,7 +1,9 @@
-"""How long the survivors of a lost process take to train again, in place.
+"""How long the survivors of a lost process take to train again, in place,
+and how long its replacement takes to rejoin them.
 
     python benchmarks/elastic.py                    # 4 processes, 5 trials
     python benchmarks/elastic.py --mb 64 --trials 3 --json /tmp/e.json
+    python benchmarks/elastic.py --relaunch         # and take it back
 
 Each trial starts `--processes` local processes of 2 CPU devices each (JAX
 recoverability on, heartbeat `--heartbeat` s, CPU collectives timing out
@@ -20,6 +22,13 @@ sees the connection drop); the watcher declares the process dead after the
 heartbeat timeout. `recover` itself reads the local step from /dev/shm and
 compiles nothing; the first step after it compiles the step for the new
 mesh.
+
+With `--relaunch`, once every survivor recovered, the killed process is
+started again (the survivors pause `--degraded-step-secs` after each step
+meanwhile, as a slower model would); measured from that relaunch, on the
+new process: when `restore_or_initialize` returned its peers' state, and
+when its first step completed; and on the survivors, `recover`'s time for
+the rejoin. That span includes starting Python and JAX and connecting.
 """
 
 from __future__ import annotations
@@ -93,31 +102,49 @@ def worker(args: argparse.Namespace) -> None:
       os.path.join(args.dir, "ckpt"), every_steps=10, max_to_keep=2,
       local_directory=os.path.join(args.local, str(pid)), local_every_steps=2,
       elastic=True)
-  out, step = {"process": pid}, 0
+  state = cb.restore_or_initialize(state, make_target=make_target)
+  out, step = {"process": pid}, int(state.step)
+  if cb.restored_tier == "peer":  # Relaunched, and taken back.
+    out.update(joined=time.time(), rejoined_at=step)
   killed_at = os.path.join(args.dir, "killed_at")
   while step < args.steps:
     try:
       for step in range(step + 1, args.steps + 1):
-        if pid == args.victim and step == args.kill_step:
+        if (pid == args.victim and step == args.kill_step
+            and not os.path.exists(killed_at)):
           jax.block_until_ready(state)
           with open(killed_at, "w") as f:
             f.write(repr(time.time()))
           os.kill(os.getpid(), signal.SIGKILL)
         state = step_fn(state, batch(step))
-        if "recovered" in out and "first_step" not in out:
+        if ("recovered" in out or "joined" in out) and "first_step" not in out:
           jax.block_until_ready(state)
           out["first_step"] = time.time()
         cb(step, state)
+        if cb.should_rebuild:
+          t = time.time()
+          state, step = cb.recover(make_target)
+          out.update(rejoin_secs=time.time() - t, rejoined_at=step)
+        elif args.relaunch and len(mesh.devices.flat) < 2 * args.processes:
+          time.sleep(args.degraded_step_secs)
     except Exception:  # pylint: disable=broad-except
       t = time.time()
       state, step = cb.recover(make_target)
       out.update(recovered=time.time(), recover_secs=time.time() - t,
                  resumed_at=step)
+      with open(os.path.join(args.dir, f"recovered_{pid}"), "w") as f:
+        f.write("1")
   cb.close()
-  with open(killed_at) as f:
-    kill = float(f.read())
-  out.update(recovered=out["recovered"] - kill,
-             first_step=out["first_step"] - kill)
+  if "joined" in out:
+    with open(os.path.join(args.dir, "relaunched_at")) as f:
+      start = float(f.read())
+    out.update(joined=out["joined"] - start,
+               first_step=out["first_step"] - start)
+  else:
+    with open(killed_at) as f:
+      kill = float(f.read())
+    out.update(recovered=out["recovered"] - kill,
+               first_step=out["first_step"] - kill)
   print(json.dumps(out), flush=True)
 
 
@@ -128,14 +155,27 @@ def trial(args: argparse.Namespace, victim: int, kill_step: int) -> list:
   root = tempfile.mkdtemp(dir=args.dir)
   local = tempfile.mkdtemp(dir="/dev/shm", prefix="elastic_bench_")
   procs = []
+
+  def start(pid):
+    env = dict(os.environ, PROCESS_ID=str(pid), PORT=str(port))
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", "--dir", root, "--local",
+         local, "--victim", str(victim), "--kill-step", str(kill_step),
+         *sys.argv[1:]], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
   try:
-    for pid in range(args.processes):
-      env = dict(os.environ, PROCESS_ID=str(pid), PORT=str(port))
-      procs.append(subprocess.Popen(
-          [sys.executable, __file__, "--worker", "--dir", root, "--local",
-           local, "--victim", str(victim), "--kill-step", str(kill_step),
-           *sys.argv[1:]], env=env, stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE, text=True))
+    procs = [start(pid) for pid in range(args.processes)]
+    if args.relaunch:  # Once the survivors recovered without it.
+      end = time.monotonic() + args.timeout
+      while time.monotonic() < end and not all(
+          os.path.exists(os.path.join(root, f"recovered_{p}"))
+          for p in range(args.processes) if p != victim):
+        time.sleep(0.05)
+      procs[victim].communicate(timeout=args.timeout)
+      with open(os.path.join(root, "relaunched_at"), "w") as f:
+        f.write(repr(time.time()))
+      procs[victim] = start(victim)
     outs = [p.communicate(timeout=args.timeout) for p in procs]
   finally:
     for p in procs:
@@ -144,7 +184,7 @@ def trial(args: argparse.Namespace, victim: int, kill_step: int) -> list:
     shutil.rmtree(local, ignore_errors=True)
   results = []
   for pid, (p, (o, e)) in enumerate(zip(procs, outs)):
-    if pid == victim:
+    if pid == victim and not args.relaunch:
       continue
     if p.returncode:
       sys.exit(f"process {pid} ended with {p.returncode}:\n{e[-3000:]}")
@@ -164,11 +204,16 @@ def main() -> None:
   parser.add_argument("--dir", default=None)
   parser.add_argument("--json", default=None)
   parser.add_argument("--timeout", type=float, default=600)
+  parser.add_argument("--relaunch", action="store_true",
+                      help="start the killed process again; it rejoins")
+  parser.add_argument("--degraded-step-secs", type=float, default=0.2)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--local", help=argparse.SUPPRESS)
   parser.add_argument("--victim", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--kill-step", type=int, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.relaunch:  # Steps enough for the new process to start and join.
+    args.steps = max(args.steps, 120)
   if args.worker:
     worker(args)
     return
@@ -176,14 +221,21 @@ def main() -> None:
   rows = []
   for _ in range(args.trials):
     victim = rng.randrange(1, args.processes)
-    kill_step = rng.randrange(5, args.steps - 5)
+    kill_step = rng.randrange(5, 15 if args.relaunch else args.steps - 5)
     got = trial(args, victim, kill_step)
+    new = [r for r in got if "joined" in r]
+    got = [r for r in got if "joined" not in r]
     rows.append({
         "victim": victim, "kill_step": kill_step,
         "resumed_at": got[0]["resumed_at"],
         "recovered_secs": max(r["recovered"] for r in got),
         "first_step_secs": max(r["first_step"] for r in got),
         "recover_call_secs": max(r["recover_secs"] for r in got)})
+    if new:
+      rows[-1].update(
+          rejoined_at=new[0]["rejoined_at"], joined_secs=new[0]["joined"],
+          newcomer_first_step_secs=new[0]["first_step"],
+          rejoin_call_secs=max(r["rejoin_secs"] for r in got))
   print(f"{args.processes} processes x 2 CPU devices, {args.mb:g} MB state,"
         f" heartbeat {args.heartbeat} s, collective timeout"
         f" {args.collective_timeout} s; seconds from the kill (slowest"
@@ -197,6 +249,18 @@ def main() -> None:
   firsts = [r["first_step_secs"] for r in rows]
   print(f"first step after the kill: median {statistics.median(firsts):.2f}"
         f" s, max {max(firsts):.2f} s")
+  if args.relaunch:
+    print("the relaunched process, seconds from its relaunch; the"
+          " survivors' recover() for the rejoin")
+    print(f"{'rejoined at':>11} {'state in':>8} {'first step':>10}"
+          f" {'recover()':>9}")
+    for r in rows:
+      print(f"{r['rejoined_at']:>11} {r['joined_secs']:>8.2f}"
+            f" {r['newcomer_first_step_secs']:>10.2f}"
+            f" {r['rejoin_call_secs']:>9.2f}")
+    firsts = [r["newcomer_first_step_secs"] for r in rows]
+    print(f"relaunch to the new process's first step: median"
+          f" {statistics.median(firsts):.2f} s, max {max(firsts):.2f} s")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

@@ -1,6 +1,7 @@
-"""Train on several processes and go on without one that dies, in place.
+"""Train on several processes, go on without one that dies, take it back.
 
-    python examples/elastic.py --launch 4 --kill-process 2 --kill-step 12
+    python examples/elastic.py --launch 4 --kill-process 2 --kill-step 12 \
+        --relaunch --step-secs 0.3 --num-steps 60
 
 starts 4 local processes of 2 CPU devices each (as examples/multihost.py
 does); process 2 SIGKILLs itself at step 12, as a lost machine would. The
@@ -8,10 +9,15 @@ other three notice (JAX's recoverability, a 3 s heartbeat), their step's
 collective fails (CPU collectives time out after 10 s here), and
 `cb.recover` restores the newest step of the local tier (every 3 steps, in
 /dev/shm) on their 6 devices: they go on from there in the same processes,
-saving to the persistent tier (every 10 steps) by themselves, and end with
-code 0. Without `--kill-*`, kill a process by hand (`kill -9 PID`, with
-`--step-secs 0.5`). Losing process 0, which hosts JAX's coordination
-service, still ends the job: run it again and it resumes from the tiers.
+saving to the persistent tier (every 10 steps) by themselves. With
+`--relaunch` the launcher starts process 2 again, as a scheduler replacing
+a machine would: its `restore_or_initialize` waits until the survivors
+take it back (they set `cb.should_rebuild` at a step they agree on, and
+call `cb.recover` again); it receives their state over collectives, and
+all 4 go on on 8 devices and end with code 0. Without `--kill-*`, kill a
+process by hand (`kill -9 PID`, with `--step-secs 0.5`). Losing process 0,
+which hosts JAX's coordination service, still ends the job: run it again
+and it resumes from the tiers.
 
 The global batch stays the same on any number of devices: it is a function
 of the step, split over the 'data' axis of whatever mesh is live (48 rows
@@ -24,6 +30,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from multihost import add_launch_arguments
 from multihost import launch
@@ -83,7 +90,8 @@ def train(args: argparse.Namespace) -> None:
       args.workdir, every_steps=10, last_step=args.num_steps, elastic=True,
       local_directory=f"{args.local_dir}/{args.process_id}",
       local_every_steps=3)
-  state = cb.restore_or_initialize(state)
+  # A relaunched process gets the survivors' state, on `make_target`'s mesh.
+  state = cb.restore_or_initialize(state, make_target=make_target)
   step = int(state.step)
   while step < args.num_steps:
     try:
@@ -96,6 +104,9 @@ def train(args: argparse.Namespace) -> None:
         if cb.should_stop:  # A preemption checkpoint is durable.
           cb.close()
           sys.exit(PREEMPTED_EXIT_CODE)
+        if cb.should_rebuild:  # A relaunched process joins: all devices.
+          state, step = cb.recover(make_target)
+        time.sleep(args.step_secs)
     except Exception:  # pylint: disable=broad-except
       # A lost process: PeerLostError, or its collective's error. Go on
       # from the newest local step, on the live devices.
@@ -115,6 +126,8 @@ def main() -> None:
   parser.add_argument("--num-steps", type=int, default=40)
   parser.add_argument("--kill-process", type=int, default=-1)
   parser.add_argument("--kill-step", type=int, default=-1)
+  parser.add_argument("--step-secs", type=float, default=0.0,
+                      help="pause after each step, as a bigger model would")
   add_launch_arguments(parser)
   args = parser.parse_args()
   if args.launch:

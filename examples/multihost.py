@@ -36,8 +36,10 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
 
   Prints each process's pid, so that one of them can be sent a signal, and
   each one's exit code. A SIGTERM to this launcher is passed on to every
-  process, as a scheduler would send it. Returns the common exit code of the
-  processes, or 1 if they differ.
+  process, as a scheduler would send it. With `args.relaunch`, a process
+  other than 0 that a signal killed is started again once (without its
+  `--kill-*` arguments), as a scheduler replacing a lost machine would.
+  Returns the common exit code of the processes, or 1 if they differ.
   """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -47,12 +49,16 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
   argv = [a for a in sys.argv[1:]]
   i = argv.index("--launch")
   del argv[i:i + 2]
-  procs = [subprocess.Popen(
-      [sys.executable, script, *argv, "--coordinator", f"127.0.0.1:{port}",
-       "--num-processes", str(args.launch), "--process-id", str(p)], env=env)
-           for p in range(args.launch)]
-  for p, proc in enumerate(procs):
+
+  def start(p, argv=argv):
+    proc = subprocess.Popen(
+        [sys.executable, script, *argv, "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", str(args.launch), "--process-id", str(p)],
+        env=env)
     print(f"process {p}: pid {proc.pid}", flush=True)
+    return proc
+
+  procs = [start(p) for p in range(args.launch)]
 
   def forward(signum, frame):
     del frame
@@ -61,13 +67,23 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
         proc.send_signal(signum)
 
   signal.signal(signal.SIGTERM, forward)
-  codes = []
-  for p, proc in enumerate(procs):
-    code = proc.wait()
-    code = code if code >= 0 else 128 - code  # Killed by signal N: 128 + N.
-    print(f"process {p} exited with code {code}", flush=True)
-    codes.append(code)
-  return codes[0] if len(set(codes)) == 1 else 1
+  codes: dict[int, int] = {}
+  relaunch = {p for p in range(1, args.launch) if args.relaunch}
+  while len(codes) < len(procs):
+    for p, proc in enumerate(procs):
+      code = proc.poll()
+      if p in codes or code is None:
+        continue
+      code = code if code >= 0 else 128 - code  # Killed by signal N: 128 + N.
+      print(f"process {p} exited with code {code}", flush=True)
+      if code > 128 and p in relaunch:
+        relaunch.discard(p)
+        procs[p] = start(p, [a for i, a in enumerate(argv) if not (
+            a.startswith("--kill") or i and argv[i - 1].startswith("--kill"))])
+      else:
+        codes[p] = code
+    time.sleep(0.05)
+  return codes[0] if len(set(codes.values())) == 1 else 1
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +94,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--coordinator", default="")
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--process-id", type=int, default=0)
+  parser.add_argument("--relaunch", action="store_true",
+                      help="with --launch: start a killed process again")
 
 
 def train(args: argparse.Namespace) -> None:

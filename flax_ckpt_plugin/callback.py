@@ -19,7 +19,6 @@ manager.
 
 from __future__ import annotations
 
-import collections
 import operator
 import os
 import signal
@@ -38,11 +37,12 @@ from flax_ckpt_plugin import liveness
 from flax_ckpt_plugin import local_tier
 from flax_ckpt_plugin.commit import CommitHook
 from flax_ckpt_plugin.stats import MetricWriter
-from flax_ckpt_plugin.stats import save_metrics
+from flax_ckpt_plugin.stats import SaveMetrics
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.preemption import SignalFlag
+from flax_ckpt_plugin.schedule import check_intervals
 from flax_ckpt_plugin.schedule import EverySecs
 
 # The exit code for a job that stopped after its preemption checkpoint:
@@ -140,6 +140,8 @@ class CheckpointCallback:
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
     should_stop: True once a preemption checkpoint is durable.
+    should_rebuild: True once the survivors of a loss take a relaunched
+      process back (see `elastic`): call `recover` before the next step.
     restored_step: the step `restore_or_initialize` restored, or None.
     restored_extra: the `extra` saved with that step, or None.
     restored_tier: where that step came from: "local", "peer" or
@@ -183,16 +185,8 @@ class CheckpointCallback:
                local_every_steps: int | None = None,
                data_iterator: datastate.DataIterator | None = None,
                restore_data_state: bool = True):
-    if every_steps is not None and every_steps < 1:
-      raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-    if (local_directory is None) != (local_every_steps is None):
-      raise ValueError("local_directory and local_every_steps go together;"
-                       f" got {local_directory!r} and {local_every_steps!r}")
-    if local_every_steps is not None and local_every_steps < 1:
-      raise ValueError(
-          f"local_every_steps must be >= 1, got {local_every_steps}")
-    if every_secs is not None and not every_secs > 0:
-      raise ValueError(f"every_secs must be > 0, got {every_secs}")
+    check_intervals(every_steps, every_secs, local_directory,
+                    local_every_steps)
     self.every_steps = every_steps
     self.every_secs = every_secs
     self.on_steps = frozenset(operator.index(s) for s in on_steps)
@@ -235,13 +229,9 @@ class CheckpointCallback:
     # The step at which the group takes back a relaunched process.
     self._rebuild_at: int | None = None
     self.should_rebuild = False
-    # Filled by the commit thread, written by the loop's thread: metric
-    # writers are not promised to be thread-safe.
-    self._finished: collections.deque[tuple[SaveStats, float]] = (
-        collections.deque())
-    self._last_durable = time.time()
-    if metric_writer is not None:
-      self.manager.add_commit_hook(self._record_save)  # Before user hooks.
+    self._metrics = SaveMetrics(metric_writer)
+    if metric_writer is not None:  # Before user hooks.
+      self.manager.add_commit_hook(self._metrics.record)
     for hook in commit_hooks:
       self.manager.add_commit_hook(hook)
     self._every_secs = None if every_secs is None else EverySecs(
@@ -266,16 +256,6 @@ class CheckpointCallback:
   def add_commit_hook(self, hook: Callable[[SaveStats], None]) -> None:
     """See `CheckpointManager.add_commit_hook`."""
     self.manager.add_commit_hook(hook)
-
-  def _record_save(self, stats: SaveStats) -> None:
-    since = stats.finalized_at - self._last_durable
-    self._last_durable = stats.finalized_at
-    self._finished.append((stats, since))
-
-  def _write_metrics(self) -> None:
-    while self._finished:
-      stats, since = self._finished.popleft()
-      self.metric_writer.write_scalars(stats.step, save_metrics(stats, since))
 
   def _due(self, step: int) -> bool:
     due = (self._every_secs is not None
@@ -333,7 +313,7 @@ class CheckpointCallback:
     """
     if self._peers is not None:
       self._peers.check()
-    self._write_metrics()
+    self._metrics.flush()
     self.manager.check_for_errors()
     self._local_quietly("save", lambda m: m.check_for_errors())
     self._chosen = None
@@ -412,17 +392,8 @@ class CheckpointCallback:
     if self._peers is not None and self._peers.rejoining:
       return self._rejoined(self._peers.rejoin(make_target, state, it),
                             local_tier.PEER)
-    if self.local is None:
-      found = self.manager.restore_newest_valid(state, data_iterator=it)
-      found = None if found is None else (found[0], local_tier.PERSISTENT, (
-          found[1], self.manager.metadata(found[0]).extra))
-    else:
-      found = local_tier.restore_into(state, self.local, self.manager,
-                                      data_iterator=it)
-    if self.local is not None:  # Newer local steps belong to another past.
-      newer = [s for s in self.local.manager.all_steps()
-               if found is None or s > found[0]]
-      self._local_quietly("discard", lambda m: m.discard(newer))
+    found = local_tier.restore_for_callback(state, self.local, self.manager,
+                                            data_iterator=it)
     if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)
@@ -479,10 +450,7 @@ class CheckpointCallback:
                                is_primary=self.manager.is_primary)
     self.restored_step, self.restored_tier = done.step, tier
     self.restored_extra, self._chosen = done.extra, None
-    # Newer local steps belong to the timeline the loss ended: the loop
-    # computes those steps anew, and saves them anew.
-    newer = [s for s in self.local.manager.all_steps() if s > done.step]
-    self._local_quietly("discard", lambda m: m.discard(newer))
+    self.local.discard_newer(done.step)
     elastic_lib.announce(done, self.metric_writer if self.manager.is_primary
                          else None)
     return done.state
@@ -496,7 +464,7 @@ class CheckpointCallback:
       self._raise_lost_instead(e)
       raise
     finally:
-      self._write_metrics()
+      self._metrics.flush()
 
   def close(self) -> None:
     """Restores signal handlers, waits for the running save, raises its error.
@@ -514,7 +482,7 @@ class CheckpointCallback:
       self._raise_lost_instead(e)
       raise
     finally:
-      self._write_metrics()
+      self._metrics.flush()
       if self._peers is not None:
         self._peers.close()
     if self._peers is not None:
@@ -532,6 +500,6 @@ class CheckpointCallback:
       self.manager.__exit__(exc_type, exc, tb)
       self._local_quietly("save", lambda m: m.close())
     finally:
-      self._write_metrics()
+      self._metrics.flush()
       # The watcher goes on: the error may be a collective's with a peer
       # that is dying, which the exit hook then learns (see `rescue`).

@@ -84,6 +84,13 @@ class LocalTier:
                 " persistent tier is unaffected): %r", what, self.directory,
                 e)
 
+  def discard_newer(self, step: int | None) -> None:
+    """Drops the local steps newer than `step` (every one, with None): a
+    restore or a loss ended the timeline they belong to, and the loop
+    computes those steps anew."""
+    newer = [s for s in self.manager.all_steps() if step is None or s > step]
+    self.quietly("discard", lambda m: m.discard(newer))
+
 
 def open_tier(directory: epath.PathLike, job: str, *,
               coordinator: coordinator_lib.Coordinator, timeout_ms: int
@@ -249,3 +256,20 @@ def restore_into(state: Any, local: LocalTier,
     del tiers[PEER]
   return restore_newest(coord, key, local=local, persistent=persistent,
                         restore=tiers, timeout_ms=timeout_ms)
+
+
+def restore_for_callback(state: Any, local: LocalTier | None,
+                         persistent: CheckpointManager, *,
+                         data_iterator: datastate.DataIterator | None
+                         ) -> tuple[int, str, Any] | None:
+  """`CheckpointCallback.restore_or_initialize`'s restore: (step, tier,
+  (tree, extra)) from the fastest tier that has the newest good step, or
+  None; newer local steps are dropped."""
+  if local is None:
+    found = persistent.restore_newest_valid(state,
+                                            data_iterator=data_iterator)
+    return None if found is None else (found[0], PERSISTENT, (
+        found[1], persistent.metadata(found[0]).extra))
+  found = restore_into(state, local, persistent, data_iterator=data_iterator)
+  local.discard_newer(None if found is None else found[0])
+  return found

@@ -14,9 +14,25 @@ come a few steps late; never early, and never on some processes only.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
+
+
+def check_intervals(every_steps: int | None, every_secs: float | None,
+                    local_directory: Any, local_every_steps: int | None
+                    ) -> None:
+  """Raises ValueError for intervals that a callback cannot keep."""
+  if every_steps is not None and every_steps < 1:
+    raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+  if (local_directory is None) != (local_every_steps is None):
+    raise ValueError("local_directory and local_every_steps go together;"
+                     f" got {local_directory!r} and {local_every_steps!r}")
+  if local_every_steps is not None and local_every_steps < 1:
+    raise ValueError(
+        f"local_every_steps must be >= 1, got {local_every_steps}")
+  if every_secs is not None and not every_secs > 0:
+    raise ValueError(f"every_secs must be > 0, got {every_secs}")
 
 
 class EverySecs:

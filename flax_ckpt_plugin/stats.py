@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import time
 from typing import Any, Protocol
 
 from etils import epath
@@ -62,6 +64,30 @@ class MetricWriter(Protocol):
 
   def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
     ...
+
+
+class SaveMetrics:
+  """A callback's metrics of each finalized save, for its metric writer.
+
+  `record` is a commit hook (the commit thread); `flush` writes from the
+  loop's thread, since metric writers are not promised to be thread-safe.
+  """
+
+  def __init__(self, writer: MetricWriter | None):
+    self._writer = writer
+    self._finished: collections.deque[tuple[SaveStats, float]] = (
+        collections.deque())
+    self._last_durable = time.time()
+
+  def record(self, stats: SaveStats) -> None:
+    since = stats.finalized_at - self._last_durable
+    self._last_durable = stats.finalized_at
+    self._finished.append((stats, since))
+
+  def flush(self) -> None:
+    while self._finished:
+      stats, since = self._finished.popleft()
+      self._writer.write_scalars(stats.step, save_metrics(stats, since))
 
 
 def save_metrics(stats: SaveStats, secs_since_last_durable: float

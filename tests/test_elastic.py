@@ -128,19 +128,26 @@ REJOIN_END = 60
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_a_relaunched_process_rejoins_from_its_peers(tmp_path):
-  """Process 2 dies at step 9; the test relaunches it at once, as a
-  launcher replacing a machine would. The survivors recover in place,
-  then take the new process back at a step they agree on: it receives
-  their state over collectives (no persistent restore), all four then
-  hold bit-identical replicas at every step, and every persistent step of
-  the run restores as the state held when it was saved."""
+@pytest.mark.parametrize("when", ["at_once", "after_recovery"])
+def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when):
+  """Process 2 dies at step 9; the test relaunches it, as a launcher
+  replacing a machine would: at once (it connects before the survivors
+  noticed the loss, and their watcher must see its new incarnation), or
+  once they recovered in place. The survivors take the new process back
+  at a step they agree on: it receives their state over collectives (no
+  persistent restore), all four then hold bit-identical replicas at every
+  step, and every persistent step of the run restores as the state held
+  when it was saved."""
   victim, kill_step = 2, 9
   with WorkerGroup("elastic", N, env=dict(ENV, ELASTIC_REJOIN="1"), args=[
       tmp_path, REJOIN_END, PERSISTENT_EVERY, LOCAL_EVERY, victim,
       kill_step, HEARTBEAT]) as g:
     end = time.monotonic() + TIMEOUT
     while g.running(victim) and time.monotonic() < end:
+      time.sleep(0.05)
+    while when == "after_recovery" and time.monotonic() < end and not all(
+        "recovered in place" in r.stderr for r in g.results()
+        if r.process_id != victim):
       time.sleep(0.05)
     relaunched_at = time.time()
     g.relaunch(victim)

@@ -75,22 +75,26 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
                  for k, v in uninterrupted.items())
 
 
-def test_elastic_example_goes_on_without_a_killed_process(tmp_path):
+def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
+    tmp_path):
   """examples/elastic.py with 4 local processes, process 2 killed at step
-  12: the other three recover in place and end with code 0 at the last
-  step, on 6 devices."""
+  12 and relaunched at once: the other three recover in place, take the
+  new process 2 back, and all four end with code 0 at the last step, on 8
+  devices."""
   elastic = EXAMPLE.parent / "elastic.py"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   result = subprocess.run(
       [sys.executable, os.fspath(elastic), "--launch", "4", "--workdir",
        os.fspath(tmp_path / "ckpt"), "--local-dir",
-       os.fspath(tmp_path / "local"), "--num-steps", "30",
-       "--kill-process", "2", "--kill-step", "12"],
-      capture_output=True, text=True, env=env, timeout=240, check=False)
+       os.fspath(tmp_path / "local"), "--num-steps", "60",
+       "--kill-process", "2", "--kill-step", "12", "--relaunch",
+       "--step-secs", "0.3"],
+      capture_output=True, text=True, env=env, timeout=300, check=False)
   out = result.stdout + result.stderr
   assert "process 2 exited with code 137" in out, out
-  for p in (0, 1, 3):
+  for p in range(4):
     assert f"process {p} exited with code 0" in out, out
   assert "recovered in place at step" in out, out
-  assert "done at step 30 on 6 devices" in out, out
+  assert "rejoined at step" in out, out
+  assert "done at step 60 on 8 devices" in out, out
