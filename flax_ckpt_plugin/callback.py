@@ -371,7 +371,7 @@ class CheckpointCallback:
     if self.local is not None:  # See `LocalTier.quietly`.
       self.local.quietly(what, fn)
 
-  def restore_or_initialize(self, state: Any) -> Any:
+  def restore_or_initialize(self, state: Any, *, cast: bool = False) -> Any:
     """The newest good finalized step restored like `state`, else `state`.
 
     A step that fails verification (damaged or missing files) is skipped
@@ -379,17 +379,25 @@ class CheckpointCallback:
     `restored_step` and `restored_extra` (the `extra` saved with it), or
     leaves them None when there is nothing to restore.
 
+    Args:
+      state: the state to restore like (and to return when there is no
+        step), as for `CheckpointManager.restore`.
+      cast: convert leaves saved in another dtype than `state`'s (float32
+        into bfloat16, say), as `CheckpointManager.restore` does.
+
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
+      StructureMismatchError: `state` does not fit the checkpoint.
     """
     it = self.data_iterator if self.restore_data_state else None
     if self.local is None:
-      found = self.manager.restore_newest_valid(state, data_iterator=it)
+      found = self.manager.restore_newest_valid(state, data_iterator=it,
+                                                cast=cast)
       found = None if found is None else (found[0], local_tier.PERSISTENT, (
           found[1], self.manager.metadata(found[0]).extra))
     else:
       found = local_tier.restore_into(state, self.local, self.manager,
-                                      data_iterator=it)
+                                      data_iterator=it, cast=cast)
     if self.local is not None:  # Newer local steps belong to another past.
       newer = [s for s in self.local.manager.all_steps()
                if found is None or s > found[0]]
