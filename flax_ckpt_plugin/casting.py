@@ -28,7 +28,7 @@ from flax_ckpt_plugin.records import LeafRecord
 
 # Saved values converted at a time, in bytes of the saved dtype: the memory
 # a cast costs besides the result.
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 
 
 def _kind(dtype: Any) -> str:

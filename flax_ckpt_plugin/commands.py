@@ -362,7 +362,7 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     _check_step(directory, args.directory, args.step)
   try:
     result = exporting.export(
-        directory, args.out, step=args.step, format=args.format,
+        args.directory, args.out, step=args.step, format=args.format,
         only=args.only or (), max_file_bytes=args.max_file_size,
         progress=None if args.quiet else sys.stderr)
   except (exporting.ExportError,

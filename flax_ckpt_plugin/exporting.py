@@ -168,9 +168,9 @@ class _Writer:
   """Streams leaves' bytes from the step into open files."""
 
   def __init__(self, step_dir: epath.Path, manifest: manifest_lib.Manifest,
-               backend: backend_lib.Backend, progress: Progress):
+               backend: backend_lib.Backend, progress: Progress, shown: str):
     self._reader = ByteReader(step_dir, manifest.files, backend)
-    self._where = f"step {manifest.step} in {step_dir}"
+    self._where = f"step {manifest.step} in {shown}"  # As the user gave it.
     self._block = manifest.checksum_block_bytes
     self._progress = progress
 
@@ -338,7 +338,8 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
   out = pathlib.Path(out)
   if out.exists() or out.is_symlink():
     raise FileExistsError(f"{out} already exists: nothing was written")
-  directory, backend = backend_lib.make_path(os.fspath(directory))
+  given = os.fspath(directory)
+  directory, backend = backend_lib.make_path(given)
   if step is None:
     steps = atomicity.finalized_steps(directory)
     if not steps:
@@ -359,7 +360,8 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
   tmp.mkdir()
-  writer = _Writer(step_dir, manifest, backend, bar)
+  writer = _Writer(step_dir, manifest, backend, bar,
+                   f"{given.rstrip('/')}/{step}")
   try:
     if format == "safetensors":
       files = _write_safetensors(tmp, arrays, scalars, step, writer,

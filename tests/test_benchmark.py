@@ -187,3 +187,36 @@ def test_tiny_scaleout_benchmark_spreads_the_writes(tmp_path):
   assert all(o["orbax_written"] > 0 for o in two)
   # Everything it wrote is gone.
   assert sorted(p.name for p in tmp_path.iterdir()) == ["scaleout.json"]
+
+
+TRAVEL = BENCH.parent / "travel.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_travel_benchmark_reports_cast_and_export_memory(tmp_path):
+  out = tmp_path / "travel.json"
+  proc = subprocess.run(
+      [sys.executable, str(TRAVEL), "--cast-mb", "8", "--export-mb", "8",
+       "--dir", str(tmp_path), "--json", str(out)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert "x the restored state (limit 1.10)" in proc.stdout
+  assert "peak RSS" in proc.stdout and "(limit 600 MB)" in proc.stdout
+  result = json.loads(out.read_text())
+  assert result["plain"]["exact"]
+  assert result["plain"]["restored_bytes"] == result["cast_save"][
+      "saved_bytes"]
+  for key in ("cast", "cast_warm"):
+    cast = result[key]
+    assert cast["exact"], key
+    assert cast["restored_bytes"] * 2 == result["cast_save"]["saved_bytes"]
+    assert cast["peak_above_before"] > 0 and cast["secs"] > 0, key
+  assert result["cast_peak_over_restored"] > 0
+  assert result["cast_warm_peak_over_restored"] > 0
+  for fmt in ("safetensors", "npz"):
+    assert result[fmt]["exported_bytes"] == result["export_save"][
+        "saved_bytes"], fmt
+    assert result[fmt]["file_bytes"] > result[fmt]["exported_bytes"], fmt
+    assert result[fmt]["peak_rss"] > 0 and not result[fmt]["jax_imported"]
+  # Everything it wrote is gone.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["travel.json"]

@@ -26,6 +26,9 @@ import safetensors.numpy
 import flax_ckpt_plugin
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import exporting
+from helpers import doc_blocks
+from helpers import doc_section
+from helpers import run_console
 from launcher import run_workers
 
 
@@ -309,3 +312,37 @@ def test_the_export_runs_without_jax(ckpt_dir, saved, tmp_path):
                      timeout=120, check=False)
   assert r.returncode == 0, r.stderr
   assert (tmp_path / "out" / "model.npz").exists()
+
+
+# -- the docs -----------------------------------------------------------------
+
+
+def test_usage_md_cast_and_export_blocks_print_what_the_page_shows(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  workdir = str(tmp_path / "run")
+  for heading in ("## Restoring into other dtypes: `cast=True`",
+                  "## Exporting to safetensors or npz"):
+    section = doc_section("usage.md", heading)
+    (code,) = doc_blocks(section, "python")
+    (printed,) = doc_blocks(section, "text")[:1]
+    capsys.readouterr()
+    exec(compile(code, "docs/usage.md", "exec"), {"workdir": workdir})  # pylint: disable=exec-used
+    assert capsys.readouterr().out == printed.replace("WORKDIR", workdir)
+
+
+@pytest.mark.multiprocess
+def test_cli_md_export_commands_print_what_the_page_shows(tmp_path):
+  (script,) = doc_blocks(doc_section("cli.md", "## The example directory"),
+                         "python")
+  (tmp_path / "make_ckpts.py").write_text(script)
+  work = tmp_path / "work"
+  work.mkdir()
+  r = subprocess.run([sys.executable, str(tmp_path / "make_ckpts.py")],
+                     cwd=work, capture_output=True, text=True, timeout=300,
+                     check=False)
+  assert r.returncode == 0, r.stderr
+  consoles = doc_blocks(doc_section("cli.md", "## export"), "console")
+  assert len(consoles) == 8
+  for block in consoles:
+    run_console(block, work)
