@@ -177,11 +177,11 @@ def main() -> None:
     print(f"  {name}: peak RSS rose by {_mb(r['peak_above_before'])} during"
           f" the restore: {x:.3f} x the restored state (limit 1.10);"
           f" {r['secs']:.2f} s; values exact: {r['exact']}")
-  print(f"export of {_mb(result['export_save']['saved_bytes'])} float32,"
-        " each in a fresh process without JAX:")
   print(f"  reference, without a cast into float32, cold: peak RSS rose by"
         f" {_mb(plain['peak_above_before'] - plain['restored_bytes'])} beyond"
         f" its restored state ({_mb(plain['restored_bytes'])})")
+  print(f"export of {_mb(result['export_save']['saved_bytes'])} float32,"
+        " each in a fresh process without JAX:")
   for fmt in ("safetensors", "npz"):
     r = result[fmt]
     print(f"  {fmt:<12} peak RSS {_mb(r['peak_rss'])} (limit 600 MB),"
