@@ -31,8 +31,9 @@ from flax_ckpt_plugin.records import LeafRecord
 CHUNK_BYTES = 4 << 20
 
 
-def _kind(dtype: Any) -> str:
-  """'bool', 'int', 'float', 'complex', 'key' or the dtype's name."""
+def kind(dtype: Any) -> str:
+  """What a dtype's values mean: 'bool', 'int', 'float', 'complex',
+  'key' (typed PRNG keys) or the dtype's name."""
   if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key):
     return "key"
   for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
@@ -50,7 +51,7 @@ _NAMES = {"bool": "boolean", "int": "integer", "float": "floating",
 def refusal(saved: np.dtype, target: Any) -> str | None:
   """Why a restore with `cast=True` does not convert `saved` to `target`;
   None when it does (equal dtypes included)."""
-  src, dst = _kind(saved), _kind(target)
+  src, dst = kind(saved), kind(target)
   if src == dst and src in ("int", "float", "complex"):
     return None
   names = f"{_NAMES.get(src, src)} to {_NAMES.get(dst, dst)}"
@@ -60,7 +61,7 @@ def refusal(saved: np.dtype, target: Any) -> str | None:
 
 def needs_check(saved: np.dtype, target: Any) -> bool:
   """Whether an integer cast can meet a value the target cannot hold."""
-  if _kind(saved) != "int":
+  if kind(saved) != "int":
     return False
   have, want = jax.numpy.iinfo(saved), jax.numpy.iinfo(target)
   return int(want.min) > int(have.min) or int(want.max) < int(have.max)

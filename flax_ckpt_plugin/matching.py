@@ -59,16 +59,6 @@ def check_key_impl(leaf: LeafRecord, where: str) -> None:
         f" {leaf.key_impl!r} cannot be restored: {e!s:.200}") from e
 
 
-def _category(dtype: Any) -> str:
-  """What a dtype's values mean: 'bool', 'int', 'float', 'complex' or other."""
-  for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
-                    ("float", jax.numpy.floating),
-                    ("complex", jax.numpy.complexfloating)):
-    if jax.numpy.issubdtype(dtype, cat):
-      return name
-  return str(dtype)
-
-
 def _fits(value: bool | int | float, dtype: np.dtype) -> bool:
   """Whether `dtype` holds the Python scalar `value` (of the same kind)."""
   if isinstance(value, bool) or not isinstance(value, int):
@@ -99,7 +89,7 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
   def head() -> str:  # Only for a mismatch: 5000 leaves match in 0.1 s.
     return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
 
-  saved_cat = saved.kind if saved.is_scalar else _category(saved.dtype)
+  saved_cat = saved.kind if saved.is_scalar else casting.kind(saved.dtype)
   if isinstance(target, (bool, int, float)):
     t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
     if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
@@ -118,7 +108,7 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
     t_shape = tuple(np.shape(target))
     t_desc = lambda: describe(t_dtype, t_shape)
   if saved.dtype is None:  # A Python scalar saved; an array of shape () wanted.
-    ok = t_shape == () and not is_key and _category(t_dtype) == saved_cat
+    ok = t_shape == () and not is_key and casting.kind(t_dtype) == saved_cat
     if ok and not _fits(saved.value, np.dtype(t_dtype)):
       return f"{head()} {t_desc()}, which cannot hold that value"
   else:

@@ -165,17 +165,24 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
 SCALEOUT = BENCH.parent / "scaleout.py"
 
 
+def _run_script(script, tmp_path, *args):
+  """Runs a benchmark script with `args`, writing under tmp_path; its
+  stdout and its JSON."""
+  out = tmp_path / f"{script.stem}.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), *args, "--dir", str(tmp_path), "--json",
+       str(out)], capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.multiprocess
 def test_tiny_scaleout_benchmark_spreads_the_writes(tmp_path):
-  out = tmp_path / "scaleout.json"
-  proc = subprocess.run(
-      [sys.executable, str(SCALEOUT), "--mb", "4", "--mbps", "50",
-       "--processes", "1,2", "--layouts", "data_parallel", "--dir",
-       str(tmp_path), "--json", str(out)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert "SIMULATED per-process links of 50 MB/s" in proc.stdout
-  runs = json.loads(out.read_text())["runs"]
+  stdout, result = _run_script(
+      SCALEOUT, tmp_path, "--mb", "4", "--mbps", "50", "--processes", "1,2",
+      "--layouts", "data_parallel")
+  assert "SIMULATED per-process links of 50 MB/s" in stdout
+  runs = result["runs"]
   assert sorted(runs) == ["data_parallel_1", "data_parallel_2"]
   two = runs["data_parallel_2"]
   total = two[0]["state_bytes"]
@@ -194,15 +201,10 @@ TRAVEL = BENCH.parent / "travel.py"
 
 @pytest.mark.multiprocess
 def test_tiny_travel_benchmark_reports_cast_and_export_memory(tmp_path):
-  out = tmp_path / "travel.json"
-  proc = subprocess.run(
-      [sys.executable, str(TRAVEL), "--cast-mb", "8", "--export-mb", "8",
-       "--dir", str(tmp_path), "--json", str(out)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert "x the restored state (limit 1.10)" in proc.stdout
-  assert "peak RSS" in proc.stdout and "(limit 600 MB)" in proc.stdout
-  result = json.loads(out.read_text())
+  stdout, result = _run_script(TRAVEL, tmp_path, "--cast-mb", "8",
+                               "--export-mb", "8")
+  assert "x the restored state (limit 1.10)" in stdout
+  assert "peak RSS" in stdout and "(limit 600 MB)" in stdout
   assert result["plain"]["exact"]
   assert result["plain"]["restored_bytes"] == result["cast_save"][
       "saved_bytes"]
