@@ -1,7 +1,9 @@
 """Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops."""
 
-# The names below that need JAX are imported on first use (PEP 562), so that
-# `flax-ckpt`, which reads checkpoints with numpy alone, starts without JAX.
+# The names below that need JAX (and the export, which needs none but whose
+# module a plain import need not load) are imported on first use (PEP 562),
+# so that `flax-ckpt`, which reads checkpoints with numpy alone, starts
+# without JAX.
 
 import importlib
 from typing import Any, TYPE_CHECKING
@@ -23,6 +25,9 @@ from flax_ckpt_plugin.stats import StepMetadata
 if TYPE_CHECKING:
   from flax_ckpt_plugin.callback import CheckpointCallback
   from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
+  from flax_ckpt_plugin.exporting import export
+  from flax_ckpt_plugin.exporting import ExportError
+  from flax_ckpt_plugin.exporting import ExportResult
   from flax_ckpt_plugin.manager import CheckpointManager
 
 __version__ = "0.1.0"
@@ -36,6 +41,8 @@ __all__ = [
     "CommitHookError",
     "ConcurrentWriterError",
     "DataStateMismatchError",
+    "ExportError",
+    "ExportResult",
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
     "RestoreFailedError",
@@ -44,6 +51,7 @@ __all__ = [
     "SaveStats",
     "StepMetadata",
     "StructureMismatchError",
+    "export",
 ]
 
 # Public name -> the module that defines it, imported when first asked for.
@@ -51,6 +59,9 @@ _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
     "CheckpointManager": "flax_ckpt_plugin.manager",
+    "ExportError": "flax_ckpt_plugin.exporting",
+    "ExportResult": "flax_ckpt_plugin.exporting",
+    "export": "flax_ckpt_plugin.exporting",
 }
 
 

@@ -369,7 +369,7 @@ class CheckpointCallback:
       self.local.quietly(what, fn)
 
   def restore_or_initialize(
-      self, state: Any,
+      self, state: Any, *, cast: bool = False,
       make_target: Callable[[list[Any]], Any] | None = None) -> Any:
     """The newest good finalized step restored like `state`, else `state`.
 
@@ -385,15 +385,23 @@ class CheckpointCallback:
     (as for `recover`), else `state`'s meshes with their devices replaced
     position for position.
 
+    Args:
+      state: the state to restore like (and to return when there is no
+        step), as for `CheckpointManager.restore`.
+      cast: convert leaves saved in another dtype than `state`'s (float32
+        into bfloat16, say), as `CheckpointManager.restore` does.
+      make_target: see above.
+
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
+      StructureMismatchError: `state` does not fit the checkpoint.
     """
     it = self.data_iterator if self.restore_data_state else None
     if self._peers is not None and self._peers.rejoining:
       return self._rejoined(self._peers.rejoin(make_target, state, it),
                             local_tier.PEER)
     found = local_tier.restore_for_callback(state, self.local, self.manager,
-                                            data_iterator=it)
+                                            data_iterator=it, cast=cast)
     if found is None:
       log.info("no checkpoint in %s; starting from the given state",
                self.directory)

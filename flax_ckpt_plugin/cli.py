@@ -1,17 +1,21 @@
-"""`flax-ckpt`: look at, verify and prune checkpoint directories from a shell.
+"""`flax-ckpt`: look at, verify, prune and export checkpoint directories.
 
     flax-ckpt list   DIR [--json]
     flax-ckpt show   DIR [STEP] [--json]
     flax-ckpt verify DIR [STEP] [--all] [--json] [-q]
     flax-ckpt prune  DIR --keep N [--dry-run] [--unfinished] [--force]
+    flax-ckpt export DIR OUT [--step N] [--format safetensors|npz]
+                     [--only PREFIX ...] [--max-file-size SIZE] [-q]
     flax-ckpt import-orbax ORBAX_STEP_DIR DEST_DIR [--item NAME] [--step N]
                            [--json]
 
 Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
 `prune`, which deletes through `atomicity.delete_step` and never claims the
-directory as a writer, so it can run beside a training job, and
-`import-orbax`, which saves a step that Orbax wrote as a new step of DEST_DIR
-with a `CheckpointManager` (`importer`, `zarr_tree`). Paths go through
+directory as a writer, so it can run beside a training job; `export`,
+which writes a new directory OUT of safetensors or npz files
+(`exporting`); and `import-orbax`, which saves a step that Orbax wrote as
+a new step of DEST_DIR with a `CheckpointManager` (`importer`,
+`zarr_tree`). Paths go through
 `etils.epath`, so `gs://` and `s3://` directories work too. See docs/cli.md.
 This module parses the arguments and maps errors to exit codes; the
 commands themselves are in `commands`.
@@ -24,6 +28,7 @@ import os
 import sys
 from typing import Sequence
 
+from flax_ckpt_plugin.commands import cmd_export
 from flax_ckpt_plugin.commands import cmd_import_orbax
 from flax_ckpt_plugin.commands import cmd_list
 from flax_ckpt_plugin.commands import cmd_prune
@@ -43,12 +48,31 @@ exit codes:
   1  a checkpoint failed verification (corrupt, truncated or missing data
      files) or its manifest is damaged; import-orbax: the Orbax step is
      damaged or holds strings
-  2  usage error (bad arguments, --keep 0 without --force, or what
-     import-orbax needs: --step, --item, tensorstore)
+  2  usage error (bad arguments, --keep 0 without --force, what
+     import-orbax needs: --step, --item, tensorstore, or what export
+     needs: an --only prefix that matches, safetensors)
   3  directory or step not found, or no finalized step
   4  could not read or delete (permission denied, I/O error)
-  5  import-orbax: DEST_DIR already holds that step (nothing was written)
+  5  import-orbax: DEST_DIR already holds that step; export: OUT exists
+     (nothing was written)
 """
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def _size(text: str) -> int:
+  """'5GB', '100MiB', '4096' -> bytes (argparse type)."""
+  digits = text.rstrip("BbKkMmGgIi")
+  unit = text[len(digits):].upper()
+  try:
+    value = int(float(digits) * _SIZE_UNITS[unit])
+  except (ValueError, KeyError):
+    raise argparse.ArgumentTypeError(
+        f"not a size: {text!r} (e.g. 5GB, 500MB, 100MiB)") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+  return value
 
 
 # -- entry point ---------------------------------------------------------------
@@ -56,9 +80,9 @@ exit codes:
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog=PROG, description="Inspect, verify and prune flax_ckpt_plugin"
-      " checkpoint directories (local paths, gs://, s3://), and import steps"
-      " that Orbax wrote.",
+      prog=PROG, description="Inspect, verify, prune and export"
+      " flax_ckpt_plugin checkpoint directories (local paths, gs://, s3://),"
+      " and import steps that Orbax wrote.",
       epilog=EXIT_CODES_HELP,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -104,6 +128,25 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--force", action="store_true", help="allow --keep 0")
   p.set_defaults(func=cmd_prune)
 
+  p = add("export", "Write a step's arrays to safetensors or npz files in a"
+          " new directory OUT (safetensors needs the [export] extra).")
+  p.add_argument("out", metavar="OUT",
+                 help="the directory to create (local; must not exist)")
+  p.add_argument("--step", metavar="N", type=int,
+                 help="step to export (default: the newest finalized)")
+  p.add_argument("--format", choices=("safetensors", "npz"),
+                 default="safetensors", help="default: safetensors")
+  p.add_argument("--only", metavar="PREFIX", nargs="+",
+                 help="export only the leaves under these key paths (e.g."
+                 " params, or params.Dense_0)")
+  p.add_argument("--max-file-size", metavar="SIZE", type=_size,
+                 default="5GB", help="split safetensors exports into files"
+                 " of at most SIZE bytes of arrays, with an index (default:"
+                 " 5GB)")
+  p.add_argument("-q", "--quiet", action="store_true",
+                 help="no progress on stderr")
+  p.set_defaults(func=cmd_export)
+
   text = ("Convert a step that Orbax wrote (StandardSave, PyTreeSave) into a"
           " finalized step of DEST_DIR (needs the [orbax] extra).")
   p = sub.add_parser("import-orbax", help=text, description=text,
@@ -134,9 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit code: `EXIT_OK`, `EXIT_CORRUPT`, `EXIT_NOT_FOUND`, `EXIT_IO`,
-    `EXIT_EXISTS` (`import-orbax` into a step that exists), or
-    `EXIT_USAGE` for `prune --keep 0` without `--force` and for what
-    `import-orbax` needs (`--step`, `--item`, tensorstore). Other bad
+    `EXIT_EXISTS` (`import-orbax` into a step that exists, `export` to an
+    OUT that exists), or `EXIT_USAGE` for `prune --keep 0` without
+    `--force`, for what `import-orbax` needs (`--step`, `--item`,
+    tensorstore) and for what `export` needs (an `--only` prefix that
+    matches a leaf, safetensors). Other bad
     arguments exit with `EXIT_USAGE` through argparse (`SystemExit`).
   """
   parser = _parser()

@@ -99,9 +99,9 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     """The callback's `CheckpointManager`."""
     return self.callback.manager
 
-  def restore_or_initialize(self, state: Any) -> Any:
+  def restore_or_initialize(self, state: Any, *, cast: bool = False) -> Any:
     """See `CheckpointCallback.restore_or_initialize`."""
-    return self.callback.restore_or_initialize(state)
+    return self.callback.restore_or_initialize(state, cast=cast)
 
   @property
   def restored_step(self) -> int | None:

@@ -1,11 +1,12 @@
-"""The commands of `flax-ckpt` (`cli`): list, show, verify, prune and
-import-orbax, each `cmd_NAME(args, out) -> exit code`.
+"""The commands of `flax-ckpt` (`cli`): list, show, verify, prune, export
+and import-orbax, each `cmd_NAME(args, out) -> exit code`.
 
 Each writes its report to `out` and raises `CliError` for an expected
 failure (one line on stderr, an exit code); `cli.main` parses the arguments
 and turns the other errors into exit codes. `inventory`, `manifest`,
-`reader` and `verify` read the steps without JAX; only import-orbax imports
-JAX, and tensorstore to read Orbax's arrays (`importer`, `zarr_tree`).
+`reader` and `verify` read the steps without JAX (`exporting` too, with
+the `safetensors` package for that format); only import-orbax imports JAX,
+and tensorstore to read Orbax's arrays (`importer`, `zarr_tree`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ EXIT_CORRUPT = 1  # A checkpoint failed verification or its manifest is bad.
 EXIT_USAGE = 2  # argparse's own code for bad arguments.
 EXIT_NOT_FOUND = 3  # No such directory or step, or no finalized step.
 EXIT_IO = 4  # Could not read or delete (permission denied, I/O error).
-EXIT_EXISTS = 5  # import-orbax: the destination already holds the step.
+EXIT_EXISTS = 5  # import-orbax, export: the destination already exists.
 
 class CliError(Exception):
   """An expected failure: one line on stderr and an exit code."""
@@ -346,6 +347,40 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
       out.write(f"{verb} unfinished {entry.name}\n")
   out.write(f"kept {len(kept)} finalized step{'' if len(kept) == 1 else 's'}:"
             f" {kept}\n")
+  return EXIT_OK
+
+
+# -- export --------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+  from flax_ckpt_plugin import exporting  # pylint: disable=g-import-not-at-top
+  directory = _existing_dir(args.directory)
+  if args.step is None:
+    _finalized(directory, args.directory)
+  else:
+    _check_step(directory, args.directory, args.step)
+  try:
+    result = exporting.export(
+        args.directory, args.out, step=args.step, format=args.format,
+        only=args.only or (), max_file_bytes=args.max_file_size,
+        progress=None if args.quiet else sys.stderr)
+  except (exporting.ExportError,
+          exporting.SafetensorsNotInstalledError) as e:
+    raise CliError(str(e), EXIT_USAGE) from e
+  except FileExistsError as e:
+    raise CliError(str(e), EXIT_EXISTS) from e
+  plural = "" if result.arrays == 1 else "s"
+  out.write(f"exported step {result.step} of {args.directory} to {args.out}"
+            f" ({result.format}): {result.arrays} array{plural},"
+            f" {human_size(result.nbytes)}\n")
+  for name in result.files:
+    out.write(f"  {os.path.join(args.out, name)}\n")
+  if result.scalars:
+    where = ("the metadata" if result.format == "safetensors"
+             else f"{exporting.STEM}.json")
+    out.write(f"in {where}: " + ", ".join(
+        f"{k} = {v!r}" for k, v in result.scalars.items()) + "\n")
   return EXIT_OK
 
 

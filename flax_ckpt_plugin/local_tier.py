@@ -223,14 +223,17 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
 
 def restore_into(state: Any, local: LocalTier,
                  persistent: CheckpointManager, *,
-                 data_iterator: datastate.DataIterator | None = None
+                 data_iterator: datastate.DataIterator | None = None,
+                 cast: bool = False
                  ) -> tuple[int, str, Any] | None:
   """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
 
   Called on every process, like `state`; see `restore_newest`. With a
   `data_iterator`, each process also restores its data state, and peers
   are not tried: a process that lacks the local step lacks its data state
-  too (it was lost with its disk).
+  too (it was lost with its disk). Nor with `cast` (dtypes converted as
+  `CheckpointManager.restore` does), which the peers' exchange of saved
+  bytes does not make.
   """
   coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
   key = f"{persistent.name}/tiers"
@@ -238,7 +241,8 @@ def restore_into(state: Any, local: LocalTier,
 
   def from_manager(manager):
     return lambda step, _: (
-        manager.restore(state, step, data_iterator=data_iterator),
+        manager.restore(state, step, data_iterator=data_iterator,
+                        cast=cast),
         manager.metadata(step).extra)
 
   tiers = {
@@ -250,9 +254,9 @@ def restore_into(state: Any, local: LocalTier,
       # serves each byte once (`shared_read`).
       PERSISTENT: lambda step, _: (
           persistent.restore_together(state, step,
-                                      data_iterator=data_iterator),
+                                      data_iterator=data_iterator, cast=cast),
           persistent.metadata(step).extra)}
-  if data_iterator is not None:
+  if data_iterator is not None or cast:
     del tiers[PEER]
   return restore_newest(coord, key, local=local, persistent=persistent,
                         restore=tiers, timeout_ms=timeout_ms)
@@ -260,16 +264,19 @@ def restore_into(state: Any, local: LocalTier,
 
 def restore_for_callback(state: Any, local: LocalTier | None,
                          persistent: CheckpointManager, *,
-                         data_iterator: datastate.DataIterator | None
+                         data_iterator: datastate.DataIterator | None,
+                         cast: bool = False
                          ) -> tuple[int, str, Any] | None:
   """`CheckpointCallback.restore_or_initialize`'s restore: (step, tier,
   (tree, extra)) from the fastest tier that has the newest good step, or
-  None; newer local steps are dropped."""
+  None; newer local steps are dropped. `cast`: see
+  `CheckpointManager.restore`."""
   if local is None:
-    found = persistent.restore_newest_valid(state,
-                                            data_iterator=data_iterator)
+    found = persistent.restore_newest_valid(
+        state, data_iterator=data_iterator, cast=cast)
     return None if found is None else (found[0], PERSISTENT, (
         found[1], persistent.metadata(found[0]).extra))
-  found = restore_into(state, local, persistent, data_iterator=data_iterator)
+  found = restore_into(state, local, persistent, data_iterator=data_iterator,
+                       cast=cast)
   local.discard_newer(None if found is None else found[0])
   return found

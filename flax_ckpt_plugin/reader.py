@@ -59,6 +59,35 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def chunk_regions(region: Index, itemsize: int, limit: int
+                  ) -> Iterator[Index]:
+  """`region` cut into pieces of at most `limit` bytes (at least one
+  element each), consecutive in C order: each piece's values follow the
+  previous piece's in the region's flattened order, so a writer can stream
+  them one after the other.
+
+  Pieces are slabs along the first axis whose trailing part fits `limit`,
+  for each index of the axes before it.
+  """
+  shape = [hi - lo for lo, hi in region]
+  if math.prod(shape) == 0:
+    return
+  k = 0  # The first axis whose trailing slab of one index fits `limit`.
+  while k < len(shape) and math.prod(shape[k + 1:]) * itemsize > limit:
+    k += 1
+  if k == len(shape):  # A scalar, or one element is over the limit.
+    k = max(len(shape) - 1, 0)
+  if not shape:
+    yield region
+    return
+  step = max(1, limit // (math.prod(shape[k + 1:]) * itemsize))
+  for outer in itertools.product(*(range(lo, hi) for lo, hi in region[:k])):
+    head = tuple((i, i + 1) for i in outer)
+    lo, hi = region[k]
+    for a in range(lo, hi, step):
+      yield head + ((a, min(a + step, hi)),) + tuple(region[k + 1:])
+
+
 def _intersect(a: Index, b: Index) -> Index | None:
   out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
   if any(lo >= hi for lo, hi in out):
@@ -206,6 +235,7 @@ class LeafReader:
     # blocks in it already read and checked, so no block is read twice.
     self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
     self._edges: dict[tuple[int, int], memoryview] = {}  # (shard, block).
+    self._used: set[tuple[int, int]] = set()  # Edges of the latest read.
 
   def small_shard_ranges(self, regions: Iterable[Index]
                          ) -> Iterator[tuple[str, int, int]]:
@@ -239,6 +269,27 @@ class LeafReader:
       if str(e).startswith(self._where):
         raise
       raise CheckpointCorruptedError(f"{self._where}: {e}") from e
+
+  def read_chunks(self, region: Index, limit: int
+                  ) -> Iterator[tuple[Index, np.ndarray]]:
+    """`region` in pieces of at most `limit` bytes, in C order
+    (`chunk_regions`): (piece, its values), the values in one buffer
+    reused for every piece, valid until the next is asked for.
+
+    Memory stays about `limit` plus a few checksum blocks, whatever the
+    region's size: between pieces, only the blocks at the edge of the
+    last piece are kept (the next piece starts in them).
+    """
+    itemsize = self.dtype.itemsize
+    buf = None
+    for piece in chunk_regions(region, itemsize, limit):
+      shape = [hi - lo for lo, hi in piece]
+      if buf is None:  # Sized for the first (largest) piece.
+        buf = host_buffer([math.prod(shape)], self.dtype)
+      self._used = set()
+      yield piece, self.read(piece, out=buf[:math.prod(shape)].reshape(shape))
+      self._edges = {k: v for k, v in self._edges.items() if k in self._used}
+      self._verified.clear()
 
   def _read(self, region: Index, out: np.ndarray | None) -> np.ndarray:
     if out is None:
@@ -332,6 +383,7 @@ class LeafReader:
         self._reader.read_into(name, base + a, scratch)
         self._check(shard, k, scratch)
         self._edges[(n, k)] = scratch
+      self._used.add((n, k))
       s, e = max(a, lo), min(b, hi)
       dest[s - lo:e - lo] = scratch[s - a:e - a]
 

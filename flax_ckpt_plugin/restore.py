@@ -8,7 +8,8 @@ reads only the byte ranges that its addressable target shards need, so a
 checkpoint written by any number of devices can be read by any other.
 Every leaf is matched against the target (paths, shapes, dtypes; see
 `matching`) before any data is read; `reader.LeafReader` then reads the
-regions.
+regions (through a `casting.CastReader` where a restore with `cast=True`
+converts the dtype).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin import casting
 from flax_ckpt_plugin import staging
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.records import Index
@@ -143,7 +145,8 @@ def _assemble(shape: tuple[int, ...], dtype: np.dtype,
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def _restore_array(lr: LeafReader, shape: tuple[int, ...],
+def _restore_array(lr: LeafReader | casting.CastReader,
+                   shape: tuple[int, ...],
                    sharding: jax.sharding.Sharding) -> jax.Array:
   indices = sharding.addressable_devices_indices_map(shape)
   cache: dict[Index, np.ndarray] = {}
@@ -184,9 +187,11 @@ def _restore_array(lr: LeafReader, shape: tuple[int, ...],
   return _assemble(shape, lr.dtype, sharding, devices, pieces)
 
 
-def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
+                 cast: bool = False) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
-  a Python scalar, whose value is in the manifest)."""
+  a Python scalar, whose value is in the manifest). With `cast`, values
+  are converted to the target's dtype as they are read (`casting`)."""
   if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
@@ -196,6 +201,8 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict) -> Any:
       return host if isinstance(target, np.ndarray) else host[()]
     return _put(host, _target_sharding(target))
   lr = LeafReader(leaf=saved, **lr_args)
+  if cast:
+    lr = casting.reader_for(lr, saved, target, lr_args["where"])
   if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
       or lr.dtype.byteorder == ">" or saved.key_impl is not None):
     return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
@@ -291,14 +298,15 @@ def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
             " target places here (another sharding or process layout?)")
 
 
-def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict
-                   ) -> list[Any]:
+def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
+                   cast: bool) -> list[Any]:
   ranges = [] if len(batch) < 2 else [
       r for saved, target in batch if not saved.is_scalar
       for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
           _regions(saved, target))]
   with lr_args["reader"].coalesced(ranges):
-    return [restore_leaf(saved, target, lr_args) for saved, target in batch]
+    return [restore_leaf(saved, target, lr_args, cast=cast)
+            for saved, target in batch]
 
 
 def plain_target(manifest: Manifest) -> Any:
@@ -332,11 +340,21 @@ def plain_target(manifest: Manifest) -> Any:
   return root
 
 
+def log_casts(where: str, saved: dict[str, LeafRecord],
+              targets: list[tuple[str, Any]]) -> list[str]:
+  """The one log line of a restore with `cast=True`: how many leaves it
+  converts. Returns their paths."""
+  cast = casting.cast_leaves(saved, targets)
+  log.info("%s: casting %d of %d leaves to the target's dtypes%s", where,
+           len(cast), len(targets), f" (first: {cast[0]!r})" if cast else "")
+  return cast
+
+
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
                  verify: bool = True,
                  backend: backend_lib.Backend | None = None,
-                 partial: bool = False, missing: str = "error"
-                 ) -> tuple[Any, int]:
+                 partial: bool = False, missing: str = "error",
+                 cast: bool = False) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
 
   Args:
@@ -349,13 +367,16 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       checkpoint's other leaves.
     missing: "keep": a target leaf that the checkpoint lacks keeps the
       target's value (logged); "error" (default): a mismatch.
+    cast: convert leaves saved in another dtype than the target's, as
+      `casting` allows, while they are read (one log line counts them).
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
 
   Raises:
     StructureMismatchError: leaf paths, shapes or dtypes differ; the message
-      names every such leaf and both sides. Raised before any data is read.
+      names every such leaf and both sides. Raised before any data is read,
+      except for an integer that a narrower target cannot hold (`cast`).
     CheckpointCorruptedError: data files are missing, short, inconsistent
       or fail their checksums; the message names the file, step and leaf.
     CheckpointNotFoundError: a step of one process's shards does not hold
@@ -365,7 +386,8 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   targets, treedef = leaf_paths(target)
   where = f"step {manifest.step} in {step_dir}"
   kept = set(match_structure(saved, [(p, leaf) for p, _, leaf in targets],
-                             step_dir, partial=partial, missing=missing))
+                             step_dir, partial=partial, missing=missing,
+                             cast=cast))
   if kept:
     log.warning("%s: %d target leaves are not in the checkpoint and keep"
                 " the target's values: %s", where, len(kept), sorted(kept))
@@ -376,6 +398,8 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       check_key_impl(saved[path], where)
   targets = [(p, on_context_mesh(p, leaf)) for p, _, leaf in targets
              if p not in kept]
+  if cast:
+    log_casts(where, saved, targets)
   if manifest.scope is not None:
     _check_held(saved, targets, where)
   reader = ByteReader(step_dir, manifest.files, backend)
@@ -386,7 +410,8 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
     with concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
       futures = [pool.submit(_restore_batch, [(saved[p], leaf)
-                                               for p, leaf in batch], lr_args)
+                                               for p, leaf in batch], lr_args,
+                             cast)
                  for batch in _batches(targets, saved)]
       try:
         leaves = [leaf for f in futures for leaf in f.result()]

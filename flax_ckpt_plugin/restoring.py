@@ -131,7 +131,8 @@ class Restoring:
   def restore(self, target: Any, step: int | None = None, *,
               verify: bool = True,
               data_iterator: datastate.DataIterator | None = None,
-              partial: bool = False, missing: str = "error") -> Any:
+              partial: bool = False, missing: str = "error",
+              cast: bool = False) -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Runs on this process alone (it meets no other process), so it may be
@@ -157,6 +158,11 @@ class Restoring:
       missing: "keep": a leaf of `target` that the checkpoint lacks (a
         new head for fine-tuning) keeps the target's value, and a log line
         names them; "error" (default): a `StructureMismatchError`.
+      cast: where a leaf's target dtype differs from the saved one, convert
+        the values while they are read, piece by piece (never a second
+        full copy of the leaf): floating to floating of any width, integer
+        to integer (a narrower target is checked value by value). A log
+        line says how many leaves were cast. See `casting`.
 
     Returns:
       A pytree of the target's type.
@@ -164,7 +170,11 @@ class Restoring:
     Raises:
       CheckpointNotFoundError: no such finalized step.
       StructureMismatchError: the trees differ; names every mismatched leaf
-        by its key path.
+        by its key path (and, for dtypes that `cast=True` converts, says
+        so). With `cast`: a conversion it does not make (floating to
+        integer, complex to real, booleans, PRNG keys), or a saved integer
+        that the target's dtype cannot hold; names the leaf and both
+        dtypes.
       CheckpointCorruptedError: the step's files are damaged.
       DataStateMismatchError: see `data_state`.
     """
@@ -182,7 +192,7 @@ class Restoring:
       target = plain_target(manifest)
     tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
                                 backend=self.backend, partial=partial,
-                                missing=missing)
+                                missing=missing, cast=cast)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     if hand_over is not None:
@@ -190,8 +200,8 @@ class Restoring:
     return tree
 
   def restore_together(self, target: Any, step: int, *, verify: bool = True,
-                       data_iterator: datastate.DataIterator | None = None
-                       ) -> Any:
+                       data_iterator: datastate.DataIterator | None = None,
+                       cast: bool = False) -> Any:
     """`restore`, called on every process: storage serves each byte once.
 
     Where the target has regions that several processes need (replicated
@@ -206,7 +216,7 @@ class Restoring:
         or self.coordinator.process_count < 2
         or not read_plan.worth_it(target)):
       return self.restore(target, step, verify=verify,
-                          data_iterator=data_iterator)
+                          data_iterator=data_iterator, cast=cast)
     self._check_open()
     self._committer.check()
     self._staging.clear()
@@ -227,7 +237,7 @@ class Restoring:
     tree, nbytes, hand_over = shared_read.restore(
         self.coordinator, key, step_dir, read_manifest, target, step=step,
         reads_manifest=self.is_primary, backend=self.backend, verify=verify,
-        timeout_ms=self.barrier_timeout_ms, before=before)
+        timeout_ms=self.barrier_timeout_ms, before=before, cast=cast)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     if hand_over is not None:
@@ -235,8 +245,8 @@ class Restoring:
     return tree
 
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
-                           data_iterator: datastate.DataIterator | None = None
-                           ) -> tuple[int, Any] | None:
+                           data_iterator: datastate.DataIterator | None = None,
+                           cast: bool = False) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
 
     Called on every process; see `fallback`. A step whose files fail
@@ -250,6 +260,7 @@ class Restoring:
       verify: check checksums, as for `restore`.
       data_iterator: as for `restore`; a step without this process's data
         state (but others') is skipped, and kept.
+      cast: convert dtypes, as for `restore`.
 
     Returns:
       (step, restored tree), or None when the directory has no finalized
@@ -269,7 +280,8 @@ class Restoring:
     found, skipped = fallback.restore_newest(
         self.coordinator, key, steps=self.all_steps,
         restore=lambda step: self.restore_together(
-            target, step, verify=verify, data_iterator=data_iterator),
+            target, step, verify=verify, data_iterator=data_iterator,
+            cast=cast),
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
         where=str(self.directory))
     if found is not None:  # Every process restored it.

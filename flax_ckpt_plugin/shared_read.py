@@ -67,7 +67,8 @@ from flax_ckpt_plugin.treepaths import normalize_index
 def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
             read_manifest: Any, target: Any, *, step: int,
             reads_manifest: bool, backend: Any, verify: bool,
-            timeout_ms: int, before: Any = None) -> tuple[Any, int, Any]:
+            timeout_ms: int, before: Any = None, cast: bool = False
+            ) -> tuple[Any, int, Any]:
   """Restores `step` from `step_dir` like `target`; see the module doc.
 
   Called on every process with the same `key`, one no call used before.
@@ -77,7 +78,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
   coordinator; the others read no manifest, so storage serves it once.
   `before(manifest)` then runs on every process (the data state's checks).
   Both run inside agreed phases, so that an error on one process is known
-  to all.
+  to all. With `cast`, leaves of another dtype than the target's are
+  converted (`casting`), each read by every process that needs it.
 
   Returns:
     The tree, the bytes this process read, and what `before` returned.
@@ -93,7 +95,8 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
   with _no_collection():
     return _restore(coord, key, step_dir, read_manifest, target, step=step,
                     reads_manifest=reads_manifest, backend=backend,
-                    verify=verify, timeout_ms=timeout_ms, before=before)
+                    verify=verify, timeout_ms=timeout_ms, before=before,
+                    cast=cast)
 
 
 @contextlib.contextmanager
@@ -111,7 +114,7 @@ def _no_collection():
 
 
 def _restore(coord, key, step_dir, read_manifest, target, *, step,
-             reads_manifest, backend, verify, timeout_ms, before):
+             reads_manifest, backend, verify, timeout_ms, before, cast):
   where = str(step_dir)
   log.debug("%s: restoring together", where)
   shared = f"{key}/manifest"
@@ -132,7 +135,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
     manifest = own[0] if own else manifest_lib.of_step(
         groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
-    return (manifest,) + _plan(step_dir, manifest, target, where)
+    return (manifest,) + _plan(step_dir, manifest, target, where, cast)
 
   # Whatever can fail on one process alone before the programs start
   # (fetching the manifest) fails in this phase, which starts none.
@@ -148,7 +151,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
   outcome = coordinator_lib.agree(
       coord, f"{key}/read", lambda: _read(
           step_dir, manifest, backend, verify, where, leaves, batches, packs,
-          before), timeout_ms=timeout_ms)
+          before, cast), timeout_ms=timeout_ms)
   _check(outcome, where)
   return _run(treedef, *outcome.result)
 
@@ -176,9 +179,10 @@ def _check(outcome: coordinator_lib.Outcome, where: str,
 
 
 def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
-          where: str) -> tuple[Any, list, list, list]:
+          where: str, cast: bool) -> tuple[Any, list, list, list]:
   """Matches the target and plans every leaf (see `read_plan`): the same
-  on every process, and nothing read yet.
+  on every process, and nothing read yet. A leaf cast to another dtype is
+  read alone (`restore.restore_leaf` converts it).
 
   Returns:
     The target's treedef; per leaf, (record, target, `read_plan.Split` or
@@ -186,9 +190,11 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
   """
   targets, treedef = leaf_paths(target)
   saved = manifest.leaf_by_path
-  matching.match_structure(saved, [(p, t) for p, _, t in targets], step_dir)
+  pairs = [(p, t) for p, _, t in targets]
+  matching.match_structure(saved, pairs, step_dir, cast=cast)
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
+  converted = set(restore_lib.log_casts(where, saved, pairs) if cast else ())
   leaves, load = [], {}
   for path, _, t in targets:
     t = restore_lib.on_context_mesh(path, t)
@@ -198,7 +204,7 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     # jax_enable_x64), which the program cannot bitcast to. The manifest
     # says so alike on every process.
     split = None if (
-        leaf.dtype is None or leaf.dtype.byteorder == ">"
+        leaf.dtype is None or leaf.dtype.byteorder == ">" or path in converted
         or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
             read_plan.split(t, load))
     leaves.append((leaf, t, split))
@@ -235,7 +241,7 @@ def _compile(leaves: list, batch: list[int], pack: read_plan.Pack | None,
 
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           verify: bool, where: str, leaves: list, batches: list[list[int]],
-          packs: list[read_plan.Pack | None], before: Any
+          packs: list[read_plan.Pack | None], before: Any, cast: bool
           ) -> tuple[list, list, int, Any]:
   """Runs `before(manifest)`, reads this process's leaves and its parts
   of the shared ones, and starts each batch's program once its parts are
@@ -282,7 +288,8 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       if split is None:
         if error is None:
           try:
-            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args)))
+            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args,
+                                                          cast=cast)))
             continue
           except Exception as e:  # pylint: disable=broad-except
             error = e

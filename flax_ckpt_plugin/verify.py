@@ -43,15 +43,18 @@ class Progress:
 
   On a terminal one line is redrawn with carriage returns; otherwise a plain
   line is printed every few seconds and at the end, so logs stay readable.
+  Each line starts with `name` (the command: verify, export).
   """
 
-  def __init__(self, total: int, stream: TextIO, enabled: bool = True):
+  def __init__(self, total: int, stream: TextIO | None, enabled: bool = True,
+               name: str = "verify"):
     self.total = max(total, 0)
+    self.name = name
     self.done = 0
     self.label = ""
     self._stream = stream
     self._enabled = enabled
-    self._tty = enabled and stream.isatty()
+    self._tty = enabled and stream.isatty()  # No stream: not enabled.
     self._start = self._last = time.monotonic()
     self._drawn = False
 
@@ -60,9 +63,9 @@ class Progress:
     text = (f"{human_size(self.done)} / {human_size(self.total)}"
             f" ({frac:.0%}) {self.label}").rstrip()
     if not self._tty:
-      return f"verify: {text}"
+      return f"{self.name}: {text}"
     filled = int(frac * 30)
-    return f"verify [{'#' * filled}{'.' * (30 - filled)}] {text}"
+    return f"{self.name} [{'#' * filled}{'.' * (30 - filled)}] {text}"
 
   def update(self, nbytes: int = 0, label: str | None = None) -> None:
     self.done += nbytes

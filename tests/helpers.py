@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+import subprocess
+import sys
 import threading
 from typing import Any, Callable
 
@@ -112,3 +115,34 @@ def call_on_thread(fn: Callable[[], Any], secs: float
   thread, box = start_thread(fn)
   thread.join(secs)
   return thread, box
+
+
+# -- the docs' examples ----------------------------------------------------------
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+BIN = pathlib.Path(sys.executable).parent  # Where `flax-ckpt` is installed.
+
+
+def doc_section(page: str, heading: str) -> str:
+  """The text of docs/`page` from `heading` (a line) to the next `## `."""
+  text = (DOCS / page).read_text()
+  start = text.index(f"\n{heading}\n")
+  end = text.find("\n## ", start + 1)
+  return text[start:] if end < 0 else text[start:end]
+
+
+def doc_blocks(text: str, kind: str) -> list[str]:
+  """The fenced blocks of `kind` (python, console, text) in `text`."""
+  return re.findall(rf"^```{kind}\n(.*?)^```$", text, re.M | re.S)
+
+
+def run_console(block: str, cwd: pathlib.Path) -> None:
+  """Runs the block's `$ ` command in bash; its output must be the block's."""
+  command, _, expected = block.partition("\n")
+  assert command.startswith("$ "), block
+  env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+             COLUMNS="80")
+  r = subprocess.run(["bash", "-c", command[2:]], cwd=cwd, env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, timeout=300, check=False)
+  assert r.stdout == expected, f"{command}\n{r.stdout}"

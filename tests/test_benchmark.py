@@ -165,17 +165,24 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
 SCALEOUT = BENCH.parent / "scaleout.py"
 
 
+def _run_script(script, tmp_path, *args):
+  """Runs a benchmark script with `args`, writing under tmp_path; its
+  stdout and its JSON."""
+  out = tmp_path / f"{script.stem}.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), *args, "--dir", str(tmp_path), "--json",
+       str(out)], capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.multiprocess
 def test_tiny_scaleout_benchmark_spreads_the_writes(tmp_path):
-  out = tmp_path / "scaleout.json"
-  proc = subprocess.run(
-      [sys.executable, str(SCALEOUT), "--mb", "4", "--mbps", "50",
-       "--processes", "1,2", "--layouts", "data_parallel", "--dir",
-       str(tmp_path), "--json", str(out)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert "SIMULATED per-process links of 50 MB/s" in proc.stdout
-  runs = json.loads(out.read_text())["runs"]
+  stdout, result = _run_script(
+      SCALEOUT, tmp_path, "--mb", "4", "--mbps", "50", "--processes", "1,2",
+      "--layouts", "data_parallel")
+  assert "SIMULATED per-process links of 50 MB/s" in stdout
+  runs = result["runs"]
   assert sorted(runs) == ["data_parallel_1", "data_parallel_2"]
   two = runs["data_parallel_2"]
   total = two[0]["state_bytes"]
@@ -187,3 +194,31 @@ def test_tiny_scaleout_benchmark_spreads_the_writes(tmp_path):
   assert all(o["orbax_written"] > 0 for o in two)
   # Everything it wrote is gone.
   assert sorted(p.name for p in tmp_path.iterdir()) == ["scaleout.json"]
+
+
+TRAVEL = BENCH.parent / "travel.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_travel_benchmark_reports_cast_and_export_memory(tmp_path):
+  stdout, result = _run_script(TRAVEL, tmp_path, "--cast-mb", "8",
+                               "--export-mb", "8")
+  assert "x the restored state (limit 1.10)" in stdout
+  assert "peak RSS" in stdout and "(limit 600 MB)" in stdout
+  assert result["plain"]["exact"]
+  assert result["plain"]["restored_bytes"] == result["cast_save"][
+      "saved_bytes"]
+  for key in ("cast", "cast_warm"):
+    cast = result[key]
+    assert cast["exact"], key
+    assert cast["restored_bytes"] * 2 == result["cast_save"]["saved_bytes"]
+    assert cast["peak_above_before"] > 0 and cast["secs"] > 0, key
+  assert result["cast_peak_over_restored"] > 0
+  assert result["cast_warm_peak_over_restored"] > 0
+  for fmt in ("safetensors", "npz"):
+    assert result[fmt]["exported_bytes"] == result["export_save"][
+        "saved_bytes"], fmt
+    assert result[fmt]["file_bytes"] > result[fmt]["exported_bytes"], fmt
+    assert result[fmt]["peak_rss"] > 0 and not result[fmt]["jax_imported"]
+  # Everything it wrote is gone.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["travel.json"]

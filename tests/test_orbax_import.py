@@ -36,6 +36,9 @@ from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import importer
+from helpers import doc_blocks
+from helpers import doc_section
+from helpers import run_console
 from helpers import two_device_mesh
 from launcher import run_workers
 
@@ -494,60 +497,37 @@ def test_orbax_is_never_imported(orbax_step, tmp_path):
 # -- docs/cli.md and docs/integrations.md ----------------------------------------
 
 
-def _section(page: str, heading: str) -> str:
-  text = (REPO / "docs" / page).read_text()
-  start = text.index(f"\n{heading}\n")
-  end = text.find("\n## ", start + 1)
-  return text[start:] if end < 0 else text[start:end]
-
-
-def _blocks(text: str, kind: str) -> list[str]:
-  return re.findall(rf"^```{kind}\n(.*?)^```$", text, re.M | re.S)
-
-
-def _run_console(block: str, cwd: pathlib.Path) -> None:
-  """Runs the block's `$ ` command in bash; its output must be the block's."""
-  command, _, expected = block.partition("\n")
-  assert command.startswith("$ "), block
-  env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
-             COLUMNS="80")
-  r = subprocess.run(["bash", "-c", command[2:]], cwd=cwd, env=env,
-                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                     text=True, timeout=300, check=False)
-  assert r.stdout == expected, f"{command}\n{r.stdout}"
-
-
 @pytest.mark.multiprocess
 def test_cli_md_commands_print_what_the_page_shows(tmp_path):
-  section = _section("cli.md", "## import-orbax")
-  (script,) = _blocks(section, "python")
+  section = doc_section("cli.md", "## import-orbax")
+  (script,) = doc_blocks(section, "python")
   (tmp_path / "save_with_orbax.py").write_text(script)
   r = subprocess.run([sys.executable, "save_with_orbax.py"], cwd=tmp_path,
                      capture_output=True, text=True, timeout=300, check=False)
   assert r.returncode == 0, r.stderr
-  consoles = _blocks(section, "console")
+  consoles = doc_blocks(section, "console")
   assert len(consoles) == 6
   for block in consoles:
-    _run_console(block, tmp_path)
+    run_console(block, tmp_path)
   # The page's --help block is the real one.
-  (help_block,) = [b for b in _blocks((REPO / "docs" / "cli.md").read_text(),
+  (help_block,) = [b for b in doc_blocks((REPO / "docs" / "cli.md").read_text(),
                                       "console")
                    if b.startswith("$ flax-ckpt --help\n")]
-  _run_console(help_block, tmp_path)
+  run_console(help_block, tmp_path)
 
 
 @pytest.mark.multiprocess
 def test_integrations_md_converts_and_restores(tmp_path, monkeypatch, capsys,
                                                host_copy, assert_trees_equal):
-  (script,) = _blocks(_section("cli.md", "## import-orbax"), "python")
-  section = _section("integrations.md", "## Coming from Orbax")
-  (console,) = _blocks(section, "console")
-  (restore_code,) = _blocks(section, "python")
+  (script,) = doc_blocks(doc_section("cli.md", "## import-orbax"), "python")
+  section = doc_section("integrations.md", "## Coming from Orbax")
+  (console,) = doc_blocks(section, "console")
+  (restore_code,) = doc_blocks(section, "python")
   monkeypatch.chdir(tmp_path)
   scope = {}
   exec(compile(script, "docs/cli.md", "exec"), scope)  # pylint: disable=exec-used
   expected = host_copy(scope["state"])
-  _run_console(console, tmp_path)
+  run_console(console, tmp_path)
   capsys.readouterr()
   exec(compile(restore_code, "docs/integrations.md", "exec"), scope)  # pylint: disable=exec-used
   assert capsys.readouterr().out == "3\n"
