@@ -192,6 +192,20 @@ def trial(args: argparse.Namespace, victim: int, kill_step: int) -> list:
   return results
 
 
+def _table(title: str, rows: list[dict], columns: list[tuple[str, str]],
+           summary: str) -> None:
+  """Prints `rows` (columns: header, key), then the median and maximum of
+  the last column, as `summary`."""
+  print(title)
+  print(" ".join(f"{h:>10}" for h, _ in columns))
+  for r in rows:
+    print(" ".join(f"{r[k]:>10.2f}" if isinstance(r[k], float)
+                   else f"{r[k]:>10}" for _, k in columns))
+  values = [r[columns[-2][1]] for r in rows]
+  print(f"{summary}: median {statistics.median(values):.2f} s, max"
+        f" {max(values):.2f} s")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, default=4)
@@ -236,31 +250,22 @@ def main() -> None:
           rejoined_at=new[0]["rejoined_at"], joined_secs=new[0]["joined"],
           newcomer_first_step_secs=new[0]["first_step"],
           rejoin_call_secs=max(r["rejoin_secs"] for r in got))
-  print(f"{args.processes} processes x 2 CPU devices, {args.mb:g} MB state,"
-        f" heartbeat {args.heartbeat} s, collective timeout"
-        f" {args.collective_timeout} s; seconds from the kill (slowest"
-        " survivor)")
-  print(f"{'victim':>6} {'killed at':>9} {'resumed at':>10}"
-        f" {'recovered':>9} {'first step':>10} {'recover()':>9}")
-  for r in rows:
-    print(f"{r['victim']:>6} {r['kill_step']:>9} {r['resumed_at']:>10}"
-          f" {r['recovered_secs']:>9.2f} {r['first_step_secs']:>10.2f}"
-          f" {r['recover_call_secs']:>9.2f}")
-  firsts = [r["first_step_secs"] for r in rows]
-  print(f"first step after the kill: median {statistics.median(firsts):.2f}"
-        f" s, max {max(firsts):.2f} s")
+  _table(f"{args.processes} processes x 2 CPU devices, {args.mb:g} MB"
+         f" state, heartbeat {args.heartbeat} s, collective timeout"
+         f" {args.collective_timeout} s; seconds from the kill (slowest"
+         " survivor)", rows,
+         [("victim", "victim"), ("killed at", "kill_step"),
+          ("resumed at", "resumed_at"), ("recovered", "recovered_secs"),
+          ("first step", "first_step_secs"),
+          ("recover()", "recover_call_secs")],
+         "first step after the kill")
   if args.relaunch:
-    print("the relaunched process, seconds from its relaunch; the"
-          " survivors' recover() for the rejoin")
-    print(f"{'rejoined at':>11} {'state in':>8} {'first step':>10}"
-          f" {'recover()':>9}")
-    for r in rows:
-      print(f"{r['rejoined_at']:>11} {r['joined_secs']:>8.2f}"
-            f" {r['newcomer_first_step_secs']:>10.2f}"
-            f" {r['rejoin_call_secs']:>9.2f}")
-    firsts = [r["newcomer_first_step_secs"] for r in rows]
-    print(f"relaunch to the new process's first step: median"
-          f" {statistics.median(firsts):.2f} s, max {max(firsts):.2f} s")
+    _table("the relaunched process, seconds from its relaunch; the"
+           " survivors' recover() for the rejoin", rows,
+           [("rejoined at", "rejoined_at"), ("state in", "joined_secs"),
+            ("first step", "newcomer_first_step_secs"),
+            ("recover()", "rejoin_call_secs")],
+           "relaunch to the new process's first step")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

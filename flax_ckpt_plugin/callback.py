@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import os
 import signal
+import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -202,7 +203,8 @@ class CheckpointCallback:
     # A process relaunched after a loss, which the survivors take back: it
     # opens its tiers by itself, then waits for them in
     # `restore_or_initialize` (see `elastic`).
-    rejoins = elastic_lib.joining(coord, directory) if (
+    job = local_tier.job_name(os.fspath(directory))
+    rejoins = groups.joining(coord, groups.group_key(job)) if (
         elastic and watch_peers) else None
     if rejoins is not None:
       coord = groups.Survivors(coord, [coord.process_index])
@@ -211,13 +213,13 @@ class CheckpointCallback:
         keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
         best_metric=best_metric, best_mode=best_mode,
         keep_without_metric=keep_without_metric, atomicity=atomicity,
-        primary_host=primary_host if rejoins is None else rejoins.primary,
+        primary_host=primary_host if rejoins is None
+        else rejoins.opening_primary(coord.process_index),
         barrier_timeout_secs=barrier_timeout_secs, name=name,
         coordinator=coord, backend=backend)
     self.local_every_steps = local_every_steps
     self.local = None if local_directory is None else local_tier.open_tier(
-        local_directory, local_tier.job_name(os.fspath(directory)),
-        coordinator=coord, timeout_ms=self.manager.barrier_timeout_ms)
+        local_directory, job, coordinator=coord, timeout_ms=self.manager.barrier_timeout_ms)
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
     # Started here, on every process at the same point: see `liveness`.
@@ -225,7 +227,8 @@ class CheckpointCallback:
         self.manager, self.local, directory, poll_secs=watch_poll_secs,
         exit_code=PREEMPTED_EXIT_CODE,
         elastic_secs=elastic_wait_secs if elastic else None,
-        primary_host=primary_host, group=rejoins) if watch_peers else None
+        primary_host=primary_host, group=rejoins,
+        metric_writer=metric_writer) if watch_peers else None
     # The step at which the group takes back a relaunched process.
     self._rebuild_at: int | None = None
     self.should_rebuild = False
@@ -438,9 +441,13 @@ class CheckpointCallback:
       the survivors save what they hold and end with `PREEMPTED_EXIT_CODE`.
     """
     it = self.data_iterator if self.restore_data_state else None
-    if self.should_rebuild:
-      self.should_rebuild, self._rebuild_at = False, None
+    rebuild, step = self.should_rebuild, self._rebuild_at
+    self.should_rebuild, self._rebuild_at = False, None
+    if rebuild and sys.exc_info()[1] is None:
+      self.wait_until_finished()  # Its error is the loop's, not the rejoin's.
       done = self._peers.rejoin(make_target, None, None)
+      if done is None:  # It failed (logged): go on as before.
+        return self._peers.kept, step
       return self._rejoined(done, local_tier.LOCAL), done.step
     if self._peers is None:
       error = elastic_lib.caught_error()
@@ -458,9 +465,6 @@ class CheckpointCallback:
                                is_primary=self.manager.is_primary)
     self.restored_step, self.restored_tier = done.step, tier
     self.restored_extra, self._chosen = done.extra, None
-    self.local.discard_newer(done.step)
-    elastic_lib.announce(done, self.metric_writer if self.manager.is_primary
-                         else None)
     return done.state
 
   def wait_until_finished(self) -> None:

@@ -60,7 +60,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import groups
@@ -78,85 +77,8 @@ from flax_ckpt_plugin.manager import CheckpointManager
 SETTLE_SECS = 120.0
 
 
-class Group(NamedTuple):
-  """The running group of an elastic job, as the key-value store records it
-  (under `group_key`): its processes, how often it changed (0: the whole
-  job as launched), and its primary."""
-  members: tuple[int, ...]
-  gen: int
-  primary: int
-
-
-def group_key(directory: Any) -> str:
-  """The key-value prefix of the elastic group of the job that checkpoints
-  to `directory`."""
-  return f"flax_ckpt_plugin/elastic/{local_tier_lib.job_name(os.fspath(directory))}"
-
-
-# The groups this process opened (`Peers`): one it opens again is no rejoin.
-_OPENED: set[str] = set()
 # How long a relaunched process waits for its one poll with the survivors.
 RESTART_POLL_SECS = 30.0
-
-
-def joining(coord: coordinator_lib.Coordinator, directory: Any
-            ) -> Group | None:
-  """The running group, if this process was relaunched into it (its
-  record exists: the job ran before this process started), else None.
-  Does not wait.
-
-  At the job's start no process sees a record: the first member writes it
-  after every process opened the persistent tier.
-  """
-  key = group_key(directory)
-  if coord.process_count < 2 or key in _OPENED:
-    return None
-  text = coord.kv_dir(key).get(f"{key}/group")
-  if text is None:
-    return None
-  members, gen, primary = json.loads(text)
-  return Group(tuple(members), gen, primary)
-
-
-def device_order(members: list[int], gen: int) -> list[Any]:
-  """The devices of `members`, in the order of generation `gen`: rotated by
-  `gen`, so that no group uses a device list of an earlier one (on CPU, a
-  list that took part in a collective with a dead process stays broken)."""
-  devices = [d for d in jax.devices() if d.process_index in members]
-  k = gen % len(devices)
-  return devices[k:] + devices[:k]
-
-
-def on_devices(tree: Any, devices: list[Any]) -> Any:
-  """The abstract `tree`, its meshes moved onto `devices` position for
-  position (`jax.devices()[i]` becomes `devices[i]`): the target of a
-  process that rejoins without a `make_target`.
-
-  Raises:
-    ValueError: a leaf's sharding is on other devices than a mesh of all.
-  """
-  moved = dict(zip(jax.devices(), devices))
-  if len(moved) != len(devices):
-    raise ValueError(f"rejoining needs every device; the group has"
-                     f" {len(devices)} of {len(jax.devices())}")
-
-  def one(path, x):
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-      raise ValueError(
-          f"leaf {jax.tree_util.keystr(path)!r}: rejoining places the state"
-          f" on a mesh in the group's device order, which needs a"
-          f" NamedSharding (got {sharding!r}); pass"
-          " make_target= to restore_or_initialize")
-    mesh = sharding.mesh
-    new = jax.sharding.Mesh(
-        np.vectorize(moved.__getitem__, otypes=[object])(mesh.devices),
-        mesh.axis_names)
-    return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-            new, sharding.spec))
-
-  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 class Recovered(NamedTuple):
@@ -185,29 +107,35 @@ class Peers:
       survivors wait for the loop's `recover` before they save and leave.
     primary_host: the primary the user asked for (kept when a member).
     group: the running group this process rejoins (`joining`), or None.
+    metric_writer: the callback's, for `announce`.
   """
 
   def __init__(self, manager: CheckpointManager,
                local: local_tier_lib.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
-               primary_host: int, group: Group | None = None):
+               primary_host: int, group: groups.Group | None = None,
+               metric_writer: Any = None):
     self._manager, self._local = manager, local
-    self._key = group_key(directory)
+    self._key = groups.group_key(
+        local_tier_lib.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
+    self._metric_writer = metric_writer
     count = manager.coordinator.process_count
     self.rejoining = group is not None
-    self.group = group or Group(tuple(range(count)), 0, primary_host)
+    self.group = group or groups.Group(tuple(range(count)), 0, primary_host)
     self.watcher = self.rescue = None
     if not self.rejoining:
-      _OPENED.add(self._key)
+      groups.mark_opened(self._key)
       self._watch()
       if elastic_secs is not None:
         self._record()
     elif manager.coordinator.process_index in group.members:
       self._show_restart()
-    self._proposed: int | None = None  # This survivor's vote (`_vote`).
+    self._proposed: int | None = None  # This survivor's vote.
     self._rebuild: tuple[int, list[int]] | None = None  # Agreed: at, who.
+    self._joins_refused = False  # A rejoin into this group failed.
+    self.kept: Any = None  # The survivors' state at the rebuild's step.
 
   def _watch(self) -> None:
     members = list(self.group.members)
@@ -256,7 +184,7 @@ class Peers:
       members, gen, primary = json.loads(coord.kv_get(
           f"{self._key}/groups/{self.group.gen + 1}",
           timeout_ms=self._manager.barrier_timeout_ms))
-      self.group = Group(tuple(members), gen, primary)
+      self.group = groups.Group(tuple(members), gen, primary)
 
   def check(self) -> None:
     """Raises `PeerLostError` once a peer was lost."""
@@ -281,7 +209,7 @@ class Peers:
     manager.regroup(group, manager.barrier_timeout_ms / 1000,
                     tag=f"g{gen}-{'-'.join(map(str, members))}",
                     primary_host=primary)
-    self.group = Group(tuple(members), gen, primary)
+    self.group = groups.Group(tuple(members), gen, primary)
     self._record()
     return group
 
@@ -325,7 +253,7 @@ class Peers:
     key = f"{self._key}/{gen}/recover"
 
     def restore() -> Any:
-      target = make_target(device_order(members, gen))
+      target = make_target(groups.device_order(members, gen))
       return (local.manager.restore(target, step,
                                     data_iterator=data_iterator),
               local.manager.metadata(step).extra)
@@ -350,9 +278,19 @@ class Peers:
                      f" {e}")
       raise error from (e if e is not error else None)
     rescue.recovered()
+    self._rebuild = self._proposed = None
+    self._joins_refused = False
     state, extra = outcome.result
-    return Recovered(state, step, extra, members, lost, [],
-                     time.monotonic() - t0)
+    return self._done(Recovered(state, step, extra, members, lost, [],
+                                time.monotonic() - t0))
+
+  def _done(self, done: Recovered) -> Recovered:
+    # Newer local steps belong to the timeline the loss ended: the loop
+    # computes those steps anew, and saves them anew.
+    self._local.discard_newer(done.step)
+    announce(done, self._metric_writer if self._manager.is_primary
+             else None)
+    return done
 
   def rebuild_due(self, step: int, state: Any) -> bool:
     """Survivors, at every call of the callback: whether the group takes
@@ -368,6 +306,7 @@ class Peers:
     """
     watcher = self.watcher
     if (self._elastic_secs is None or watcher is None or self._rebuild
+        or self._joins_refused
         or (not watcher.joining and self._proposed is None)):
       return False
     jax.block_until_ready(state)
@@ -388,20 +327,22 @@ class Peers:
                          f" step {at}, but this one is at step {step}: the"
                          " loop must call the callback at every step")
     self._rebuild = (at, sorted(set().union(*(v[1] for v in votes))))
+    self.kept = state
     return True
 
   def rejoin(self, make_target: Callable[[list[Any]], Any] | None,
-             target: Any, data_iterator: Any) -> Recovered:
+             target: Any, data_iterator: Any) -> Recovered | None:
     """Every process of the new group: the survivors once `rebuild_due`
     (from `recover`), and each newcomer (from `restore_or_initialize`,
     with the state it would start from as `target`). Returns the agreed
-    step's state on a mesh of every member's devices.
+    step's state on a mesh of every member's devices; on a survivor, None
+    if the state did not pass (on any process; logged): the survivors go
+    on as they were (`kept`), watched as before, and take no process back
+    until their group changes again.
 
     Raises:
-      TimeoutError: (a newcomer) the survivors did not take it back within
-        the barrier timeout.
-      RuntimeError, CheckpointNotFoundError: the state did not pass; the
-        survivors go on as they were, watched as before.
+      Exception: (a newcomer) the survivors did not take it back within
+        the barrier timeout, or the state did not pass.
     """
     t0 = time.monotonic()
     manager, local = self._manager, self._local
@@ -427,24 +368,45 @@ class Peers:
         coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
     gen = self.group.gen + 1
     group = groups.Survivors(coord, members)
-    devices = device_order(members, gen)
-    target = (make_target(devices) if make_target is not None
-              else on_devices(target, devices))
-    state, extra = peer.restore(
-        group, f"{key}/peer", step, survivors, local.directory, target,
-        timeout_ms=timeout_ms, devices=devices)
-    if data_iterator is not None and self.rejoining:
-      log.warning("process %d rejoined without its data iterator's state:"
-                  " it was lost with the process", me)
+    devices = groups.device_order(members, gen)
+    try:
+      outcome = coordinator_lib.agree(
+          group, f"{key}/target", lambda: make_target(devices)
+          if make_target is not None
+          else groups.on_devices(target, devices),
+          timeout_ms=timeout_ms)
+      if outcome.failures:
+        raise RuntimeError(
+            "building the target on the group's devices failed:"
+            f" {coordinator_lib.describe_failures(outcome.failures)}")
+      state, extra = peer.restore(
+          group, f"{key}/peer", step, survivors, local.directory,
+          outcome.result, timeout_ms=timeout_ms, devices=devices)
+    except Exception as e:  # pylint: disable=broad-except
+      self._rebuild = self._proposed = None
+      if self.rejoining:
+        coord.kv_delete(f"{key}/join/{me}")
+        raise
+      self._joins_refused = True
+      log.error("taking back processes %s at step %d failed (%r); going on"
+                " with processes %s", sorted(set(members) - set(survivors)),
+                step, e, survivors)
+      return None
+    if self.rejoining:  # A step that every member holds locally.
+      local.quietly("save", lambda m: m.save(step, state, extra=extra))
+      if data_iterator is not None:
+        log.warning("process %d rejoined without its data iterator's"
+                    " state: it was lost with the process", me)
     if not self.rejoining:  # Every survivor is here: stop watching them.
       self.watcher.close()
       self.rescue.recovered()
     self._regroup(members, gen)
     self._watch()
+    groups.mark_opened(self._key)
     self.rejoining, self._rebuild, self._proposed = False, None, None
-    return Recovered(state, step, extra, members, {},
-                     sorted(set(members) - set(survivors)),
-                     time.monotonic() - t0)
+    return self._done(Recovered(state, step, extra, members, {},
+                                sorted(set(members) - set(survivors)),
+                                time.monotonic() - t0))
 
 
 def announce(done: Recovered, metric_writer: Any) -> None:

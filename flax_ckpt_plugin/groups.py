@@ -6,11 +6,18 @@ left after a peer was lost: their barriers name them (`process_ids=`), and
 their calls ignore the watcher that ended every wait of the job's
 coordinator (see `rescue`). `share_text` and `fetch_text` pass a text of
 any size through the key-value store, in chunks.
+
+An elastic job's running group (`elastic`) is recorded in the key-value
+store (`Group`, `joining`), and each of its generations runs on its own
+order of the devices (`device_order`, `on_devices`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.coordinator import Rounds
@@ -137,3 +144,105 @@ def fetch_text(coord: coordinator_lib.Coordinator, key: str,
   count = int(coord.kv_get(f"{key}/count", timeout_ms=timeout_ms))
   return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
                  for n in range(count))
+
+
+class Group(NamedTuple):
+  """The running group of an elastic job, as the key-value store records it
+  (under `group_key`): its processes, how often it changed (0: the whole
+  job as launched), and its primary."""
+  members: tuple[int, ...]
+  gen: int
+  primary: int
+
+  def opening_primary(self, me: int) -> int:
+    """The primary a relaunched process `me` opens its tiers with: never
+    itself (it must not claim the directory the survivors write to)."""
+    return next(p for p in (self.primary, *self.members) if p != me)
+
+
+def group_key(job: str) -> str:
+  """The key-value prefix of the elastic group of the job named `job`
+  (`local_tier.job_name` of its persistent directory)."""
+  return f"flax_ckpt_plugin/elastic/{job}"
+
+
+# The elastic groups this process opened (`elastic.Peers`): one it opens
+# again is no rejoin.
+_OPENED: set[str] = set()
+
+
+def mark_opened(key: str) -> None:
+  """This process opened the group of `key` (it is no rejoin if it opens
+  it again)."""
+  _OPENED.add(key)
+
+
+def joining(coord: coordinator_lib.Coordinator, key: str) -> Group | None:
+  """The running group, if this process was relaunched into it (its
+  record exists: the job ran before this process started), else None.
+  Does not wait.
+
+  At the job's start no process sees a record: the first member writes it
+  after every process opened the persistent tier.
+  """
+  if coord.process_count < 2 or key in _OPENED:
+    return None
+  text = coord.kv_dir(key).get(f"{key}/group")
+  if text is None:
+    return None
+  members, gen, primary = json.loads(text)
+  return Group(tuple(members), gen, primary)
+
+
+def device_order(members: list[int], gen: int,
+                 devices: list[Any] | None = None) -> list[Any]:
+  """The devices of `members`, in the order of generation `gen`, so that
+  no group uses a device list of an earlier one (on CPU, a list that took
+  part in a collective with a dead process stays broken): rotated by
+  `gen` (neighbours stay neighbours), then reversed and rotated, then a
+  permutation drawn with `gen` as the seed. `devices`: all of the job's
+  (`jax.devices()` by default)."""
+  if devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    devices = jax.devices()
+  devices = [d for d in devices if d.process_index in members]
+  n = len(devices)
+  if gen >= 2 * n:
+    return [devices[i] for i in np.random.default_rng(gen).permutation(n)]
+  if gen >= n:
+    devices = devices[::-1]
+  k = gen % n
+  return devices[k:] + devices[:k]
+
+
+def on_devices(tree: Any, devices: list[Any]) -> Any:
+  """The abstract `tree`, its meshes moved onto `devices` position for
+  position (`jax.devices()[i]` becomes `devices[i]`): the target of a
+  process that rejoins without a `make_target`.
+
+  Raises:
+    ValueError: a leaf's sharding is on other devices than a mesh of all.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  moved = dict(zip(jax.devices(), devices))
+  if len(devices) != len(jax.devices()):
+    raise ValueError(f"rejoining needs every device; the group has"
+                     f" {len(devices)} of {len(jax.devices())}")
+
+  def one(path, x):
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      raise ValueError(
+          f"leaf {jax.tree_util.keystr(path)!r}: rejoining places the state"
+          f" on a mesh in the group's device order, which needs a"
+          f" NamedSharding (got {sharding!r}); pass"
+          " make_target= to restore_or_initialize")
+    mesh = sharding.mesh
+    new = jax.sharding.Mesh(
+        np.vectorize(moved.__getitem__, otypes=[object])(mesh.devices),
+        mesh.axis_names)
+    return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+            new, sharding.spec))
+
+  return jax.tree_util.tree_map_with_path(one, tree)

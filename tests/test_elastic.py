@@ -27,6 +27,7 @@ import types
 import pytest
 
 from flax_ckpt_plugin import elastic
+from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup
@@ -128,18 +129,24 @@ REJOIN_END = 60
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-@pytest.mark.parametrize("when", ["at_once", "after_recovery"])
-def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when):
+@pytest.mark.parametrize("when,primary", [("at_once", 2),
+                                          ("after_recovery", 0)])
+def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
+                                                     primary):
   """Process 2 dies at step 9; the test relaunches it, as a launcher
   replacing a machine would: at once (it connects before the survivors
   noticed the loss, and their watcher must see its new incarnation), or
-  once they recovered in place. The survivors take the new process back
+  once they recovered in place. In the first case process 2 is the
+  persistent tier's primary: the survivors' lowest process writes and
+  finalizes while it is gone, and the relaunched one must not claim the
+  directory before it rejoins. The survivors take the new process back
   at a step they agree on: it receives their state over collectives (no
   persistent restore), all four then hold bit-identical replicas at every
   step, and every persistent step of the run restores as the state held
   when it was saved."""
   victim, kill_step = 2, 9
-  with WorkerGroup("elastic", N, env=dict(ENV, ELASTIC_REJOIN="1"), args=[
+  with WorkerGroup("elastic", N, env=dict(
+      ENV, ELASTIC_REJOIN="1", ELASTIC_PRIMARY=str(primary)), args=[
       tmp_path, REJOIN_END, PERSISTENT_EVERY, LOCAL_EVERY, victim,
       kill_step, HEARTBEAT]) as g:
     end = time.monotonic() + TIMEOUT
@@ -201,7 +208,7 @@ def _peers(watcher, local) -> elastic.Peers:
   peers = elastic.Peers(
       types.SimpleNamespace(coordinator=coord), local, "/tmp/x",
       poll_secs=0.5, exit_code=75, elastic_secs=1.0, primary_host=0,
-      group=elastic.Group((0,), 1, 0))
+      group=groups.Group((0,), 1, 0))
   peers.watcher, peers.rescue = watcher, object()
   return peers
 
@@ -227,16 +234,32 @@ def test_a_relaunched_process_is_placed_on_the_groups_device_order():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   devices = jax.devices()
-  order = elastic.device_order([0], 1)
+  order = groups.device_order([0], 1)
   assert order == devices[1:] + devices[:1]
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = {"w": jax.device_put(np.ones((4,), np.float32), sharding)}
-  moved = elastic.on_devices(state, order)
+  moved = groups.on_devices(state, order)
   assert list(moved["w"].sharding.mesh.devices.flat) == order
   assert moved["w"].shape == (4,)
   with pytest.raises(ValueError, match="'w'"):
-    elastic.on_devices({"w": jax.device_put(np.ones(2), devices[0])}, order)
+    groups.on_devices({"w": jax.device_put(np.ones(2), devices[0])}, order)
+  # Each generation of a group runs on a device list none before used
+  # (8 devices of 4 processes, as the tests' jobs).
+  job = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+  orders = [tuple(d.id for d in groups.device_order([0, 1, 2, 3], g, job))
+            for g in range(40)]
+  assert orders[0] == tuple(range(8)) and len(set(orders)) == len(orders)
+  assert [d.id for d in groups.device_order([0, 1, 3], 1, job)] == [
+      1, 2, 3, 6, 7, 0]
+
+
+def test_a_relaunched_primary_opens_its_tiers_as_another_process():
+  """The relaunched process must not claim the directory the survivors
+  write to, even when the user made it the primary."""
+  assert groups.Group((0, 1, 2, 3), 0, 2).opening_primary(2) == 0
+  assert groups.Group((0, 1, 3), 1, 0).opening_primary(2) == 0
+  assert groups.Group((1, 3), 2, 1).opening_primary(1) == 3
 
 
 def test_recover_outside_an_except_block_says_how_to_call_it():

@@ -21,7 +21,8 @@ new process's `restore_or_initialize` waits until the survivors take it
 back, at a step where their callback sets `should_rebuild` and they call
 `cb.recover` again. Until then the survivors pause STEP_SECS after each
 step (a slower model), so that the newcomer's start-up (importing JAX,
-compiling) falls within the run.
+compiling) falls within the run. ELASTIC_PRIMARY: the persistent tier's
+primary process (0 by default).
 
 Reports: the digest of the state at every step a save started (by
 generation: 0 before a recovery, 1 after, 2 after a rejoin), each recovery
@@ -134,7 +135,8 @@ state = jax.jit(_create, out_shardings=jax.tree.map(lambda t: t.sharding,
 cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
     local_directory=DIR / f"local_{_setup.PROCESS_ID}",
-    local_every_steps=LOCAL_EVERY, barrier_timeout_secs=60, elastic=True)
+    local_every_steps=LOCAL_EVERY, barrier_timeout_secs=60, elastic=True,
+    primary_host=int(os.environ.get("ELASTIC_PRIMARY", "0")))
 state = cb.restore_or_initialize(state, make_target=make_target)
 saved: dict[str, str] = {}  # "generation/step": digest, at saves.
 recoveries, rejoins, digests = [], [], {}
