@@ -16,6 +16,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin import casting
 from flax_ckpt_plugin import reader as reader_lib
+from launcher import run_workers
 
 
 def _save(directory, tree, step=1):
@@ -251,3 +252,19 @@ def test_refusal_rules():
   assert not casting.needs_check(np.dtype(np.uint8), np.dtype(np.int16))
   assert casting.needs_check(np.dtype(np.int8), np.dtype(np.uint8))
   assert casting.needs_check(np.dtype(np.int64), np.dtype(np.int32))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_processes_restore_a_sharded_state_cast_to_bfloat16(tmp_path):
+  """2 processes x 2 devices: a float32 TrainState sharded over both
+  processes restores with cast=True into bfloat16 together (shared
+  reads), alone into another layout, and through a callback's local tier;
+  every global array equals jnp.asarray(saved, jnp.bfloat16)."""
+  results = run_workers("cast_restore", 2, args=[tmp_path], timeout=200)
+  for r in results:
+    out = r.json
+    assert out["tier"] == "local", r.log()
+    assert any("kernel" in k for k in out["expected"])
+    for how in ("together", "alone", "callback"):
+      assert out[how] == out["expected"], (how, r.log())
