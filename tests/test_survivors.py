@@ -102,14 +102,19 @@ def test_when_process_0_dies_a_relaunch_restores_from_the_local_tiers(
     results = g.wait(TIMEOUT, check=False)
   logs = "\n".join(r.log() for r in results)
   assert all(r.returncode != 0 for r in results), logs
-  last_local = max(set.intersection(
-      *(set(_local_steps(run, p)) for p in range(N))))
+  held = [set(_local_steps(run, p)) for p in range(N)]
+  last_local = max(set.intersection(*held))
   assert _steps(run / "ckpt")[-1] < last_local  # Only the local tier has it.
+  # A process may have finished its local save of a newer step before JAX
+  # ended it, and another not (on a loaded machine): the holders then
+  # serve that step to the others (every process holds a replica).
+  newest = max(set.union(*held))
 
   resumed = [r.json for r in run_workers("tiers", N, args=_args(run),
                                          timeout=TIMEOUT)]
   for r, ref in zip(resumed, reference):
-    assert (r["restored_step"], r["restored_tier"]) == (last_local, "local")
+    assert (r["restored_step"], r["restored_tier"]) == (
+        newest, "local" if newest == last_local else "peer")
     assert kill_step - r["restored_step"] <= LOCAL_EVERY
     assert r["persistent_restores"] == 0
     assert r["digests"] == ref["digests"]
