@@ -393,6 +393,9 @@ class Peers:
                 step, e, survivors)
       return None
     if self.rejoining:  # A step that every member holds locally.
+      # Its own steps from `step` on were computed in another timeline
+      # (before its loss, on other devices): never to be restored.
+      local.discard_newer(step - 1)
       local.quietly("save", lambda m: m.save(step, state, extra=extra))
       if data_iterator is not None:
         log.warning("process %d rejoined without its data iterator's"
