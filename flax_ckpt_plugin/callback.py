@@ -43,8 +43,7 @@ from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import CheckpointManager
 from flax_ckpt_plugin.preemption import SignalFlag
-from flax_ckpt_plugin.schedule import check_intervals
-from flax_ckpt_plugin.schedule import EverySecs
+from flax_ckpt_plugin.schedule import Triggers
 
 # The exit code for a job that stopped after its preemption checkpoint:
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
@@ -140,6 +139,7 @@ class CheckpointCallback:
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
+    triggers: the `schedule.Triggers` (when each tier saves).
     should_stop: True once a preemption checkpoint is durable.
     should_rebuild: True once the survivors of a loss take a relaunched
       process back (see `elastic`): call `recover` before the next step.
@@ -186,12 +186,10 @@ class CheckpointCallback:
                local_every_steps: int | None = None,
                data_iterator: datastate.DataIterator | None = None,
                restore_data_state: bool = True):
-    check_intervals(every_steps, every_secs, local_directory,
-                    local_every_steps)
-    self.every_steps = every_steps
-    self.every_secs = every_secs
-    self.on_steps = frozenset(operator.index(s) for s in on_steps)
-    self.last_step = last_step
+    self.triggers = Triggers(
+        every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
+        last_step=last_step, local_directory=local_directory,
+        local_every_steps=local_every_steps, clock=clock)
     self.save_on_preemption = save_on_preemption
     self.metric_writer = metric_writer
     self.data_iterator = data_iterator
@@ -217,9 +215,9 @@ class CheckpointCallback:
         else rejoins.opening_primary(coord.process_index),
         barrier_timeout_secs=barrier_timeout_secs, name=name,
         coordinator=coord, backend=backend)
-    self.local_every_steps = local_every_steps
     self.local = None if local_directory is None else local_tier.open_tier(
-        local_directory, job, coordinator=coord, timeout_ms=self.manager.barrier_timeout_ms)
+        local_directory, job, coordinator=coord,
+        timeout_ms=self.manager.barrier_timeout_ms)
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
     # Started here, on every process at the same point: see `liveness`.
@@ -237,10 +235,9 @@ class CheckpointCallback:
       self.manager.add_commit_hook(self._metrics.record)
     for hook in commit_hooks:
       self.manager.add_commit_hook(hook)
-    self._every_secs = None if every_secs is None else EverySecs(
-        every_secs, clock, self.manager.coordinator,
-        is_primary=self.manager.is_primary,
-        timeout_ms=self.manager.barrier_timeout_ms)
+    self.triggers.start(self.manager.coordinator,
+                        is_primary=self.manager.is_primary,
+                        timeout_ms=self.manager.barrier_timeout_ms)
     self.should_stop = False
     self._preempted_at: int | None = None  # The step to stop after.
     self.restored_step: int | None = None
@@ -259,13 +256,6 @@ class CheckpointCallback:
   def add_commit_hook(self, hook: Callable[[SaveStats], None]) -> None:
     """See `CheckpointManager.add_commit_hook`."""
     self.manager.add_commit_hook(hook)
-
-  def _due(self, step: int) -> bool:
-    due = (self._every_secs is not None
-           and self._every_secs.due(step, self.manager.name))
-    if self.every_steps is not None and step > 0:
-      due |= step % self.every_steps == 0
-    return due or step in self.on_steps or step == self.last_step
 
   def __call__(self, step: int, state: Any, *, extra: Any = None,
                metrics: dict[str, Any] | None = None) -> bool:
@@ -326,13 +316,13 @@ class CheckpointCallback:
     preempted = self.save_on_preemption and (
         self.manager.coordinator.reached_preemption_sync_point(step)
         or self._signals.triggered)
-    persistent = self._due(step) or preempted
+    persistent = (self.triggers.persistent(step, self.manager.name)
+                  or preempted)
     if persistent and step in self.manager.all_steps():
       self.should_stop = preempted  # That step is already durable.
       persistent = False
     local = (self.local is not None and not preempted and step > 0
-             and (step % self.local_every_steps == 0
-                  or step == self._rebuild_at)
+             and (self.triggers.local(step) or step == self._rebuild_at)
              and step not in self.local.manager.all_steps())
     if not (persistent or local):
       return False
@@ -356,8 +346,7 @@ class CheckpointCallback:
     if persistent:
       self.manager.save(step, state, extra=extra, metrics=metrics,
                         data_state=data)
-      if self._every_secs is not None:
-        self._every_secs.saved(self.manager.name)
+      self.triggers.saved(self.manager.name)
     if local:
       self._local_quietly("save", lambda m: m.save(
           step, state, extra=extra, metrics=metrics, data_state=data))
@@ -460,9 +449,8 @@ class CheckpointCallback:
   def _rejoined(self, done: elastic_lib.Recovered, tier: str) -> Any:
     """After `Peers.recover` or `Peers.rejoin`: the callback goes on with
     the new group from `done.step`."""
-    if self._every_secs is not None:
-      self._every_secs.regroup(self.manager.coordinator,
-                               is_primary=self.manager.is_primary)
+    self.triggers.regroup(self.manager.coordinator,
+                          is_primary=self.manager.is_primary)
     self.restored_step, self.restored_tier = done.step, tier
     self.restored_extra, self._chosen = done.extra, None
     return done.state

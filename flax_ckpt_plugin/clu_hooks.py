@@ -123,7 +123,7 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     Warns when the run ended one step short of the callback's `last_step`
     (hooks called with 0-based batch indices: see `step_offset`).
     """
-    last = self.callback.last_step
+    last = self.callback.triggers.last_step
     if last is not None and self._last_seen == last - 1:
       log.warning(
           "the last step this action saw is %d, one short of last_step=%d:"

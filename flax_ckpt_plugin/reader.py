@@ -22,6 +22,7 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.records import chunk_regions
 from flax_ckpt_plugin.records import Index
 from flax_ckpt_plugin.records import LeafRecord
 from flax_ckpt_plugin.records import ShardRecord
@@ -57,35 +58,6 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
   raw = np.empty(nbytes + 128, np.uint8)
   start = -raw.ctypes.data % 64 + offset
   return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def chunk_regions(region: Index, itemsize: int, limit: int
-                  ) -> Iterator[Index]:
-  """`region` cut into pieces of at most `limit` bytes (at least one
-  element each), consecutive in C order: each piece's values follow the
-  previous piece's in the region's flattened order, so a writer can stream
-  them one after the other.
-
-  Pieces are slabs along the first axis whose trailing part fits `limit`,
-  for each index of the axes before it.
-  """
-  shape = [hi - lo for lo, hi in region]
-  if math.prod(shape) == 0:
-    return
-  k = 0  # The first axis whose trailing slab of one index fits `limit`.
-  while k < len(shape) and math.prod(shape[k + 1:]) * itemsize > limit:
-    k += 1
-  if k == len(shape):  # A scalar, or one element is over the limit.
-    k = max(len(shape) - 1, 0)
-  if not shape:
-    yield region
-    return
-  step = max(1, limit // (math.prod(shape[k + 1:]) * itemsize))
-  for outer in itertools.product(*(range(lo, hi) for lo, hi in region[:k])):
-    head = tuple((i, i + 1) for i in outer)
-    lo, hi = region[k]
-    for a in range(lo, hi, step):
-      yield head + ((a, min(a + step, hi)),) + tuple(region[k + 1:])
 
 
 def _intersect(a: Index, b: Index) -> Index | None:

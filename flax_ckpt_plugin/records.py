@@ -10,8 +10,9 @@ uses), so the CLI starts quickly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -186,3 +187,32 @@ class Manifest:
   @property
   def leaf_by_path(self) -> dict[str, LeafRecord]:
     return {leaf.path: leaf for leaf in self.leaves}
+
+
+def chunk_regions(region: Index, itemsize: int, limit: int
+                  ) -> Iterator[Index]:
+  """`region` cut into pieces of at most `limit` bytes (at least one
+  element each), consecutive in C order: each piece's values follow the
+  previous piece's in the region's flattened order, so a writer can stream
+  them one after the other.
+
+  Pieces are slabs along the first axis whose trailing part fits `limit`,
+  for each index of the axes before it.
+  """
+  shape = [hi - lo for lo, hi in region]
+  if math.prod(shape) == 0:
+    return
+  k = 0  # The first axis whose trailing slab of one index fits `limit`.
+  while k < len(shape) and math.prod(shape[k + 1:]) * itemsize > limit:
+    k += 1
+  if k == len(shape):  # A scalar, or one element is over the limit.
+    k = max(len(shape) - 1, 0)
+  if not shape:
+    yield region
+    return
+  step = max(1, limit // (math.prod(shape[k + 1:]) * itemsize))
+  for outer in itertools.product(*(range(lo, hi) for lo, hi in region[:k])):
+    head = tuple((i, i + 1) for i in outer)
+    lo, hi = region[k]
+    for a in range(lo, hi, step):
+      yield head + ((a, min(a + step, hi)),) + tuple(region[k + 1:])

@@ -14,25 +14,72 @@ come a few steps late; never early, and never on some processes only.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Iterable
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 
 
-def check_intervals(every_steps: int | None, every_secs: float | None,
-                    local_directory: Any, local_every_steps: int | None
-                    ) -> None:
-  """Raises ValueError for intervals that a callback cannot keep."""
-  if every_steps is not None and every_steps < 1:
-    raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-  if (local_directory is None) != (local_every_steps is None):
-    raise ValueError("local_directory and local_every_steps go together;"
-                     f" got {local_directory!r} and {local_every_steps!r}")
-  if local_every_steps is not None and local_every_steps < 1:
-    raise ValueError(
-        f"local_every_steps must be >= 1, got {local_every_steps}")
-  if every_secs is not None and not every_secs > 0:
-    raise ValueError(f"every_secs must be > 0, got {every_secs}")
+class Triggers:
+  """When a callback saves, decided alike on every process: to the
+  persistent tier at every positive multiple of `every_steps`, when
+  `every_secs` have passed (`EverySecs`, from `start`), at `on_steps` and
+  at `last_step`; to the local tier at every positive multiple of
+  `local_every_steps`.
+
+  Raises:
+    ValueError: an interval that cannot be kept.
+  """
+
+  def __init__(self, *, every_steps: int | None, every_secs: float | None,
+               on_steps: Iterable[int], last_step: int | None,
+               local_directory: Any, local_every_steps: int | None,
+               clock: Callable[[], float]):
+    if every_steps is not None and every_steps < 1:
+      raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    if (local_directory is None) != (local_every_steps is None):
+      raise ValueError("local_directory and local_every_steps go together;"
+                       f" got {local_directory!r} and {local_every_steps!r}")
+    if local_every_steps is not None and local_every_steps < 1:
+      raise ValueError(
+          f"local_every_steps must be >= 1, got {local_every_steps}")
+    if every_secs is not None and not every_secs > 0:
+      raise ValueError(f"every_secs must be > 0, got {every_secs}")
+    self.every_steps, self.every_secs = every_steps, every_secs
+    self.on_steps = frozenset(operator.index(s) for s in on_steps)
+    self.last_step, self.local_every_steps = last_step, local_every_steps
+    self._clock = clock
+    self.timer: EverySecs | None = None
+
+  def start(self, coord: coordinator_lib.Coordinator, *, is_primary: bool,
+            timeout_ms: int) -> None:
+    """Starts the `every_secs` clock, decided by the primary of `coord`."""
+    if self.every_secs is not None:
+      self.timer = EverySecs(self.every_secs, self._clock, coord,
+                             is_primary=is_primary, timeout_ms=timeout_ms)
+
+  def persistent(self, step: int, name: str) -> bool:
+    """Whether `step` is due in the persistent tier (`name`: the manager's,
+    for the `every_secs` keys)."""
+    due = self.timer is not None and self.timer.due(step, name)
+    if self.every_steps is not None and step > 0:
+      due |= step % self.every_steps == 0
+    return due or step in self.on_steps or step == self.last_step
+
+  def local(self, step: int) -> bool:
+    return (self.local_every_steps is not None and step > 0
+            and step % self.local_every_steps == 0)
+
+  def saved(self, name: str) -> None:
+    """The persistent tier saved at the latest step."""
+    if self.timer is not None:
+      self.timer.saved(name)
+
+  def regroup(self, coord: coordinator_lib.Coordinator, *,
+              is_primary: bool) -> None:
+    """See `EverySecs.regroup`."""
+    if self.timer is not None:
+      self.timer.regroup(coord, is_primary=is_primary)
 
 
 class EverySecs:

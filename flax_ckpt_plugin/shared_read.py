@@ -8,8 +8,8 @@ egress. Here the processes that need a region split it instead (the plan,
 it (checksums verified), and each of its devices holding the region
 contributes a slot of that range; small leaves replicated on every device
 travel packed, one slot per device. One jitted program per batch of leaves
-gathers the slots, so that every device gets the whole region. No socket
-of our own. Only the primary reads the manifest; the others receive it
+(`share_program`) gathers the slots, so that every device gets the whole
+region. No socket of our own. Only the primary reads the manifest; the others receive it
 through the coordinator. Leaves the plan does not take are read by each
 process as in `restore.restore_tree`.
 
@@ -41,9 +41,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
@@ -54,6 +51,7 @@ from flax_ckpt_plugin import matching
 from flax_ckpt_plugin import peer
 from flax_ckpt_plugin import read_plan
 from flax_ckpt_plugin import restore as restore_lib
+from flax_ckpt_plugin import share_program
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
@@ -213,32 +211,6 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
                                     for batch in batches]
 
 
-def _compile(leaves: list, batch: list[int], pack: read_plan.Pack | None,
-             x64: bool) -> Any:
-  """The program that shares a batch: it gathers the slots of each leaf
-  of its own and takes the rows back in order (`_assemble`), and gathers
-  the packed slots on every device."""
-  alone = [i for i in batch if pack is None or i not in pack.pieces]
-  how = [(leaves[i][0].dtype, leaves[i][2]) for i in alone]
-
-  def program(flat, stacked):
-    return (_assemble(stacked, [(d, s.rows, s.index, s.stacked)
-                                for d, s in how]),
-            None if pack is None else _constrain(flat, pack.everywhere))
-
-  with jax.enable_x64(x64):
-    return jax.jit(
-        program,
-        out_shardings=([leaves[i][1].sharding for i in alone],
-                       pack and pack.everywhere)).lower(
-            pack and jax.ShapeDtypeStruct(
-                (len(pack.devices), pack.length), np.uint8,
-                sharding=pack.sharding),
-            [jax.ShapeDtypeStruct(s.shape, read_plan.carrier(d),
-                                  sharding=s.stacked)
-             for d, s in how]).compile()
-
-
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           verify: bool, where: str, leaves: list, batches: list[list[int]],
           packs: list[read_plan.Pack | None], before: Any, cast: bool
@@ -264,7 +236,8 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   x64 = jax.config.jax_enable_x64
   pool = concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="flax_ckpt_plugin-compile")
-  compiling = [pool.submit(_compile, leaves, batch, pack, x64)  # In order.
+  compiling = [pool.submit(share_program.compile_batch, leaves, batch, pack,
+                             x64)  # In order.
                for batch, pack in zip(batches, packs)]
   pool.shutdown(wait=False)
   reader = ByteReader(step_dir, manifest.files, backend)
@@ -404,43 +377,6 @@ def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
     blocks.append(jax.device_put(block, device))
   return jax.make_array_from_single_device_arrays(split.shape, split.stacked,
                                                   blocks, dtype=carrier)
-
-
-def _runs(index: np.ndarray) -> list[tuple[int, int]]:
-  """`index` as [start, stop) ranges of consecutive positions, in order."""
-  breaks = np.flatnonzero(np.diff(index) != 1) + 1
-  return [(int(run[0]), int(run[-1]) + 1)
-          for run in np.split(index, breaks) if len(run)]
-
-
-def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """`x` laid out as `sharding` says, on a mesh of Explicit axes or not."""
-  if any(t == jax.sharding.AxisType.Explicit
-         for t in getattr(sharding.mesh, "axis_types", ())):
-    return jax.sharding.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
-  """Every device's region, from the slots contributed (see
-  `read_plan.Split`)."""
-  out = []
-  for x, (dtype, rows, index, sharding) in zip(stacked, how):
-    # The gather itself, said explicitly (the axis of slots no longer
-    # sharded), so that it is the same on meshes of Auto or Explicit axes,
-    # on which the slicing below would be refused.
-    x = _constrain(x, NamedSharding(
-        sharding.mesh, PartitionSpec(None, *sharding.spec[1:])))
-    slots, regions, rest = x.shape[0], x.shape[1] // rows, x.shape[2:]
-    x = jnp.moveaxis(x.reshape((slots, regions, rows) + rest), 1, 0)
-    x = x.reshape((regions, slots * rows) + rest)
-    # The slots end to end, then the rows in order: static slices, not a
-    # gather by index, whose output sharding cannot be inferred on a mesh
-    # of Explicit axes (`jax.make_mesh`'s).
-    x = jnp.concatenate([x[:, a:b] for a, b in _runs(index)], axis=1)
-    u8 = x.reshape((regions * len(index),) + rest)
-    out.append(peer.from_bytes(u8, dtype))
-  return out
 
 
 def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any

@@ -15,7 +15,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin import casting
-from flax_ckpt_plugin import reader as reader_lib
+from flax_ckpt_plugin import records
 from launcher import run_workers
 
 
@@ -227,7 +227,7 @@ def test_the_callback_restores_with_a_cast(ckpt_dir, make_state):
 @pytest.mark.parametrize("limit", [4, 12, 40, 10**6])
 def test_chunk_regions_are_consecutive_bounded_pieces(shape, limit):
   region = tuple((1, 1 + d) for d in shape)
-  pieces = list(reader_lib.chunk_regions(region, 4, limit))
+  pieces = list(records.chunk_regions(region, 4, limit))
   full = np.arange(math.prod(shape)).reshape(shape)
   flat = []
   for piece in pieces:

@@ -260,7 +260,7 @@ def test_every_secs_agrees_without_asking_at_every_step(tmp_path):
       if cb(step, _state(step)):
         saved.append(step)
     cb.close()
-    return saved, cb._every_secs.asks  # pylint: disable=protected-access
+    return saved, cb.triggers.timer.asks
 
   (saved0, asks0), (saved1, asks1) = run_threads(2, work)
   assert saved0 == saved1
