@@ -288,14 +288,6 @@ def _write_npz(tmp: pathlib.Path, arrays, scalars, step: int,
   return [npz, sidecar]
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def export(directory: epath.PathLike, out: os.PathLike | str, *,
            step: int | None = None, format: str = "safetensors",  # pylint: disable=redefined-builtin
            only: Sequence[str] = (), max_file_bytes: int = MAX_FILE_BYTES,
@@ -368,7 +360,7 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
                                  max_file_bytes)
     else:
       files = _write_npz(tmp, arrays, scalars, step, writer)
-    _fsync_dir(tmp)
+    backend_lib.LOCAL.fsync(epath.Path(tmp))
     if out.exists() or out.is_symlink():  # Made meanwhile: not replaced.
       raise FileExistsError(f"{out} appeared during the export: it is kept,"
                             " and nothing was written")
@@ -378,7 +370,7 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
     raise
   finally:
     writer.close()
-  _fsync_dir(out.parent)
+  backend_lib.LOCAL.fsync(epath.Path(out.parent))
   bar.finish()
   return ExportResult(path=out, step=step, format=format, files=tuple(files),
                       arrays=len(arrays), nbytes=nbytes, scalars=scalars)
