@@ -136,6 +136,11 @@ class CheckpointCallback:
     restore_data_state: False: restore the train state but leave the data
       iterator as it is (a job relaunched on another process count, whose
       saved data positions mean nothing to it).
+    pinned_host_bytes: see `CheckpointManager` (for each tier). On
+      accelerators the callback pins that host memory in
+      `restore_or_initialize` (or at its first call), about 0.5 s per GB,
+      so that the first save blocks no longer than later ones; it stays
+      pinned for the life of the process (see docs/performance.md).
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -185,7 +190,8 @@ class CheckpointCallback:
                local_directory: epath.PathLike | None = None,
                local_every_steps: int | None = None,
                data_iterator: datastate.DataIterator | None = None,
-               restore_data_state: bool = True):
+               restore_data_state: bool = True,
+               pinned_host_bytes: int | None = None):
     self.triggers = Triggers(
         every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
         last_step=last_step, local_directory=local_directory,
@@ -214,10 +220,13 @@ class CheckpointCallback:
         primary_host=primary_host if rejoins is None
         else rejoins.opening_primary(coord.process_index),
         barrier_timeout_secs=barrier_timeout_secs, name=name,
-        coordinator=coord, backend=backend)
+        coordinator=coord, backend=backend,
+        pinned_host_bytes=pinned_host_bytes)
     self.local = None if local_directory is None else local_tier.open_tier(
         local_directory, job, coordinator=coord,
-        timeout_ms=self.manager.barrier_timeout_ms)
+        timeout_ms=self.manager.barrier_timeout_ms,
+        pinned_host_bytes=pinned_host_bytes)
+    self._warmed_up = False  # See `_warm_up`.
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
     # Started here, on every process at the same point: see `liveness`.
@@ -277,6 +286,7 @@ class CheckpointCallback:
       Exception: the error of an earlier background save (once).
     """
     try:
+      self._warm_up(state)
       if self._peers is not None and self._peers.rebuild_due(step, state):
         self._rebuild_at = step  # Saved to the local tier, then rebuilt.
       saved = self.should_save(step)
@@ -388,6 +398,16 @@ class CheckpointCallback:
       CheckpointCorruptedError: steps exist but none of them restores.
       StructureMismatchError: `state` does not fit the checkpoint.
     """
+    # Pinned memory first (from `state`, if it holds arrays): the restore
+    # then takes its buffers from the same pool.
+    self._warm_up(state)
+    state = self._restored_or_initial(state, cast, make_target)
+    self._warm_up(state)
+    return state
+
+  def _restored_or_initial(self, state: Any, cast: bool,
+                           make_target: Callable[[list[Any]], Any] | None
+                           ) -> Any:
     it = self.data_iterator if self.restore_data_state else None
     if self._peers is not None and self._peers.rejoining:
       return self._rejoined(self._peers.rejoin(make_target, state, it),
@@ -406,6 +426,14 @@ class CheckpointCallback:
         "resumed: restored step %d from the %s tier of %s", step, tier,
         self.directory)
     return restored
+
+  def _warm_up(self, state: Any) -> None:
+    """Once: sets up what saving `state` needs (`CheckpointManager.warm_up`:
+    pinned host memory on accelerators), unless `state` is abstract."""
+    if self._warmed_up:
+      return
+    self._warmed_up = self.manager.warm_up(state)
+    self._local_quietly("warm-up", lambda m: m.warm_up(state))
 
   def recover(self, make_target: Callable[[list[Any]], Any]
               ) -> tuple[Any, int]:

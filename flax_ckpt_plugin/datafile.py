@@ -49,17 +49,19 @@ class DataFile:
   def direct(self) -> bool:
     return self._direct is not None
 
-  def place(self, buf: np.ndarray) -> int:
-    """The file offset for `buf`, after everything placed so far."""
+  def place(self, nbytes: int, address: int | None) -> int:
+    """The file offset for a buffer of `nbytes` at memory `address` (None:
+    unknown), after everything placed so far."""
     offset = self.end
-    if self.direct and buf.nbytes >= DIRECT_MIN_BYTES:
-      offset += (buf.ctypes.data - offset) % ALIGN
-    self.end = offset + buf.nbytes
+    if self.direct and nbytes >= DIRECT_MIN_BYTES and address is not None:
+      offset += (address - offset) % ALIGN
+    self.end = offset + nbytes
     return offset
 
   def write(self, buf: np.ndarray, offset: int) -> None:
     """Writes `buf` (uint8, one dimension) at `offset`, from `place`;
-    every buffer is placed before the first is written."""
+    every buffer is placed before the first is written. Where `buf` is not
+    where `place` was told, it goes through the page cache."""
     if not self.direct and self._mapped() is not None:
       dst = np.frombuffer(self._view, np.uint8, buf.nbytes, offset)
       if buf.nbytes and dst.ctypes.data == buf.ctypes.data:
@@ -68,7 +70,8 @@ class DataFile:
       return
     view = memoryview(buf)
     head = tail = len(view)
-    if self.direct and buf.nbytes >= DIRECT_MIN_BYTES:
+    if (self.direct and buf.nbytes >= DIRECT_MIN_BYTES
+        and (buf.ctypes.data - offset) % ALIGN == 0):
       head = -buf.ctypes.data % ALIGN
       tail = head + (len(view) - head) // ALIGN * ALIGN
     pwrite_all(self.f.fileno(), view[:head], offset)

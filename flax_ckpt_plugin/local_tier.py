@@ -55,17 +55,20 @@ class LocalTier:
     job: a name for the job (see `job_name`).
     coordinator: the job's coordinator (names this process).
     keep: how many of the newest steps to keep.
+    pinned_host_bytes: see `CheckpointManager`.
   """
 
   def __init__(self, directory: epath.PathLike, job: str, *,
-               coordinator: coordinator_lib.Coordinator, keep: int = 2):
+               coordinator: coordinator_lib.Coordinator, keep: int = 2,
+               pinned_host_bytes: int | None = None):
     pid = coordinator.process_index
     path = epath.Path(os.path.abspath(os.fspath(directory)))
     path = path / job / f"process_{pid:05d}"
     self.manager = CheckpointManager(
         path, max_to_keep=keep, coordinator=groups.SoloCoordinator(),
         backend=backend_lib.for_local_path(path), name=f"local/{job}/{pid}",
-        scope=storage.Scope(pid, coordinator.process_count))
+        scope=storage.Scope(pid, coordinator.process_count),
+        pinned_host_bytes=pinned_host_bytes)
 
   @property
   def directory(self) -> epath.Path:
@@ -93,8 +96,8 @@ class LocalTier:
 
 
 def open_tier(directory: epath.PathLike, job: str, *,
-              coordinator: coordinator_lib.Coordinator, timeout_ms: int
-              ) -> LocalTier | None:
+              coordinator: coordinator_lib.Coordinator, timeout_ms: int,
+              pinned_host_bytes: int | None = None) -> LocalTier | None:
   """Every process opens its local tier; None on all if any failed.
 
   All processes must take the same path through a restore (see
@@ -104,7 +107,8 @@ def open_tier(directory: epath.PathLike, job: str, *,
   outcome = coordinator_lib.agree(
       coordinator, f"flax_ckpt_plugin/local/{job}/open/"
       f"{coordinator.next_round(f'local/{job}/open')}",
-      lambda: LocalTier(directory, job, coordinator=coordinator),
+      lambda: LocalTier(directory, job, coordinator=coordinator,
+                        pinned_host_bytes=pinned_host_bytes),
       timeout_ms=timeout_ms)
   if not outcome.failures:
     return outcome.result

@@ -21,6 +21,7 @@ import time
 from typing import Any, Sequence
 
 from etils import epath
+import jax
 
 from flax_ckpt_plugin import atomicity as atomicity_lib
 from flax_ckpt_plugin import backend as backend_lib
@@ -29,6 +30,7 @@ from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin import pinned
 from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin import storage
 from flax_ckpt_plugin.async_commit import AsyncCommitter
@@ -40,6 +42,7 @@ from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restoring import Restoring
 from flax_ckpt_plugin.staging import HostStaging
+from flax_ckpt_plugin.snapshot import pinned_pieces
 from flax_ckpt_plugin.snapshot import take_snapshot
 
 
@@ -89,6 +92,10 @@ class CheckpointManager(Restoring):
       several processes need and share it over JAX collectives, so that
       storage serves each byte once (see `shared_read`: it costs host
       memory); False: each process reads all it needs itself.
+    pinned_host_bytes: on accelerators, the most bytes of one save that
+      go through pinned host memory, which the save call does not wait for
+      (see `pinned`); None (default): all this process writes; 0: none
+      (every shard then takes the plain transfer, which it waits for).
 
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
@@ -125,7 +132,8 @@ class CheckpointManager(Restoring):
                read_only: bool = False,
                commit_hooks: Sequence[CommitHook] = (),
                scope: storage.Scope | None = None,
-               share_reads: bool = True):
+               share_reads: bool = True,
+               pinned_host_bytes: int | None = None):
     self.retention = retention_lib.Policy(
         max_to_keep, keep_every_n_steps, keep_best, best_metric, best_mode,
         keep_without_metric)
@@ -154,6 +162,8 @@ class CheckpointManager(Restoring):
     # A directory of this process alone may hold its snapshots (tmpfs).
     self._staging = HostStaging(arena=None if scope is None else
                                 self.backend.staging_arena(self.directory))
+    # Accelerator shards' pinned host memory (see pinned.py).
+    self._pinned = pinned.PinnedStaging(pinned_host_bytes)
     self._saves, self._closed, self._lock = 0, False, threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
@@ -236,27 +246,56 @@ class CheckpointManager(Restoring):
       raise CheckpointExistsError(
           f"step {step} is already finalized in {self.directory}")
     coord = self.coordinator
-    leaves = take_snapshot(state, process_count=coord.process_count,
-                           is_primary=self.is_primary, staging=self._staging,
-                           own_copy=self.scope is not None)
     inputs = commit_lib.CommitInputs(
         coordinator=coord, directory=self.directory, backend=self.backend,
         step=step,
         key=f"{self.name}/save{self._saves}/step{step}",
         tmp=atomicity_lib.temporary_path(self.directory, step,
                                          self.atomicity, self.backend),
-        leaves=leaves, extra=extra, metrics=metrics,
-        blocking_secs=time.perf_counter() - t0, is_primary=self.is_primary,
+        leaves=[], extra=extra, metrics=metrics,
+        blocking_secs=0.0, is_primary=self.is_primary,
         timeout_ms=self.barrier_timeout_ms,
         check_still_writer=self.check_still_writer, scope=self.scope,
         data_state=encoded, writers=self._writers,
         retention=self.retention.to_json() if self.retention.deletes else None)
+    # The snapshot last: what follows it should cost the call nothing.
+    leaves = take_snapshot(state, process_count=coord.process_count,
+                           is_primary=self.is_primary, staging=self._staging,
+                           own_copy=self.scope is not None,
+                           pinned_staging=self._pinned)
+    inputs = inputs._replace(leaves=leaves,
+                             blocking_secs=time.perf_counter() - t0)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
     # freed when the commit returns, before hooks and retention run.
     self._committer.start(functools.partial(self._commit, [inputs]),
                           description=f"step {step} in {self.directory}")
+
+  def warm_up(self, state: Any) -> bool:
+    """Sets up what saving `state` needs that the first save would
+    otherwise wait for: on accelerators, the pinned host memory its shards
+    are copied into (see `pinned`; about 0.5 s per GB, once per process).
+    Blocks until done. Optional: without it, the first save pins that
+    memory itself. The callback calls it from `restore_or_initialize`.
+
+    Returns:
+      Whether `state` holds arrays to take the measure of (False for an
+      abstract state: call it again with a concrete one).
+    """
+    if self.read_only:
+      return True
+    try:
+      pieces = pinned_pieces(
+          state, process_count=self.coordinator.process_count,
+          is_primary=self.is_primary, pinned_staging=self._pinned,
+          own_copy=self.scope is not None)
+    except (TypeError, ValueError) as e:  # The save will say it better.
+      log.info("no warm-up for saving %s: %s", self.directory, e)
+      return True
+    self._pinned.warm_up(pieces)
+    return not any(isinstance(leaf, jax.ShapeDtypeStruct)
+                   for leaf in jax.tree.leaves(state))
 
   def _commit(self, box: list[commit_lib.CommitInputs]) -> None:
     """The commit thread's job: commit, record, hooks, retention."""
@@ -268,6 +307,7 @@ class CheckpointManager(Restoring):
       e.add_note(commit_lib.step_state(self.directory, step))
       raise
     del inputs  # The snapshot's buffers go back to the staging area.
+    self._staging.release_spent()
     self.last_save_stats = stats
     with self._lock:
       self._steps = sorted(set(self._steps) | {step})

@@ -10,9 +10,11 @@ regions on devices, `verify` checks whole steps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import math
+import os
 import threading
 from typing import Iterable, Iterator, Sequence
 
@@ -42,6 +44,24 @@ _GAP = 64 << 10
 _SPAN = 16 << 20
 
 
+# A whole shard of at least 2 x this many bytes is read by several threads
+# (`LeafReader._read_checked`), at most `_READ_THREADS`, from one pool of
+# the process: they only read and check, and never wait for each other.
+_PIECE_BYTES = 16 << 20
+_READ_THREADS = min(8, os.cpu_count() or 1)
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
+  global _POOL
+  with _POOL_LOCK:
+    if _POOL is None:
+      _POOL = concurrent.futures.ThreadPoolExecutor(
+          _READ_THREADS, thread_name_prefix="flax_ckpt_plugin-read")
+    return _POOL
+
+
 def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
                 offset: int = 0) -> np.ndarray:
   """An uninitialized C-order array starting `offset` bytes past a 64-byte
@@ -50,8 +70,8 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
   The CPU backend adopts memory on such a boundary in `jax.device_put`
   without copying it, and copies any other (numpy's own allocations are
   only 16-byte aligned, so either may happen to them). Restored CPU arrays
-  are not adopted (see `restore._owned_cpu_buffer` and
-  `restore._restore_array`); adopted ones are for numpy targets and the
+  are not adopted (see `placement._owned_cpu_buffer` and
+  `placement.place_array`); adopted ones are for numpy targets and the
   other cases.
   """
   nbytes = math.prod(shape) * dtype.itemsize
@@ -279,6 +299,34 @@ class LeafReader:
           f" of region {region}")
     return out
 
+  def _read_checked(self, shard: ShardRecord, flat: memoryview) -> None:
+    """Reads a whole shard into `flat`, checking every block when `verify`
+    is set. A large shard is read in pieces of whole blocks by the read
+    threads at once: one reader alone leaves a disk's queue and the other
+    cores idle (measured: a 256 MB shard from the page cache at 5 GB/s on
+    one core)."""
+    pieces = max(1, min(_READ_THREADS, len(flat) // _PIECE_BYTES))
+    step = max(1, -(-len(flat) // pieces // self._block)) * self._block
+    spans = [(lo, min(lo + step, len(flat)))
+             for lo in range(0, len(flat), step)] or [(0, 0)]
+
+    def read(span: tuple[int, int]) -> None:
+      lo, hi = span
+      if not self._verify:
+        self._reader.read_into(shard.file, shard.offset + lo, flat[lo:hi])
+        return
+      # Block by block: each is checked while it is still in the cache.
+      for a in range(lo, hi, self._block):
+        b = min(a + self._block, hi)
+        self._reader.read_into(shard.file, shard.offset + a, flat[a:b])
+        self._check(shard, a // self._block, flat[a:b])
+
+    if len(spans) == 1:
+      read(spans[0])
+      return
+    for f in [_read_pool().submit(read, span) for span in spans]:
+      f.result()
+
   def _check(self, shard: ShardRecord, first_block: int,
              data: memoryview) -> None:
     """Compares the blocks in `data` (from block `first_block`) to the sums."""
@@ -402,7 +450,9 @@ class LeafReader:
     # stores), many runs are fetched as the blocks around them instead.
     exact = not self._verify and (len(offsets) == 1
                                   or not self._reader.prefers_few_reads)
-    if exact or whole:
+    if whole and len(offsets) == 1:  # Read whole: check it where it lies.
+      self._read_checked(shard, flat)
+    elif exact or whole:
       for r, off in enumerate(offsets):
         self._reader.read_into(name, base + off,
                                flat[r * run_bytes:(r + 1) * run_bytes])

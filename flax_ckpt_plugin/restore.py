@@ -9,13 +9,12 @@ checkpoint written by any number of devices can be read by any other.
 Every leaf is matched against the target (paths, shapes, dtypes; see
 `matching`) before any data is read; `reader.LeafReader` then reads the
 regions (through a `casting.CastReader` where a restore with `cast=True`
-converts the dtype).
+converts the dtype), and `placement` puts them on the devices.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import math
 import os
@@ -23,29 +22,29 @@ from typing import Any
 
 from etils import epath
 import jax
-from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import casting
-from flax_ckpt_plugin import staging
+from flax_ckpt_plugin import pinned
+from flax_ckpt_plugin import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.records import Index
 from flax_ckpt_plugin.records import LeafRecord
 from flax_ckpt_plugin.records import Manifest
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import held_elements
-from flax_ckpt_plugin.reader import host_buffer
 from flax_ckpt_plugin.reader import LeafReader
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.matching import check_key_impl
 from flax_ckpt_plugin.matching import match_structure
-from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.treepaths import leaf_paths
 from flax_ckpt_plugin.treepaths import normalize_index
 
 # Leaves restored at once: reads and checksums release the GIL.
 _THREADS = min(8, os.cpu_count() or 1)
+
+
 def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
   sharding = getattr(leaf, "sharding", None)
   if sharding is None:
@@ -82,116 +81,14 @@ def on_context_mesh(path: str, leaf: Any) -> Any:
       mesh, sharding.spec, memory_kind=sharding.memory_kind))
 
 
-try:  # Builds an array from host pieces in one call (`_assemble`).
-  from jax._src.lib import xla_client as _xc  # pylint: disable=g-import-not-at-top
-  _BATCHED_PUT = _xc.batched_device_put
-except (AttributeError, ImportError):  # Another JAX: the public way.
-  _BATCHED_PUT = None
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_on(device: Any) -> Any:
-  """A jitted `zeros(shape, dtype)` whose result is placed on `device`."""
-  # A constant zero (not a parameter) lets the compiler emit a memset.
-  return jax.jit(lambda shape, dtype: lax.full(shape, 0, dtype),
-                 static_argnums=(0, 1),
-                 out_shardings=jax.sharding.SingleDeviceSharding(device))
-
-
-def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
-                      ) -> tuple[jax.Array, np.ndarray] | None:
-  """A new CPU device array that the runtime owns, and a writable view of it.
-
-  Memory that `jax.device_put` adopts (aligned numpy memory, or the copy
-  that `may_alias=False` makes) cannot be donated: the first jitted step
-  that donates a restored state would then copy every input into new
-  memory, with both states alive at once (measured with a 0.98 GB state:
-  that step took 1.3 s instead of 0.47 s). So the array is made by
-  a jitted program (which fills it with zeros), and its bytes are then
-  written in place, through a view of its buffer: the array is new, ready,
-  and referenced by nothing else until it is returned. None where this
-  does not apply (other platforms, and dtypes whose elements are not whole
-  bytes, which the runtime may pack).
-  """
-  if device.platform != "cpu" or (
-      bits_dtype(dtype) is None
-      and not jax.numpy.issubdtype(dtype, jax.numpy.complexfloating)):
-    return None
-  if math.prod(shape) * dtype.itemsize < staging.REUSE_BYTES:
-    return None  # See `_restore_array`: no program compiled per shape.
-  arr = _zeros_on(device)(shape, dtype)
-  arr.block_until_ready()
-  nbytes = arr.nbytes
-  if not nbytes:
-    return arr, np.empty(shape, dtype)
-  mem = (ctypes.c_char * nbytes).from_address(arr.unsafe_buffer_pointer())
-  return arr, np.frombuffer(mem, dtype).reshape(shape)
-
-
-def _assemble(shape: tuple[int, ...], dtype: np.dtype,
-              sharding: jax.sharding.Sharding, devices: list[Any],
-              pieces: list[jax.Array | np.ndarray]) -> jax.Array:
-  """The global array from each device's piece (device arrays, or host
-  buffers that the runtime copies)."""
-  if _BATCHED_PUT is not None and all(
-      isinstance(p, np.ndarray) for p in pieces):
-    try:  # One call for the whole array: 25 us, a quarter of the public way.
-      return _BATCHED_PUT(jax.core.ShapedArray(shape, dtype), sharding,
-                          pieces, devices, True)
-    except (TypeError, ValueError):  # Its signature changed.
-      pass
-  arrays = [p if isinstance(p, jax.Array) else jax.device_put(p, d)
-            for p, d in zip(pieces, devices)]
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _restore_array(lr: LeafReader | casting.CastReader,
-                   shape: tuple[int, ...],
-                   sharding: jax.sharding.Sharding) -> jax.Array:
-  indices = sharding.addressable_devices_indices_map(shape)
-  cache: dict[Index, np.ndarray] = {}
-  devices, pieces = list(indices), []
-  for device, index in indices.items():
-    region = normalize_index(index, shape) if index is not None else tuple(
-        (0, d) for d in shape)
-    region_shape = tuple(hi - lo for lo, hi in region)
-    host = cache.get(region)
-    owned = _owned_cpu_buffer(region_shape, lr.dtype, device)
-    if owned is not None:
-      arr, view = owned
-      if host is None:
-        cache[region] = lr.read(region, out=view)
-      else:
-        np.copyto(view, host)
-      pieces.append(arr)
-    elif device.platform == "cpu":
-      # The runtime adopts host memory on a 64-byte boundary instead of
-      # copying it, and adopted memory is not donated; bytes 16 past one
-      # it copies into memory of its own, once per device. For shards under
-      # `REUSE_BYTES` that copy costs less than the program per distinct
-      # shape that `_owned_cpu_buffer` compiles (restores of thousands of
-      # small leaves of hundreds of shapes).
-      if host is None:
-        host = cache[region] = lr.read(
-            region, out=host_buffer(region_shape, lr.dtype, offset=16))
-      pieces.append(host)
-    else:
-      # Read once, but never hand one host buffer to two devices: a backend
-      # may adopt the memory, and a jitted step that donates one replica
-      # could then write over the other.
-      if host is None:
-        host = cache[region] = lr.read(region)
-      else:
-        host = np.copy(host)
-      pieces.append(jax.device_put(host, device))
-  return _assemble(shape, lr.dtype, sharding, devices, pieces)
-
-
 def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
-                 cast: bool = False) -> Any:
+                 cast: bool = False,
+                 window: pinned.RestoreWindow | None = None) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
   a Python scalar, whose value is in the manifest). With `cast`, values
-  are converted to the target's dtype as they are read (`casting`)."""
+  are converted to the target's dtype as they are read (`casting`). With a
+  `window`, regions for devices with pinned host memory travel through it.
+  """
   if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
     if isinstance(target, (bool, int, float)):
@@ -206,7 +103,8 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
   if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
       or lr.dtype.byteorder == ">" or saved.key_impl is not None):
     return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
-  return _restore_array(lr, lr.shape, _target_sharding(target))
+  return placement.place_array(lr, lr.shape, _target_sharding(target),
+                               window)
 
 
 def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
@@ -299,13 +197,13 @@ def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
 
 
 def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
-                   cast: bool) -> list[Any]:
+                   cast: bool, window: pinned.RestoreWindow) -> list[Any]:
   ranges = [] if len(batch) < 2 else [
       r for saved, target in batch if not saved.is_scalar
       for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
           _regions(saved, target))]
   with lr_args["reader"].coalesced(ranges):
-    return [restore_leaf(saved, target, lr_args, cast=cast)
+    return [restore_leaf(saved, target, lr_args, cast=cast, window=window)
             for saved, target in batch]
 
 
@@ -406,12 +304,13 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes,
              "where": where}
+  window = pinned.RestoreWindow()
   try:
     with concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
       futures = [pool.submit(_restore_batch, [(saved[p], leaf)
                                                for p, leaf in batch], lr_args,
-                             cast)
+                             cast, window)
                  for batch in _batches(targets, saved)]
       try:
         leaves = [leaf for f in futures for leaf in f.result()]
@@ -419,6 +318,9 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
         for f in futures:
           f.cancel()
         raise
+    # The transfers out of pinned buffers: their error is the restore's,
+    # and their buffers go back to the pool.
+    window.wait()
   finally:
     reader.close()
   if given:

@@ -11,8 +11,10 @@ The snapshot stays correct when the next train step donates the state's
 buffers, because it never refers to them once the runtime has run what
 `take_snapshot` enqueued:
 
-* On accelerators every shard's `copy_to_host_async()` is started before
-  the first one is awaited.
+* On accelerators with pinned host memory every shard is copied there in
+  one batched call that is not awaited (see `pinned`); the writer waits
+  for each shard before writing it. Elsewhere off the CPU, every shard's
+  `copy_to_host_async()` is started before the first one is awaited.
 * On the CPU backend every shard is copied into reused staging buffers by
   a program the runtime runs before the next step that donates the state
   (see `staging`); `take_snapshot` does not wait for the copy.
@@ -34,32 +36,48 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_ckpt_plugin import writeplan
+from flax_ckpt_plugin import pieces as pieces_lib
+from flax_ckpt_plugin import pinned
 from flax_ckpt_plugin.storage import CHECKSUM_BLOCK
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.treepaths import Index
 from flax_ckpt_plugin.treepaths import KeyEntry
-from flax_ckpt_plugin.treepaths import leaf_paths
-from flax_ckpt_plugin.treepaths import shard_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardData:
   """One shard's values, on the host or being copied there."""
   index: Index  # [start, stop) per dimension of the global array.
-  # A C-contiguous host array of the shard's values, or (CPU backend) a
-  # staging copy still being made: a jax.Array of the values, or of their
-  # bits as unsigned integers of the same width (a copy in reused memory,
-  # see `staging`); `host()` waits for it.
+  # A C-contiguous host array of the shard's values, or a copy still being
+  # made: in pinned host memory (see `pinned`), or (CPU backend) a staging
+  # copy, a jax.Array of the values or of their bits as unsigned integers
+  # of the same width (a copy in reused memory, see `staging`); `host()`
+  # waits for it.
   data: np.ndarray | jax.Array
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
   # The CRC-32C of each `storage.CHECKSUM_BLOCK` bytes, when the copy took
   # them (`HostStaging.copy_summed`); else the writer does.
   crc32c: list[int] | None = None
 
+  @property
+  def nbytes(self) -> int:
+    return self.data.nbytes
+
+  @property
+  def address(self) -> int | None:
+    """Where `host()`'s values are in memory, known while the copy is in
+    flight; None if the runtime does not say."""
+    if isinstance(self.data, np.ndarray):
+      return self.data.ctypes.data
+    try:
+      return self.data.unsafe_buffer_pointer()
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def host(self) -> np.ndarray:
-    """The values as a host array (a zero-copy view of a staging copy).
+    """The values as a host array (a zero-copy view of a staging or pinned
+    copy). Raises the copy's error if it failed.
 
     Hold the view no longer than needed: while it lives, the staging
     buffer cannot be donated to the next save's copy (which then copies
@@ -102,69 +120,35 @@ class LeafSnapshot:
     return entry
 
 
-# Where a shard to write is, which says how the snapshot copies it.
-_CPU = "cpu"  # A CPU device's buffer of the state: copied into staging.
-_DEVICE = "device"  # Off the CPU: copied to the host.
-# A CPU copy of our own (a piece cut by a slice): awaited by the writer.
-_COPY = "copy"
+def _to_pin(plans: list[pieces_lib.Leaf], staging: pinned.PinnedStaging
+            ) -> list[tuple[int, int, pieces_lib.Piece]]:
+  """(leaf number, piece number, piece) of the pieces that go through
+  pinned host memory, within the budget."""
+  takes: dict[Any, bool] = {}
+  todo = []
+  for i, leaf in enumerate(plans):
+    if leaf.arr is None or not leaf.pieces or not pinned.fits(leaf.arr.dtype):
+      continue
+    for j, p in enumerate(leaf.pieces):
+      if p.device not in takes:
+        takes[p.device] = pinned.takes(p.device)
+      if takes[p.device]:
+        todo.append((i, j, p))
+  return todo[:staging.split([p.nbytes for *_, p in todo])]
 
 
-def _where(device: Any) -> str:
-  return _CPU if device.platform == "cpu" else _DEVICE
-
-
-@functools.lru_cache(maxsize=None)  # Per leaf per save: keep it cheap.
-def _is_prng_dtype(dtype: Any) -> bool:
-  return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _check_array_alive(path: str, arr: jax.Array) -> None:
-  if arr.is_deleted():
-    raise ValueError(
-        f"leaf {path!r} of the state to save was deleted (donated to a"
-        " jitted step before save was called?). Save the state that the step"
-        " returned, before passing it to the next step.")
-
-
-def _own_copy_shards(arr: jax.Array) -> list[tuple[Index, Any, str]]:
-  """(index, shard array, where) of every distinct shard this process
-  holds: a copy for it alone to restore from."""
-  plan = shard_plan(arr.sharding, arr.shape)
-  out, seen = [], set()
-  for s in arr.addressable_shards:
-    index, _ = plan[s.device]
-    if index not in seen:
-      seen.add(index)
-      out.append((index, s.data, _where(s.device)))
-  return out
-
-
-def _planned_shards(arr: jax.Array, pieces: tuple[writeplan.Piece, ...]
-                    ) -> list[tuple[Index, Any, str]]:
-  """(index, data, where) of the pieces of `arr` this process writes.
-
-  A part of a shard is cut on its device by a slice, which the runtime
-  runs before the next step, into memory of its own: the donation of the
-  state's buffers stays safe, and on a CPU nothing waits for it here.
-  """
-  if not pieces:
-    return []
-  data = {s.device: s.data for s in arr.addressable_shards}
-  out = []
-  for piece in pieces:
-    shard = data[piece.device]
-    if piece.rows is None:
-      out.append((piece.index, shard, _where(piece.device)))
-    else:
-      start, stop = piece.rows
-      where = _where(piece.device)
-      out.append((piece.index, jax.lax.slice_in_dim(shard, start, stop),
-                  _COPY if where == _CPU else _DEVICE))
-  return out
+def pinned_pieces(tree: Any, *, process_count: int, is_primary: bool,
+                  pinned_staging: pinned.PinnedStaging,
+                  own_copy: bool = False) -> list[jax.Array]:
+  """The arrays that a save of `tree` copies onto pinned host memory (see
+  `pinned.PinnedStaging.warm_up`)."""
+  plans = pieces_lib.plan(tree, process_count, is_primary, own_copy)
+  return [p.cut() for *_, p in _to_pin(plans, pinned_staging)]
 
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
-                  staging: HostStaging, own_copy: bool = False
+                  staging: HostStaging, own_copy: bool = False,
+                  pinned_staging: pinned.PinnedStaging | None = None
                   ) -> list[LeafSnapshot]:
   """Copies the shards this process writes to host memory.
 
@@ -176,89 +160,81 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       call, so the previous snapshot must no longer be in use).
     own_copy: take every distinct shard this process holds, replicas
       included (a copy that restores this process alone: the local tier).
+    pinned_staging: where shards of devices with pinned host memory go
+      (see `pinned`); None: the plain transfer.
 
   Returns:
     One `LeafSnapshot` per leaf, in flattening order, on every process (so
     every process knows the whole tree's metadata).
   """
-  leaves, _ = leaf_paths(tree)
-  plans = []  # (path, keys, leaf, array to write or None, impl, shards)
-  shared = []  # (place in plans, array) of the arrays `writeplan` spreads.
-  for path, keys, leaf in leaves:
-    if isinstance(leaf, jax.Array):
-      _check_array_alive(path, leaf)
-      arr, impl = leaf, None
-      if _is_prng_dtype(leaf.dtype):
-        impl = str(jax.random.key_impl(leaf))
-        arr = jax.random.key_data(leaf)
-      shards = None
-      if own_copy:
-        shards = _own_copy_shards(arr)
-      elif process_count > 1 and arr.is_fully_addressable:
-        # A value of this process's own, the same on every process by
-        # contract: the primary writes it.
-        shards = _own_copy_shards(arr) if is_primary else []
-      elif jax.process_count() == 1:  # No other process holds any of it.
-        shards = _own_copy_shards(arr)
-      else:
-        shared.append((len(plans), arr))
-      plans.append([path, keys, leaf, arr, impl, shards])
-    else:
-      plans.append([path, keys, leaf, None, None, None])
-  if shared:
-    pieces = writeplan.plan(
-        tuple((arr.sharding, tuple(arr.shape), np.dtype(arr.dtype))
-              for _, arr in shared), jax.process_index(), jax.process_count())
-    for (at, arr), mine in zip(shared, pieces):
-      plans[at][5] = _planned_shards(arr, mine)
+  plans = pieces_lib.plan(tree, process_count, is_primary, own_copy)
+  # Each piece's ShardData, by (leaf number, piece number), filled below.
+  done: dict[tuple[int, int], ShardData] = {}
 
-  # Start every device-to-host transfer before waiting on any of them.
-  for *_, arr, _, shards in plans:
-    for _, data, where in shards or ():
-      if where == _DEVICE:
-        data.copy_to_host_async()
+  # Onto pinned host memory: one batched copy, not awaited (see `pinned`).
+  if pinned_staging is not None:
+    todo = _to_pin(plans, pinned_staging)
+    copies = pinned_staging.copy([p.cut() for *_, p in todo]) if todo else []
+    for (i, j, p), copy in zip(todo, copies or ()):
+      done[i, j] = ShardData(p.index, copy, np.dtype(plans[i].arr.dtype))
+
+  # Off the CPU, the rest: every device-to-host transfer is started before
+  # the first is waited for.
+  rest = [(i, j, p, p.device.platform == "cpu") for i, leaf in
+          enumerate(plans) if leaf.arr is not None
+          for j, p in enumerate(leaf.pieces) if (i, j) not in done]
+  transfers = [(i, j, p.index, p.cut()) for i, j, p, on_cpu in rest
+               if not on_cpu]
+  for *_, data in transfers:
+    data.copy_to_host_async()
 
   # CPU shards: copied on their devices into staging memory (enqueued, not
   # awaited), or, for dtypes that cannot travel as unsigned bits and for
   # every dtype where the staging memory is an arena (`memfile`), copied
-  # by threads from views of the runtime's buffers right here.
+  # by threads from views of the runtime's buffers right here. A part of a
+  # shard is cut by a slice into memory of its own, which the writer waits
+  # for.
   on_device, cpu_items = [], []
-  for path, _, _, arr, _, shards in plans:
-    for index, data, where in shards or ():
-      if where != _CPU:
-        continue
-      if bits_dtype(arr.dtype) is not None and staging.arena is None:
-        on_device.append(data)
-      else:
-        cpu_items.append(((path, index), np.asarray(data)))
-  device_copies = iter(staging.copy_on_devices(on_device))
+  for i, j, p, on_cpu in rest:
+    if not on_cpu:
+      continue
+    dtype = np.dtype(plans[i].arr.dtype)
+    if p.rows is not None:
+      done[i, j] = ShardData(p.index, p.cut(), dtype)
+    elif bits_dtype(dtype) is not None and staging.arena is None:
+      on_device.append((i, j, p))
+    else:
+      cpu_items.append((i, j, p))
+  srcs = [((plans[i].path, p.index), np.asarray(p.data))
+          for i, _, p in cpu_items]
   summed = None if staging.arena is None else staging.copy_summed(
-      [src for _, src in cpu_items], CHECKSUM_BLOCK)
+      [src for _, src in srcs], CHECKSUM_BLOCK)
   if summed is None:
-    host_copies, host_sums = iter(staging.copy(cpu_items)), None
+    for (i, j, p), copy in zip(cpu_items, staging.copy(srcs)):
+      done[i, j] = ShardData(p.index, copy)
   else:
-    host_copies, host_sums = iter(summed[0]), iter(summed[1])
-  del cpu_items, on_device  # No view of a runtime buffer outlives this call.
+    for (i, j, p), copy, sums in zip(cpu_items, *summed):
+      done[i, j] = ShardData(p.index, copy, crc32c=sums)
+  del srcs  # No view of a runtime buffer outlives this call.
+
+  for i, j, index, data in transfers:
+    done[i, j] = ShardData(index, _c_order(np.asarray(data)))
 
   out = []
-  for path, keys, leaf, arr, impl, shards in plans:
-    if arr is not None:
-      data = []
-      for index, shard, where in shards:
-        if where == _DEVICE:
-          data.append(ShardData(index, _c_order(np.asarray(shard))))
-        elif where == _COPY:
-          data.append(ShardData(index, shard, np.dtype(arr.dtype)))
-        elif bits_dtype(arr.dtype) is not None and staging.arena is None:
-          data.append(ShardData(index, next(device_copies),
-                                np.dtype(arr.dtype)))
-        else:
-          data.append(ShardData(index, next(host_copies), crc32c=None
-                                if host_sums is None else next(host_sums)))
-      out.append(LeafSnapshot(path, keys, "array", _dtype_name(arr.dtype),
-                              tuple(arr.shape), data, key_impl=impl))
-    else:
-      out.append(_host_leaf(path, keys, leaf, is_primary))
+  for i, leaf in enumerate(plans):
+    if leaf.arr is None:
+      out.append(_host_leaf(leaf.path, leaf.keys, leaf.leaf, is_primary))
+      continue
+    out.append(LeafSnapshot(
+        leaf.path, leaf.keys, "array", _dtype_name(leaf.arr.dtype),
+        tuple(leaf.arr.shape),
+        [done.get((i, j)) for j in range(len(leaf.pieces))],
+        key_impl=leaf.impl))
+  # The staging copies last: the runtime's threads start copying at once,
+  # on every core, and the call should be over by then.
+  for (i, j, p), copy in zip(on_device, staging.copy_on_devices(
+      [p.data for *_, p in on_device], [p.device for *_, p in on_device])):
+    out[i].shards[j] = ShardData(p.index, copy, np.dtype(plans[i].arr.dtype))
   return out
 
 

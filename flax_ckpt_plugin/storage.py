@@ -159,7 +159,9 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
           for leaf, shard in shards:
             buf = _as_bytes(shard.host())
             _write_all(f, memoryview(buf))
-            entries.append(_entry(leaf, shard, name, offset, buf))
+            entries.append(_entry(leaf, shard, name, offset, buf.nbytes,
+                                  shard.crc32c or block_checksums(
+                                      memoryview(buf))))
             offset += buf.nbytes
     views, digest = _views(leaves)
     with out.open(views_file(process_index)) as f:  # Read in this save only.
@@ -180,20 +182,23 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
 
 
 def _entry(leaf: LeafSnapshot, shard: Any, name: str, offset: int,
-           buf: np.ndarray, sums: list[int] | None = None) -> dict:
+           nbytes: int, sums: list[int]) -> dict:
   return {"path": leaf.path, "file": name, "offset": offset,
-          "nbytes": buf.nbytes, "index": [list(r) for r in shard.index],
-          "crc32c": block_checksums(memoryview(buf)) if sums is None else sums}
+          "nbytes": nbytes, "index": [list(r) for r in shard.index],
+          "crc32c": sums}
 
 
 def _write_by_offset(out: backend_lib.StepWriter, name: str,
                      shards: list[Any], entries: list[dict]) -> int:
   """Writes the data file by offset (local disks); returns its size.
 
-  The checksums are computed by a second thread while this one writes
-  (both release the GIL), so a save costs about its slower half.
+  Every shard is placed in the file first (its size and address are known
+  while its copy is still in flight, see `snapshot.ShardData`), then each
+  is waited for just before it is written, so the writes overlap the
+  transfers of the shards after it. The checksums are computed by a second
+  thread while this one writes (both release the GIL), so a save costs
+  about its slower half.
   """
-  bufs = [_as_bytes(shard.host()) for _, shard in shards]
   # A plain thread, not a pool: a commit that finishes while the interpreter
   # exits (see async_commit) may no longer start pool work.
   sums: list[list[int] | None] = [shard.crc32c for _, shard in shards]
@@ -201,9 +206,9 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
 
   def checksum() -> None:
     try:  # Those the snapshot did not take while copying.
-      for i, b in enumerate(bufs):
+      for i, (_, shard) in enumerate(shards):
         if sums[i] is None:
-          sums[i] = block_checksums(memoryview(b))
+          sums[i] = block_checksums(memoryview(_as_bytes(shard.host())))
     except BaseException as e:  # pylint: disable=broad-except
       failed.append(e)
 
@@ -212,9 +217,10 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
   try:
     data = datafile.DataFile(out, name)
     try:
-      offsets = [data.place(b) for b in bufs]
-      for buf, offset in zip(bufs, offsets):
-        data.write(buf, offset)
+      offsets = [data.place(shard.nbytes, shard.address)
+                 for _, shard in shards]
+      for (_, shard), offset in zip(shards, offsets):
+        data.write(_as_bytes(shard.host()), offset)
       data.sync()
     finally:
       data.close()
@@ -222,8 +228,8 @@ def _write_by_offset(out: backend_lib.StepWriter, name: str,
     summer.join()
   if failed:
     raise failed[0]
-  for (leaf, shard), buf, offset, crcs in zip(shards, bufs, offsets, sums):
-    entries.append(_entry(leaf, shard, name, offset, buf, crcs))
+  for (leaf, shard), offset, crcs in zip(shards, offsets, sums):
+    entries.append(_entry(leaf, shard, name, offset, shard.nbytes, crcs))
   return data.end
 
 

@@ -146,3 +146,21 @@ def run_console(block: str, cwd: pathlib.Path) -> None:
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=300, check=False)
   assert r.stdout == expected, f"{command}\n{r.stdout}"
+
+
+def pinned_counter(real: Callable[..., Any]
+                   ) -> tuple[dict[str, int], Callable[..., Any]]:
+  """Counts the arrays that `real` (`pinned.copies_onto`) copies onto pinned
+  host memory and off it, by memory kind. Returns the counts, which fill as
+  it runs, and the counting function to put in its place."""
+  seen = {"onto_pinned": 0, "off_pinned": 0}
+
+  def counting(srcs, shardings):
+    for src, sharding in zip(srcs, shardings):
+      if sharding.memory_kind == "pinned_host":
+        seen["onto_pinned"] += 1
+      elif src.sharding.memory_kind == "pinned_host":
+        seen["off_pinned"] += 1
+    return real(srcs, shardings)
+
+  return seen, counting

@@ -146,7 +146,7 @@ class WorkerGroup:
         "NUM_PROCESSES": str(self.num_processes),
         "PROCESS_ID": str(i),
         "PYTHONPATH": os.pathsep.join(
-            [str(MP_WORKERS), str(REPO_ROOT)]
+            [str(MP_WORKERS), str(MP_WORKERS.parent), str(REPO_ROOT)]
             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
     })
     env.update(self._env)

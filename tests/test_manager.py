@@ -15,7 +15,7 @@ from flax_ckpt_plugin import CheckpointExistsError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
-from flax_ckpt_plugin import restore as restore_lib
+from flax_ckpt_plugin import reader as reader_lib
 from flax_ckpt_plugin import staging as staging_lib
 from flax_ckpt_plugin import storage
 
@@ -318,7 +318,7 @@ def test_restored_state_is_donatable(sharded, ckpt_dir, make_state,
   # The control: memory handed to the runtime by device_put is not donated,
   # so the address check below can fail.
   def adopt(a, t):
-    buf = restore_lib.host_buffer(a.shape, a.dtype)
+    buf = reader_lib.host_buffer(a.shape, a.dtype)
     np.copyto(buf, a)
     return jax.device_put(buf, t.sharding)
   adopted = jax.tree.map(adopt, expected, target)

@@ -82,6 +82,15 @@ def leaf_digests(tree: Any) -> dict[str, str]:
   return out
 
 
+def count_pinned() -> dict[str, int]:
+  """Counts the arrays this process copies onto pinned host memory and off
+  it (`flax_ckpt_plugin.pinned`) from now on; the dict fills as it runs."""
+  from flax_ckpt_plugin import pinned  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  seen, pinned.copies_onto = helpers.pinned_counter(pinned.copies_onto)
+  return seen
+
+
 def mlp_train_state(rng, sizes: tuple[int, int, int]):
   """The TrainState (Adam) of a 2-layer MLP of (in, hidden, out) sizes.
 

@@ -229,6 +229,11 @@ def leaf_digests(tree: Any) -> dict[str, str]:
   return _setup.leaf_digests(tree)
 
 
+def count_pinned() -> dict[str, int]:
+  """See `_setup.count_pinned`."""
+  return _setup.count_pinned()
+
+
 def emit(result: Any) -> None:
   """Prints the worker's result as the last line of stdout."""
   _setup.emit(result)

@@ -11,7 +11,8 @@ among their holders and small ones written whole (`writeplan`). Saves one
 step, restores it into the same shardings, by this process alone and by
 all together (`restore_newest_valid`, which shares the reading), and
 prints the bytes this process wrote and read, the digests saved and
-restored, and the total bytes.
+restored, the total bytes, and how many arrays went through pinned host
+memory.
 """
 
 import sys
@@ -62,6 +63,7 @@ def main(directory: str, layout: str) -> dict:
                            axis_types=(kind, kind))
   spec = P() if layout == "data_parallel" else P("fsdp")
   state = _state(mesh, spec)
+  pinned = _setup.count_pinned()
   with flax_ckpt_plugin.CheckpointManager(directory,
                                           barrier_timeout_secs=60) as mgr:
     mgr.save(1, state)
@@ -74,7 +76,7 @@ def main(directory: str, layout: str) -> dict:
     read_alone = mgr.last_restore_stats.nbytes_read
     step, together = mgr.restore_newest_valid(target)  # Every process.
     read_together = mgr.last_restore_stats.nbytes_read
-  return {"written": written,
+  return {"written": written, "pinned": pinned,
           "total": sum(a.nbytes for a in jax.tree.leaves(state)),
           "saved": _setup.leaf_digests(state),
           "restored": _setup.leaf_digests(restored),

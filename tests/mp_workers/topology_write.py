@@ -5,7 +5,7 @@
 Trains 2 steps, saves step 2 with `CheckpointManager`, then restores it in the
 same processes into the writer's own shardings. Prints the per-leaf digests
 of the saved global arrays, the bytes this process wrote and owns (per leaf),
-and what the restore read.
+what the restore read, and how many arrays went through pinned host memory.
 """
 
 import sys
@@ -24,6 +24,7 @@ def main(directory: str, mesh_shape: str) -> dict:
   mesh = topo.make_mesh(topo.parse_shape(mesh_shape))
   state = topo.init_state(mesh)
   train_step = topo.make_train_step(mesh)
+  pinned = topo.count_pinned()
   for _ in range(STEP):
     state = train_step(state)
   mgr = flax_ckpt_plugin.CheckpointManager(directory,
@@ -44,6 +45,7 @@ def main(directory: str, mesh_shape: str) -> dict:
                                                                target),
       "nbytes_read": mgr.last_restore_stats.nbytes_read,
       "needed_bytes": topo.needed_bytes_by_leaf(target),
+      "pinned": pinned,
   }
   mgr.close()
   return result

@@ -1,0 +1,331 @@
+"""The accelerator path: snapshots through pinned host memory, and restores
+that send pinned buffers to the devices (`flax_ckpt_plugin.pinned`).
+
+The CPU backend has the `pinned_host` memory kind too, and the switch
+`FLAX_CKPT_PLUGIN_PINNED_CPU=1` makes CPU devices take that path, so these
+tests run it on any machine: the copies are real runtime copies onto pinned
+memory, not awaited by the save call, and the writer waits for each. Where
+a test injects a failed transfer, it says so: no real part fails one on
+demand.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import pinned
+from helpers import assert_only_finalized_steps
+from helpers import pinned_counter
+from helpers import two_device_mesh
+from launcher import run_workers
+
+RUN_TIMEOUT = 120
+
+
+@pytest.fixture(autouse=True)
+def pinned_on_cpu(monkeypatch):
+  monkeypatch.setenv(pinned.CPU_SWITCH, "1")
+
+
+@pytest.fixture
+def copies(monkeypatch):
+  """Counts the arrays copied onto pinned memory and off it, while the
+  runtime copies them as usual."""
+  seen, counting = pinned_counter(pinned.copies_onto)
+  monkeypatch.setattr(pinned, "copies_onto", counting)
+  return seen
+
+
+def _arrays(tree) -> int:
+  return sum(isinstance(a, (jax.Array, np.ndarray))
+             for a in jax.tree.leaves(tree))
+
+
+def _run(state, train_step, steps, save=None, synced=True):
+  """The donating loop; `save(step, state)` after each step."""
+  for step in range(1, steps + 1):
+    state = train_step(state)
+    if synced:
+      jax.block_until_ready(state)
+    if save is not None:
+      save(step, state)
+  return state
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["synced", "unsynced"])
+def test_a_donating_loop_saving_every_3_steps_restores_bit_identical(
+    synced, ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,
+    copies):
+  """Every third step of a loop whose step donates the state is saved; the
+  next step runs right after the save call, waited for (synced) or not.
+  Each saved step restores bit for bit as the state was at that step
+  (computed by the same loop without saves), and every shard travelled
+  through pinned memory, both ways."""
+  expected = {}
+  _run(make_state(), train_step, 12,
+       lambda step, s: step % 3 == 0 and expected.update(
+           {step: host_copy(s)}))
+  arrays = _arrays(expected[3])
+  manager = CheckpointManager(ckpt_dir, max_to_keep=None)
+  _run(make_state(), train_step, 12,
+       lambda step, s: step % 3 == 0 and manager.save(step, s), synced)
+  manager.wait_until_finished()
+  assert copies["onto_pinned"] == 4 * arrays
+  assert manager.all_steps() == [3, 6, 9, 12]
+  for step, values in expected.items():
+    target = train_step(make_state())  # Its step is an array, as saved.
+    assert_trees_equal(manager.restore(target, step), values)
+  assert copies["off_pinned"] == 4 * arrays
+  manager.close()
+
+
+def test_a_leaf_donated_before_the_save_gets_the_clear_error(
+    ckpt_dir, make_state, train_step):
+  manager = CheckpointManager(ckpt_dir)
+  state = make_state()
+  train_step(state)  # Donates `state`.
+  with pytest.raises(ValueError, match="was deleted .donated to a jitted"
+                     " step before save was called"):
+    manager.save(1, state)
+  assert manager.all_steps() == []
+  manager.close()
+
+
+def test_the_first_save_blocks_no_longer_than_later_ones(
+    ckpt_dir, make_state, train_step, monkeypatch):
+  """The callback pins the memory of the first save in
+  `restore_or_initialize` (the warm-up copies what that save copies, then
+  gives the memory back to the runtime's pool), so the first save's call
+  does no more than later ones."""
+  asked = []
+  real = pinned.PinnedStaging.warm_up
+  monkeypatch.setattr(pinned.PinnedStaging, "warm_up",
+                      lambda self, pieces: asked.append(list(pieces))
+                      or real(self, pieces))
+  cb = CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=2)
+  state = cb.restore_or_initialize(train_step(make_state()))
+  assert len(asked) == 1
+  assert sorted(p.nbytes for p in asked[0]) == sorted(
+      a.nbytes for a in jax.tree.leaves(state))
+  blocking = []
+  for step in range(1, 9):
+    state = train_step(state)
+    jax.block_until_ready(state)
+    cb(step, state)
+    cb.wait_until_finished()
+    blocking.append(cb.manager.last_save_stats.blocking_secs)
+  cb.close()
+  assert len(asked) == 1  # Once, not at each call.
+  later = statistics.median(blocking[1:])
+  # Generous: a first save that allocated or compiled would take far more.
+  assert blocking[0] <= 3 * later + 0.02, blocking
+
+
+def test_an_abstract_state_is_warmed_up_at_the_first_call(
+    ckpt_dir, make_state, train_step, monkeypatch):
+  asked = []
+  real = pinned.PinnedStaging.warm_up
+  monkeypatch.setattr(pinned.PinnedStaging, "warm_up",
+                      lambda self, pieces: asked.append(list(pieces))
+                      or real(self, pieces))
+  cb = CheckpointCallback(ckpt_dir, every_steps=2)
+  state = train_step(make_state())
+  cb.restore_or_initialize(jax.eval_shape(lambda: state))
+  assert not any(asked)  # Nothing to take the measure of.
+  cb(1, state)
+  cb(2, train_step(state))
+  cb.close()
+  assert [len(a) for a in asked if a] == [len(jax.tree.leaves(state))]
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="reads /proc/self/statm")
+def test_host_memory_stays_flat_over_100_saves(ckpt_dir, copies):
+  """100 saves of a 40 MB state, each waited for: the process's RSS over the
+  last 10 saves (median) is within a quarter of the state of what it was
+  over saves 3 to 12; a save that kept its pinned buffer would add 40 MB
+  each time. (The leaf is larger than the C allocator's largest mmap
+  threshold, 32 MiB, so its buffers are mapped and unmapped whole: smaller
+  ones come and go inside the heap, whose free space rises and falls by
+  tens of MB from save to save.)"""
+  state = {"w": jnp.zeros((10 << 20,), jnp.float32),
+           "b": jnp.zeros((1000,), jnp.float32)}
+  nbytes = sum(a.nbytes for a in state.values())
+  manager = CheckpointManager(ckpt_dir, max_to_keep=1)
+  rss = []
+  for step in range(1, 101):
+    state = {k: v + 1 for k, v in state.items()}
+    manager.save(step, state)
+    manager.wait_until_finished()
+    rss.append(_rss_bytes())
+  growth = statistics.median(rss[-10:]) - statistics.median(rss[2:12])
+  assert copies["onto_pinned"] == 100 * len(state)
+  assert growth < nbytes / 4, (growth, nbytes)
+  restored = manager.restore(jax.tree.map(np.zeros_like, state))
+  np.testing.assert_array_equal(restored["w"], np.full(10 << 20, 100))
+  manager.close()
+
+
+class _FailedTransfer:
+  """A copy onto pinned memory whose transfer failed (injected: a real one
+  does not fail on demand); its wait raises as the runtime's would."""
+
+  def __init__(self, real: jax.Array):
+    self.dtype, self.shape, self.nbytes = real.dtype, real.shape, real.nbytes
+
+  def unsafe_buffer_pointer(self) -> int:
+    return 0
+
+  def block_until_ready(self):
+    raise RuntimeError("INTERNAL: injected failure of a device-to-host"
+                       " transfer")
+
+
+def test_a_failed_transfer_is_the_save_s_error_and_finalizes_nothing(
+    ckpt_dir, make_state, assert_trees_equal, host_copy, monkeypatch):
+  manager = CheckpointManager(ckpt_dir)
+  state = make_state()
+  manager.save(1, state)
+  manager.wait_until_finished()
+  real = pinned.copies_onto
+  monkeypatch.setattr(
+      pinned, "copies_onto",
+      lambda srcs, shardings: [_FailedTransfer(a)
+                               for a in real(srcs, shardings)])
+  manager.save(2, state)  # Returns: nothing is waited for.
+  with pytest.raises(RuntimeError, match="injected failure") as info:
+    manager.save(3, state)  # The next call raises the commit's error.
+  assert "step 2" in "".join(getattr(info.value, "__notes__", [])) + str(
+      info.value)
+  monkeypatch.setattr(pinned, "copies_onto", real)
+  assert manager.all_steps() == [1]
+  assert_only_finalized_steps(ckpt_dir, [1])
+  assert_trees_equal(manager.restore(make_state(), 1), host_copy(state))
+  manager.close()
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2,
+                    reason="needs 2 devices (conftest gives the CPU 2; a"
+                    " machine with one accelerator has 1)")
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P()],
+                         ids=["rows", "columns", "replicated"])
+def test_restores_send_pinned_buffers_to_sharded_targets(
+    spec, ckpt_dir, copies, monkeypatch):
+  """Restored through pinned buffers onto a 2-device sharding, with a
+  window so small that each read waits for the transfers before it: the
+  values and shardings are the target's, and the restored arrays can be
+  donated (the step that takes them reuses their memory)."""
+  monkeypatch.setattr(pinned, "RESTORE_WINDOW_BYTES", 1 << 16)
+  mesh = two_device_mesh()
+  sharding = NamedSharding(mesh, spec)
+  values = {f"k{i}": np.arange(i, i + 256 * 128, dtype=np.float32).reshape(
+      256, 128) for i in range(3)}
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, values)
+    manager.wait_until_finished()
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+              for k, v in values.items()}
+    restored = manager.restore(target, 1)
+  sends = {P("x"): 6, P(None, "x"): 6, P(): 3}[spec]
+  assert copies["off_pinned"] == sends * (2 if spec == P() else 1)
+  for k, v in values.items():
+    assert restored[k].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(restored[k]), v)
+  before = [s.data.unsafe_buffer_pointer()
+            for s in restored["k0"].addressable_shards]
+  step = jax.jit(lambda t: jax.tree.map(lambda a: a + 1, t),
+                 donate_argnums=0)
+  after = step(restored)
+  assert restored["k0"].is_deleted()
+  assert sorted(s.data.unsafe_buffer_pointer()
+                for s in after["k0"].addressable_shards) == sorted(before)
+
+
+def test_a_budget_sends_the_rest_through_the_plain_transfer(
+    ckpt_dir, copies, assert_trees_equal, host_copy):
+  """A budget of 2 shards' bytes: 2 shards are pinned, the others are
+  copied the plain way, and the step restores whole."""
+  state = {f"w{i}": jnp.full((1024,), i, jnp.float32) for i in range(5)}
+  with CheckpointManager(ckpt_dir, pinned_host_bytes=2 * 4096) as manager:
+    manager.save(1, state)
+    manager.wait_until_finished()
+    assert copies["onto_pinned"] == 2
+    assert_trees_equal(manager.restore(state), host_copy(state))
+
+
+def test_a_runtime_that_refuses_pinned_memory_falls_back_once(
+    ckpt_dir, make_state, assert_trees_equal, host_copy, monkeypatch,
+    caplog):
+  """The runtime refuses every copy onto pinned memory (injected: a real
+  one runs out on demand only by exhausting the machine's): the process
+  logs it once and saves and restores through the plain transfers."""
+  def refuse(srcs, shardings):
+    if any(s.memory_kind == pinned.PINNED for s in shardings):
+      raise RuntimeError("RESOURCE_EXHAUSTED: injected: no pinned memory")
+    return real(srcs, shardings)
+
+  real = pinned.copies_onto
+  monkeypatch.setattr(pinned, "copies_onto", refuse)
+  monkeypatch.setattr(pinned, "_unavailable", pinned.threading.Event())
+  state = make_state()
+  with CheckpointManager(ckpt_dir) as manager:
+    for step in (1, 2):
+      manager.save(step, state)
+      manager.wait_until_finished()
+    assert_trees_equal(manager.restore(make_state(), 2), host_copy(state))
+  lines = [r for r in caplog.records
+           if "pinned host memory cannot be had" in r.getMessage()]
+  assert len(lines) == 1
+  assert not pinned.takes(jax.devices()[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_two_processes_cut_replicated_shards_through_pinned_memory(
+    tmp_path):
+  """2 processes x 2 devices, an HSDP state (sharded within a process,
+  replicated over the processes): large shards are cut into row ranges
+  between their two holders, each range a slice copied onto pinned
+  memory. Every byte is written once and the step restores bit for bit,
+  by each process alone and by both together."""
+  out = [r.json for r in run_workers(
+      "balanced_write", 2, args=[tmp_path / "ckpt", "hsdp"],
+      timeout=RUN_TIMEOUT, devices_per_process=2,
+      env={pinned.CPU_SWITCH: "1"})]
+  assert sum(o["written"] for o in out) == out[0]["total"]
+  for o in out:
+    assert o["pinned"]["onto_pinned"] > 0 and o["pinned"]["off_pinned"] > 0
+    assert o["restored"] == o["saved"] == out[0]["saved"]
+    assert o["restored_together"] == o["saved"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_a_data_by_model_mesh_saves_and_restores_through_pinned_memory(
+    tmp_path):
+  """2 processes x 2 devices on a ('data', 'model') mesh of shape (2, 2),
+  kernels split on both axes, on one, and replicated leaves."""
+  out = [r.json for r in run_workers(
+      "topology_write", 2, args=[tmp_path / "ckpt", "2x2"],
+      timeout=RUN_TIMEOUT, devices_per_process=2,
+      env={pinned.CPU_SWITCH: "1"})]
+  for o in out:
+    assert o["pinned"]["onto_pinned"] > 0 and o["pinned"]["off_pinned"] > 0
+    assert o["restored"] == o["digests"] == out[0]["digests"]
+    assert o["restored_on_target_shardings"]
