@@ -27,7 +27,13 @@ Each run measures:
    donate the restored arrays copies them first);
 5. peak RSS of the process, and how far it rose above the train loop's own
    peak once checkpointing started;
-6. limits of the machine that bound the figures above: how long new
+6. the first restore in a fresh process, as a job makes it, of the step
+   saved in 3, into the same target: once with the step's files dropped
+   from the page cache (read from the disk) and once, in another fresh
+   process, with them read into it first (our saves write with direct
+   I/O, so they are not there otherwise); in that process, the floor:
+   all cores filling new memory of the state's size at once;
+7. limits of the machine that bound the figures above: how long new
    memory takes to touch for the first time (one core); how long deleting
    the file that the raw write of 3 made takes (retention deletes a step of
    that size after each save); and the restore floor, the time to fill new
@@ -85,8 +91,9 @@ def _touch_secs_per_gb(nbytes: int) -> float:
   return secs / (nbytes / 1e9)
 
 
-def build(args: argparse.Namespace):
-  """The benchmark's TrainState (warmed up) and its donating train step."""
+def model(args: argparse.Namespace):
+  """A function that creates the benchmark's TrainState, and its donating
+  train step (nothing is computed)."""
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from flax.training import train_state  # pylint: disable=g-import-not-at-top
@@ -115,12 +122,70 @@ def build(args: argparse.Namespace):
         lambda p: jnp.mean(state.apply_fn(p, x) ** 2))(state.params)
     return state.apply_gradients(grads=grads), loss
 
-  train_step = jax.jit(step_fn, donate_argnums=0)
+  return create, jax.jit(step_fn, donate_argnums=0)
+
+
+def build(args: argparse.Namespace):
+  """The benchmark's TrainState (warmed up) and its donating train step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  create, train_step = model(args)
   state = jax.jit(create)()
   for _ in range(2):  # Compile and warm up.
     state, loss = train_step(state)
     float(loss)
   return state, train_step
+
+
+def _sharded_target(args: argparse.Namespace, create=None):
+  """The restore target: the state's shapes, kernels split over the 2
+  devices, the rest replicated."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+          mesh, P("x") if a.ndim == 2 else P())),
+      jax.eval_shape(create or model(args)[0]))
+
+
+def _page_cache(directory: str, keep: bool) -> None:
+  """Reads every file under `directory` once (`keep`: its pages are then
+  in the page cache) or drops them from it."""
+  for dirpath, _, names in os.walk(directory):
+    for name in names:
+      with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+        if keep:
+          while f.read(64 << 20):
+            pass
+        else:
+          os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def fresh_restore(args: argparse.Namespace) -> dict:
+  """The first restore in a fresh process, as a job makes it, of the step
+  the save process left: with its files in the page cache (`--phase
+  fresh_restore`: they were read once first; the save wrote with direct
+  I/O) or dropped from it (`fresh_restore_cold`: read from the disk). Then
+  the floor of the same process: all cores filling new memory of the
+  state's size at once."""
+  import jax  # pylint: disable=g-import-not-at-top
+  target = _sharded_target(args)
+  directory = os.path.join(args.ckpt_root, "isolated")
+  cold = args.phase == "fresh_restore_cold"
+  _page_cache(directory, keep=not cold)
+  open_manager, _, restore = scaling.system(args.worker)
+  mngr = open_manager(directory)
+  t = time.perf_counter()
+  restored = restore(mngr, 1, target)
+  jax.block_until_ready(restored)
+  secs = time.perf_counter() - t
+  mngr.close()
+  nbytes = sum(a.nbytes for a in jax.tree.leaves(restored))
+  restored = None
+  key = "fresh_restore_cold_secs" if cold else "fresh_restore_secs"
+  return {key: secs, f"{key[:-5]}_floor_parallel_secs":
+          machine.parallel_fill_secs(nbytes)}
 
 
 AB_MODES = {
@@ -205,11 +270,10 @@ def worker(args: argparse.Namespace) -> dict:
   """One system's measurements, in a fresh process."""
   state, train_step = build(args)
   import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
 
-  root = tempfile.mkdtemp(dir=args.dir)
+  root = args.ckpt_root or tempfile.mkdtemp(dir=args.dir)
   out = {"system": args.worker, "state_bytes": nbytes}
   # 6, first: 1/4 of the state (at least 64 MiB), before RSS nears its peak.
   out["touch_secs_per_gb"] = _touch_secs_per_gb(max(nbytes // 4, 64 << 20))
@@ -305,11 +369,7 @@ def worker(args: argparse.Namespace) -> dict:
   out["unlink_raw_secs"] = time.perf_counter() - t
 
   # 4: warm restore into a target sharded over 2 devices.
-  mesh = Mesh(np.array(jax.devices()), ("x",))
-  target = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
-          mesh, P("x") if a.ndim == 2 else P())),
-      jax.eval_shape(lambda: state))
+  target = _sharded_target(args, lambda: state)
   # The first restore warms the page cache, is checked bit for bit, and
   # compiles the train step for the sharded state.
   restored = restore(mngr, 1, target)
@@ -347,7 +407,12 @@ def worker(args: argparse.Namespace) -> dict:
   out["step_secs"] = (time.perf_counter() - t) / 3
   mngr.close()
   out["rss_mb_peak"] = _rss_mb()
-  shutil.rmtree(root, ignore_errors=True)
+  if args.ckpt_root:  # The fresh restores read the isolated step next.
+    for name in os.listdir(root):
+      if name != "isolated":
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  else:
+    shutil.rmtree(root, ignore_errors=True)
   # 6, last, so that its memory stays out of the peak RSS.
   out["restore_floor_secs"], _ = machine.fill_floor_secs(nbytes, huge=False)
   (out["restore_floor_thp_secs"],
@@ -392,6 +457,11 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "warm_restore_vs_parallel_floor": statistics.median(
             statistics.median(r["warm_restore_secs"])
             / r["restore_floor_parallel_secs"] for r in runs),
+        "fresh_restore_secs": _median(runs, "fresh_restore_secs"),
+        "fresh_restore_vs_parallel_floor": statistics.median(
+            r["fresh_restore_secs"] / r["fresh_restore_floor_parallel_secs"]
+            for r in runs),
+        "fresh_restore_cold_secs": _median(runs, "fresh_restore_cold_secs"),
         "step_after_restore_secs": _median_of_medians(
             runs, "step_after_restore_secs"),
         "restore_cpu_secs": _median_of_medians(runs, "restore_cpu_secs"),
@@ -421,6 +491,10 @@ def summarize(results: dict[str, list[dict]]) -> dict:
       "isolated_save": ours["isolated_save_secs"]
                        / orbax["isolated_save_secs"],
       "warm_restore": ours["warm_restore_secs"] / orbax["warm_restore_secs"],
+      "fresh_restore": ours["fresh_restore_secs"]
+                       / orbax["fresh_restore_secs"],
+      "fresh_restore_cold": ours["fresh_restore_cold_secs"]
+                            / orbax["fresh_restore_cold_secs"],
       "rss_peak": ours["rss_mb_peak"] / orbax["rss_mb_peak"],
   }
   return s
@@ -463,6 +537,16 @@ def print_table(s: dict, runs: int, gb: float) -> None:
        f"{ours['step_after_restore_secs']:.3f}",
        f"{orbax['step_after_restore_secs']:.3f}",
        f"(any step: {ours['step_secs']:.3f}, {orbax['step_secs']:.3f})", ""),
+      ("first restore in a fresh process (s)",
+       f"{ours['fresh_restore_secs']:.3f}",
+       f"{orbax['fresh_restore_secs']:.3f}", f"{r['fresh_restore']:.3f}", ""),
+      ("  / all cores filling new 4 KiB pages at once",
+       f"{ours['fresh_restore_vs_parallel_floor']:.2f}",
+       f"{orbax['fresh_restore_vs_parallel_floor']:.2f}", "", "ours <= 1.25"),
+      ("  its files dropped from the page cache (s)",
+       f"{ours['fresh_restore_cold_secs']:.3f}",
+       f"{orbax['fresh_restore_cold_secs']:.3f}",
+       f"{r['fresh_restore_cold']:.3f}", ""),
       ("peak RSS (MB)", f"{ours['rss_mb_peak']:.0f}",
        f"{orbax['rss_mb_peak']:.0f}", f"{r['rss_peak']:.3f}", "<= 1"),
       ("  RSS above the train loop (MB)",
@@ -528,16 +612,24 @@ def main() -> None:
     print(json.dumps(lever_ab(args)))
     return
   if args.worker:
-    print(json.dumps(worker(args)))
+    print(json.dumps(fresh_restore(args) if args.phase else worker(args)))
     return
   results = {name: [] for name in SYSTEMS}
   for rep, name in scaling.in_turn(args.repeats):
-    proc = subprocess.run(
-        [sys.executable, __file__, *passthrough, "--worker", name],
-        capture_output=True, text=True, check=False)
-    if proc.returncode:
-      sys.exit(f"{name} run failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    root = tempfile.mkdtemp(dir=args.dir)
+    run = {}
+    try:
+      for phase in (None, "fresh_restore_cold", "fresh_restore"):
+        proc = subprocess.run(
+            [sys.executable, __file__, *passthrough, "--worker", name,
+             "--ckpt-root", root] + (["--phase", phase] if phase else []),
+            capture_output=True, text=True, check=False)
+        if proc.returncode:
+          sys.exit(f"{name} {phase or 'save'} run failed:\n{proc.stdout}\n"
+                   f"{proc.stderr[-4000:]}")
+        run.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    finally:
+      shutil.rmtree(root, ignore_errors=True)
     results[name].append(run)
     print(f"run {rep + 1}/{args.repeats} {name}: " + ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else

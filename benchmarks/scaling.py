@@ -65,18 +65,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--saves", type=int, default=25,
                      help="saves per run, each after a train step and"
                      " waited for (at least 3)")
-  parser.add_argument("--phase", choices=("save", "restore"),
+  # bench.py's dense state adds the fresh restores of its isolated step.
+  parser.add_argument("--phase", choices=("save", "restore", "fresh_restore",
+                                          "fresh_restore_cold"),
                       help=argparse.SUPPRESS)
   parser.add_argument("--ckpt-root", help=argparse.SUPPRESS)
 
 
-def system(name: str) -> tuple[Callable, Callable, Callable]:
+def system(name: str, max_to_keep: int | None = 2
+           ) -> tuple[Callable, Callable, Callable]:
   """The system's (open_manager, save, restore), as in bench.py."""
   if name == "ours":
     import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
 
     def open_manager(directory):
-      return flax_ckpt_plugin.CheckpointManager(directory, max_to_keep=2)
+      return flax_ckpt_plugin.CheckpointManager(directory,
+                                                max_to_keep=max_to_keep)
 
     def save(mngr, step, state):
       mngr.save(step, state)
@@ -89,7 +93,7 @@ def system(name: str) -> tuple[Callable, Callable, Callable]:
     def open_manager(directory):
       return ocp.CheckpointManager(
           directory, options=ocp.CheckpointManagerOptions(
-              max_to_keep=2, enable_async_checkpointing=True))
+              max_to_keep=max_to_keep, enable_async_checkpointing=True))
 
     def save(mngr, step, state):
       mngr.save(step, args=ocp.args.StandardSave(state), force=True)

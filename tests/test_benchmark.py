@@ -3,6 +3,7 @@
 import collections
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -42,7 +43,9 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
                 "raw_write_fsync_gbps", "warm_restore_secs",
                 "step_after_restore_secs", "step_secs", "rss_mb_peak",
                 "restore_cpu_secs", "restore_page_faults",
-                "warm_restore_vs_floor"):
+                "warm_restore_vs_floor", "fresh_restore_secs",
+                "fresh_restore_cold_secs",
+                "fresh_restore_vs_parallel_floor"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
     run = result["runs"][system][0]
     assert len(run["blocking_secs"]) == 4  # Steps 2 and 4, in 2 rounds.
@@ -64,6 +67,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
                                     "blocking",
                                     "isolated_save", "warm_restore",
+                                    "fresh_restore", "fresh_restore_cold",
                                     "rss_peak"}
   # The lever A/B ran and reported every mode.
   assert set(summary["lever_ab"]) == {"pin", "host_copy", "enqueued_copy",
@@ -222,3 +226,38 @@ def test_tiny_travel_benchmark_reports_cast_and_export_memory(tmp_path):
     assert result[fmt]["peak_rss"] > 0 and not result[fmt]["jax_imported"]
   # Everything it wrote is gone.
   assert sorted(p.name for p in tmp_path.iterdir()) == ["travel.json"]
+
+
+ACCEL = BENCH.parent / "accel.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
+  """accel.py on the CPU, whose devices take the accelerator path through
+  the test suite's switch: every system, every figure, every save
+  restored bit for bit, and nothing left under --dir."""
+  out = tmp_path / "accel.json"
+  proc = subprocess.run(
+      [sys.executable, str(ACCEL), "--layers", "2", "--width", "128",
+       "--batch", "4", "--repeats", "1", "--first-after-secs", "0.1",
+       "--loop-saves", "1", "--later-restores", "1", "--cold", "--dir",
+       str(tmp_path), "--json", str(out)],
+      capture_output=True, text=True, timeout=300, check=False,
+      env={**os.environ, "FLAX_CKPT_PLUGIN_PINNED_CPU": "1"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert [p.name for p in tmp_path.iterdir()] == ["accel.json"]
+  result = json.loads(out.read_text())
+  assert "ours/orbax" in proc.stdout and "machine: " in proc.stdout
+  for system in ("ours", "ours_page_cache", "orbax"):
+    run = result["runs"][system][0]
+    for key in ("first_save_blocking_secs", "isolated_save_durable_secs",
+                "first_restore_secs", "cold_first_restore_secs",
+                "synced_overhead_per_save_secs", "peak_rss_gb"):
+      assert run[key] == run[key] and run[key] >= 0, (system, key)
+    assert len(run["later_save_blocking_secs"]) == 2  # One per loop.
+    if system != "orbax":
+      assert run["pinned_path"] is True
+      assert run["saves_bit_identical"] == [True] * 4, system
+  for key in ("d2h_pinned_gbps", "h2d_pinned_gbps", "d2h_pageable_gbps",
+              "disk_read_gbps", "page_cache_read_gbps"):
+    assert result["rates"][key] > 0, key
