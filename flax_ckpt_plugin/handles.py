@@ -10,10 +10,12 @@ or a device.
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
+import mmap
 import os
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from etils import epath
 
@@ -36,6 +38,14 @@ class RangedFile(abc.ABC):
   @abc.abstractmethod
   def read_into(self, offset: int, out: memoryview) -> int:
     """Reads into `out` from `offset`; the bytes read (short only at the end)."""
+
+  @contextlib.contextmanager
+  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
+    """The bytes at [offset, offset + size) as a read-only view of the
+    file's pages, valid inside the context; None where the storage maps
+    nothing (then `read_into`)."""
+    del offset, size
+    yield None
 
   @abc.abstractmethod
   def close(self) -> None:
@@ -89,6 +99,32 @@ class LocalFile(RangedFile):
         break
       done += n
     return done
+
+  @contextlib.contextmanager
+  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
+    """A private, read-only mapping of the range, its pages populated at
+    once (from the page cache, or read ahead from the disk); None for a
+    range past the size the file had when opened."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    if size <= 0 or offset + size > self.size:
+      yield None
+      return
+    try:
+      m = mmap.mmap(self._fd, offset + size - start, prot=mmap.PROT_READ,
+                    flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                    offset=start)
+    except (OSError, ValueError):  # A file system that maps nothing.
+      yield None
+      return
+    view = memoryview(m)[offset - start:]
+    try:
+      yield view
+    finally:
+      try:
+        view.release()
+        m.close()
+      except BufferError:  # Still viewed: unmapped when the views go.
+        pass
 
   def close(self) -> None:
     os.close(self._fd)

@@ -258,6 +258,7 @@ class CheckpointManager(Restoring):
         check_still_writer=self.check_still_writer, scope=self.scope,
         data_state=encoded, writers=self._writers,
         retention=self.retention.to_json() if self.retention.deletes else None)
+    self._committer.prepare()
     # The snapshot last: what follows it should cost the call nothing.
     leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging,

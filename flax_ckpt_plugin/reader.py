@@ -87,6 +87,13 @@ def _intersect(a: Index, b: Index) -> Index | None:
   return out
 
 
+def _runs_of(numbers: list[int]) -> Iterator[tuple[int, int]]:
+  """(first, last) of each run of consecutive numbers in sorted `numbers`."""
+  for _, run in itertools.groupby(enumerate(numbers), lambda p: p[1] - p[0]):
+    run = [k for _, k in run]
+    yield run[0], run[-1]
+
+
 def held_elements(shards: Iterable[ShardRecord], region: Index) -> int:
   """How many elements of `region` the (non-overlapping) `shards` hold."""
   return sum(math.prod(hi - lo for lo, hi in inter) for inter in (
@@ -169,6 +176,19 @@ class ByteReader:
       self.bytes_read += done
 
   @contextlib.contextmanager
+  def mapped(self, name: str, offset: int, size: int, fresh: int
+             ) -> Iterator[memoryview | None]:
+    """The bytes at [offset, offset + size) of `name` as a read-only view of
+    the file's pages, valid inside the context; None where the storage
+    maps nothing (see `backend.RangedFile.mapped`). `fresh` of them count
+    as read: the others were mapped before, for the caller's last region."""
+    with self._open(name).mapped(offset, size) as view:
+      if view is not None:
+        with self._lock:
+          self.bytes_read += fresh
+      yield view
+
+  @contextlib.contextmanager
   def coalesced(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[None]:
     """Reads the (file, offset, size) ranges in few reads, merged where near.
 
@@ -228,6 +248,7 @@ class LeafReader:
     self._verified: dict[int, tuple[np.ndarray, set[int]]] = {}
     self._edges: dict[tuple[int, int], memoryview] = {}  # (shard, block).
     self._used: set[tuple[int, int]] = set()  # Edges of the latest read.
+    self._mapped_blocks: dict[int, set[int]] = {}  # Per shard, by `mapped`.
 
   def small_shard_ranges(self, regions: Iterable[Index]
                          ) -> Iterator[tuple[str, int, int]]:
@@ -299,16 +320,92 @@ class LeafReader:
           f" of region {region}")
     return out
 
+  @contextlib.contextmanager
+  def mapped(self, region: Index) -> Iterator[np.ndarray | None]:
+    """`region`'s values as a read-only array over the data file's pages,
+    its blocks checked when `verify` is set, valid inside the context; None
+    where that does not apply: the region is not one run of bytes of one
+    saved shard, or the storage maps nothing.
+
+    For a caller that copies the values anyway (`placement`): the copy out
+    of the file's pages is then the only one, where `read` first copies the
+    file into the destination, which must exist (be written) before.
+    """
+    shape = [hi - lo for lo, hi in region]
+    for n, shard in enumerate(self._shards):
+      if _intersect(shard.index, region) == region:
+        break
+    else:
+      yield None
+      return
+    offsets, run_bytes, _ = self._runs(shard.index, region)
+    if len(offsets) != 1 or run_bytes != math.prod(shape) * self.dtype.itemsize:
+      yield None
+      return
+    lo, hi = offsets[0], offsets[0] + run_bytes
+    block = self._block
+    if self._verify:  # The whole blocks around the run.
+      a, b = lo // block * block, min(-(-hi // block) * block, shard.nbytes)
+      # Each block is checked (and counted as read) once for all regions:
+      # the one at the edge of two is mapped for both.
+      checked = self._mapped_blocks.setdefault(n, set())
+      fresh = [k for k in range(a // block, -(-b // block))
+               if k not in checked]
+      fresh_bytes = sum(min((k + 1) * block, shard.nbytes) - k * block
+                        for k in fresh)
+    else:  # Exactly the run.
+      a, b, fresh = lo, hi, []
+      fresh_bytes = b - a
+    self._reader.check_file(shard.file)
+    damage = None
+    with self._reader.mapped(shard.file, shard.offset + a, b - a,
+                             fresh_bytes) as view:
+      if view is None:
+        yield None
+        return
+      try:
+        for first, last in _runs_of(fresh):
+          self._check_spread(shard, first, view[first * block - a:min(
+              (last + 1) * block, shard.nbytes) - a])
+      except CheckpointCorruptedError as e:
+        # Raised once unmapped: the error's frames would keep views of
+        # the pages (and the mapping) alive as long as the error is kept.
+        damage = str(e)
+      else:
+        if self._verify:
+          checked.update(fresh)
+        yield np.frombuffer(view[lo - a:hi - a], np.uint8).view(
+            self.dtype).reshape(shape)
+    if damage is not None:
+      raise CheckpointCorruptedError(damage)
+
+  def _check_spread(self, shard: ShardRecord, first_block: int,
+                    data: memoryview) -> None:
+    """`_check` of `data`, large ones split over the read threads."""
+    spans = self._spans(len(data))
+    if len(spans) == 1:
+      self._check(shard, first_block, data)
+      return
+    for f in [_read_pool().submit(
+        self._check, shard, first_block + lo // self._block, data[lo:hi])
+              for lo, hi in spans]:
+      f.result()
+
+  def _spans(self, nbytes: int) -> list[tuple[int, int]]:
+    """[lo, hi) byte spans of whole blocks that split `nbytes` over the read
+    threads: one per `_PIECE_BYTES` at least, one for a small shard."""
+    pieces = max(1, min(_READ_THREADS, nbytes // _PIECE_BYTES))
+    step = max(1, -(-nbytes // pieces // self._block)) * self._block
+    return [(lo, min(lo + step, nbytes))
+            for lo in range(0, nbytes, step)] or [(0, 0)]
+
   def _read_checked(self, shard: ShardRecord, flat: memoryview) -> None:
     """Reads a whole shard into `flat`, checking every block when `verify`
     is set. A large shard is read in pieces of whole blocks by the read
     threads at once: one reader alone leaves a disk's queue and the other
     cores idle (measured: a 256 MB shard from the page cache at 5 GB/s on
     one core)."""
-    pieces = max(1, min(_READ_THREADS, len(flat) // _PIECE_BYTES))
-    step = max(1, -(-len(flat) // pieces // self._block)) * self._block
-    spans = [(lo, min(lo + step, len(flat)))
-             for lo in range(0, len(flat), step)] or [(0, 0)]
+    spans = self._spans(len(flat))
 
     def read(span: tuple[int, int]) -> None:
       lo, hi = span

@@ -231,10 +231,15 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
         [done.get((i, j)) for j in range(len(leaf.pieces))],
         key_impl=leaf.impl))
   # The staging copies last: the runtime's threads start copying at once,
-  # on every core, and the call should be over by then.
-  for (i, j, p), copy in zip(on_device, staging.copy_on_devices(
-      [p.data for *_, p in on_device], [p.device for *_, p in on_device])):
-    out[i].shards[j] = ShardData(p.index, copy, np.dtype(plans[i].arr.dtype))
+  # on every core, and the call should be over by then; all that is left
+  # to do after them is worked out before.
+  places = [(out[i].shards, j, p.index, np.dtype(plans[i].arr.dtype))
+            for i, j, p in on_device]
+  srcs = [p.data for *_, p in on_device]
+  devices = [p.device for *_, p in on_device]
+  for (shards, j, index, dtype), copy in zip(
+      places, staging.copy_on_devices(srcs, devices)):
+    shards[j] = ShardData(index, copy, dtype)
   return out
 
 

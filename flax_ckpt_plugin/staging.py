@@ -33,6 +33,7 @@ import collections
 from concurrent import futures
 import ctypes
 import functools
+import math
 import os
 import threading
 from typing import Any
@@ -220,13 +221,20 @@ def _large_groups(srcs: list[jax.Array], devices: list[Any]
   """Indices of the shards whose staging memory is reused, grouped.
 
   The same tree gives the same groups at every save: per device, by
-  signature, in chunks of at most `_GROUP`.
+  signature, in chunks of at most `_GROUP` (worked out once per layout).
   """
+  return _grouped(tuple((s.shape, s.dtype, s.weak_type) for s in srcs),
+                  tuple(devices), REUSE_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped(sigs: tuple[tuple[Any, Any, bool], ...], devices: tuple[Any, ...],
+             reuse_bytes: int) -> dict[Any, list[int]]:
   by_device: dict[Any, list[tuple[Any, int]]] = {}
-  for i, (src, device) in enumerate(zip(srcs, devices)):
-    if src.nbytes >= REUSE_BYTES:
-      by_device.setdefault(device, []).append(
-          ((src.shape, src.dtype, src.weak_type), i))
+  for i, (sig, device) in enumerate(zip(sigs, devices)):
+    shape, dtype, _ = sig
+    if math.prod(shape) * np.dtype(dtype).itemsize >= reuse_bytes:
+      by_device.setdefault(device, []).append((sig, i))
   groups: dict[Any, list[int]] = {}
   for device in sorted(by_device, key=lambda d: d.id):
     items = sorted(by_device[device],
@@ -295,9 +303,9 @@ class HostStaging:
       old, self._device = self._device, {}
       spent, self._spent = self._spent, [old]
       out: list[Any] = [None] * len(srcs)
-      runtime = set(range(len(srcs)))
       if devices is None:
         devices = [next(iter(src.devices())) for src in srcs]
+      started = []
       for key, idx in _large_groups(srcs, devices).items():
         device, sig = key
         programs = PROGRAMS.get(key, _group_specs(device, sig))
@@ -306,6 +314,13 @@ class HostStaging:
         pad = self._pads.get(device)
         if pad is None:
           pad = self._pads[device] = jax.device_put(_ENQUEUE_PAD, device)
+        started.append((key, idx, programs, pad))
+      # The runtime's copies first, the programs last: once a program runs,
+      # the runtime's threads take every core, and this thread may wait
+      # for one (measured: up to a scheduler's slice, 4 ms, on 2 cores).
+      self._runtime_copies(srcs, sorted(set(range(len(srcs))).difference(
+          i for _, idx, _, _ in started for i in idx)), out)
+      for key, idx, programs, pad in started:
         group = [srcs[i] for i in idx]
         prev = old.pop(key, None)
         try:
@@ -314,19 +329,23 @@ class HostStaging:
           else:
             copies = programs[1](prev, group, pad)[0]
         except (TypeError, ValueError):  # Not what it was compiled for.
+          self._runtime_copies(srcs, idx, out)
           continue
         self._spent.append(prev)
         del prev
         self._device[key] = copies
         for i, c in zip(idx, copies):
           out[i] = c
-          runtime.discard(i)
       del old
-      order = sorted(runtime)
-      for i, c in zip(order, fresh_copies([srcs[i] for i in order])):
-        out[i] = c
     del spent  # Only if `release_spent` was not called since the last call.
     return out
+
+  @staticmethod
+  def _runtime_copies(srcs: list[jax.Array], idx: list[int],
+                      out: list[Any]) -> None:
+    """Copies made by the runtime, of `srcs[i]` into `out[i]` for `idx`."""
+    for i, c in zip(idx, fresh_copies([srcs[i] for i in idx])):
+      out[i] = c
 
   def release_spent(self) -> None:
     """Drops the handles that the last `copy_on_devices` replaced."""
