@@ -21,6 +21,7 @@ from flax_ckpt_plugin import casting
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.records import describe
+from flax_ckpt_plugin.records import is_python_scalar
 from flax_ckpt_plugin.records import LeafRecord
 
 # A structure mismatch names at most this many leaves of each list, and this
@@ -90,7 +91,7 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
     return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
 
   saved_cat = saved.kind if saved.is_scalar else casting.kind(saved.dtype)
-  if isinstance(target, (bool, int, float)):
+  if is_python_scalar(target):
     t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
     if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
       return f"{head()} Python {type(target).__name__}"

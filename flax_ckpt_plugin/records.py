@@ -45,16 +45,29 @@ def _ml_dtypes_by_name() -> dict[str, np.dtype]:
 _ML_DTYPES = _ml_dtypes_by_name()
 
 
+def is_python_scalar(x: Any) -> bool:
+  """A Python bool, int or float, which the manifest holds as a value.
+
+  Not a numpy scalar, though `np.float64` is a Python `float` too: it is
+  saved as an array of shape () and restored as its numpy type.
+  """
+  return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
+
+
 def parse_dtype(name: Any, where: str) -> np.dtype:
   """A numeric dtype from its manifest name; anything else is corruption.
 
-  Accepts what the writer writes, `str(dtype)` of a jax or numpy array: the
-  numpy names and those of `ml_dtypes` (`bfloat16`, `float8_e4m3fn`,
-  `int4`, ...).
+  Accepts what the writer writes, `str(dtype)` of a jax or numpy array
+  (little-endian: the data files hold little-endian values): the numpy
+  names and those of `ml_dtypes` (`bfloat16`, `float8_e4m3fn`, `int4`,
+  ...), and nothing else that numpy would parse: `>f4` would read the
+  bytes the other way round, and `f4` or `single` are names no writer
+  wrote.
 
   Raises:
     CheckpointCorruptedError: `name` names no dtype, or an object,
-      structured or zero-size one; the message starts with `where`.
+      structured or zero-size one, or is not a name the format writes; the
+      message starts with `where`.
   """
   dtype = _ML_DTYPES.get(name) if isinstance(name, str) else None
   if dtype is None:
@@ -67,6 +80,12 @@ def parse_dtype(name: Any, where: str) -> np.dtype:
           f"{where}: unknown dtype {name!r:.60}") from e
   if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
     raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
+  if dtype.byteorder == ">" or (name not in _ML_DTYPES
+                                and str(dtype) != name):
+    raise CheckpointCorruptedError(
+        f"{where}: dtype {name!r:.60} is not one the format writes (the"
+        " little-endian names of numpy and ml_dtypes, such as 'float32' or"
+        " 'bfloat16')")
   return dtype
 
 

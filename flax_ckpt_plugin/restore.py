@@ -30,6 +30,7 @@ from flax_ckpt_plugin import pinned
 from flax_ckpt_plugin import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.records import Index
+from flax_ckpt_plugin.records import is_python_scalar
 from flax_ckpt_plugin.records import LeafRecord
 from flax_ckpt_plugin.records import Manifest
 from flax_ckpt_plugin.reader import ByteReader
@@ -91,7 +92,7 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
   """
   if saved.is_scalar:  # `matching` checked that the target holds it.
     value = saved.value
-    if isinstance(target, (bool, int, float)):
+    if is_python_scalar(target):
       return type(target)(value)
     host = np.asarray(value, dtype=target.dtype)
     if isinstance(target, np.ndarray | np.generic):
@@ -114,7 +115,7 @@ def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
   checksummed bytes, or a collective's result), so each places its own
   shards (`_put`), and no leaf costs a collective.
   """
-  if isinstance(target, (bool, int, float)):
+  if is_python_scalar(target):
     return type(target)(host[()].item())
   if isinstance(target, np.ndarray | np.generic):
     if host.dtype != target.dtype:  # Byte order only (see `_same_dtype`).

@@ -116,22 +116,32 @@ def test_a_scalar_restores_only_into_a_target_of_its_kind(
   assert f"target has {target_desc}" in message, message
 
 
-@pytest.mark.parametrize("saved, target, expected", [
-    (3, jax.ShapeDtypeStruct((), jnp.int32), 3),
-    (0.5, jax.ShapeDtypeStruct((), jnp.bfloat16), 0.5),
-    (2**40, 0, 2**40),
-    (jnp.int32(-4), 0, -4),
-    (np.float64(2.5), 1.0, 2.5),
-    (True, jax.ShapeDtypeStruct((), jnp.bool_), True),
-    (-128, np.int8(0), -128),
+@pytest.mark.parametrize("saved, target, expected, kind", [
+    (3, jax.ShapeDtypeStruct((), jnp.int32), 3, jnp.int32),
+    (0.5, jax.ShapeDtypeStruct((), jnp.bfloat16), 0.5, jnp.bfloat16),
+    (2**40, 0, 2**40, int),
+    (jnp.int32(-4), 0, -4, int),
+    (np.float64(2.5), 1.0, 2.5, float),
+    (np.float64(2.5), np.float64(0.0), 2.5, np.float64),
+    (2.5, np.float64(0.0), 2.5, np.float64),
+    (np.float32(1.5), np.float32(0.0), 1.5, np.float32),
+    (True, jax.ShapeDtypeStruct((), jnp.bool_), True, jnp.bool_),
+    (-128, np.int8(0), -128, np.int8),
 ])
 def test_a_scalar_restores_into_any_target_of_its_kind_that_holds_it(
-    ckpt_dir, saved, target, expected):
+    ckpt_dir, saved, target, expected, kind):
+  """The value, as the target's type: a Python scalar for a Python target,
+  a numpy scalar of its dtype for a numpy one (`np.float64` is a Python
+  float too, which once made it a KeyError), a JAX array of its dtype for
+  a `ShapeDtypeStruct`."""
   _save(ckpt_dir, {"x": saved})
   with CheckpointManager(ckpt_dir, read_only=True) as mgr:
     got = mgr.restore({"x": target})["x"]
-  assert got == expected and type(got) is not float or isinstance(target,
-                                                                 float)
+  assert got == expected
+  if kind in (int, float) or issubclass(kind, np.generic):
+    assert type(got) is kind, type(got)
+  else:
+    assert isinstance(got, jax.Array) and got.dtype == kind, got
 
 
 def test_prng_keys_restore_only_into_keys_of_their_impl(ckpt_dir):
