@@ -53,6 +53,13 @@ def test_every_jax_dtype_name_parses_as_jax_parses_it():
     ("O", "dtype 'O' is not allowed"),
     ("f4,f4", "dtype 'f4,f4' is not allowed"),
     ("V0", "dtype 'V0' is not allowed"),
+    (">f4", "dtype '>f4' is not one the format writes (the little-endian"
+     " names of numpy and ml_dtypes, such as 'float32' or 'bfloat16')"),
+    ("<f4", "dtype '<f4' is not one the format writes (the little-endian"
+     " names of numpy and ml_dtypes, such as 'float32' or 'bfloat16')"),
+    ("single", "dtype 'single' is not one the format writes (the"
+     " little-endian names of numpy and ml_dtypes, such as 'float32' or"
+     " 'bfloat16')"),
 ])
 def test_bad_dtype_names_are_corruption_naming_where(name, message):
   with pytest.raises(CheckpointCorruptedError) as info:

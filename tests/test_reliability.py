@@ -326,6 +326,12 @@ def _huge_scalar(path, value):
   return edit
 
 
+def _dtype_named(name):
+  def edit(m):
+    _leaf(m, "w")["dtype"] = name
+  return edit
+
+
 def _manifest_at(step_dir):
   return str(step_dir / storage.MANIFEST)
 
@@ -366,6 +372,12 @@ _HOSTILE_CASES = {
     "absolute_file_name": (_absolute_to_step_1, _manifest_at, ["files"]),
     "file_name_not_a_string": (_edit(_file_name_not_a_string), _manifest_at,
                                ["leaf 'w'"]),
+    # The data files hold little-endian values: '>f4' would read float32
+    # bytes backwards, and 'f4' is a name no writer writes.
+    "big_endian_dtype": (_edit(_dtype_named(">f4")), _manifest_at,
+                         ["leaf 'w'", "dtype '>f4' is not one the format"]),
+    "dtype_name_not_written": (_edit(_dtype_named("f4")), _manifest_at,
+                               ["leaf 'w'", "dtype 'f4'"]),
     "huge_python_float_value": (_edit(_huge_scalar("lr", 10**400)),
                                 _manifest_at, ["leaf 'lr'"]),
     "infinite_python_int_value": (_edit(_huge_scalar("count", float("inf"))),
@@ -406,6 +418,22 @@ def test_hostile_or_damaged_manifest_is_a_clear_corruption_error(
   for fragment in fragments:
     assert fragment in message, message
   assert_trees_equal(_restore(ckpt_dir, _small_target(), 1), two_steps[1])
+
+
+def test_a_byte_swapped_dtype_falls_back_to_the_older_step(
+    ckpt_dir, two_steps, assert_trees_equal, caplog):
+  """A manifest whose float32 leaf says '>f4' restored step 2 with other
+  values before; now the newest valid step is step 1, and the warning
+  names step 2, its manifest and the leaf."""
+  _edit_manifest(ckpt_dir / "2", _dtype_named(">f4"))
+  with caplog.at_level(logging.WARNING):
+    with CheckpointManager(ckpt_dir, read_only=True) as manager:
+      step, restored = manager.restore_newest_valid(_small_target())
+  assert step == 1
+  assert_trees_equal(restored, two_steps[1])
+  warned = "\n".join(r.getMessage() for r in caplog.records)
+  assert str(ckpt_dir / "2" / storage.MANIFEST) in warned, warned
+  assert "leaf 'w'" in warned and "'>f4'" in warned, warned
 
 
 def _w_shard(step_dir: pathlib.Path, n: int) -> dict:
