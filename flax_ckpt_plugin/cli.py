@@ -50,7 +50,8 @@ exit codes:
      damaged or holds strings
   2  usage error (bad arguments, --keep 0 without --force, what
      import-orbax needs: --step, --item, tensorstore, or what export
-     needs: an --only prefix that matches, safetensors)
+     needs: an --only prefix that matches, safetensors, a folder OUT for
+     an export that must be split)
   3  directory or step not found, or no finalized step
   4  could not read or delete (permission denied, I/O error)
   5  import-orbax: DEST_DIR already holds that step; export: OUT exists
@@ -129,13 +130,17 @@ def _parser() -> argparse.ArgumentParser:
   p.set_defaults(func=cmd_prune)
 
   p = add("export", "Write a step's arrays to safetensors or npz files in a"
-          " new directory OUT (safetensors needs the [export] extra).")
+          " new directory OUT, or to the one file OUT where it ends in .npz"
+          " or .safetensors (safetensors needs the [export] extra).")
   p.add_argument("out", metavar="OUT",
-                 help="the directory to create (local; must not exist)")
+                 help="the directory or file to create (local; must not"
+                 " exist); an npz file gets its JSON beside it, OUT with"
+                 " .json for .npz")
   p.add_argument("--step", metavar="N", type=int,
                  help="step to export (default: the newest finalized)")
   p.add_argument("--format", choices=("safetensors", "npz"),
-                 default="safetensors", help="default: safetensors")
+                 default=None, help="default: the one OUT's suffix names,"
+                 " else safetensors")
   p.add_argument("--only", metavar="PREFIX", nargs="+",
                  help="export only the leaves under these key paths (e.g."
                  " params, or params.Dense_0)")

@@ -374,11 +374,11 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
   out.write(f"exported step {result.step} of {args.directory} to {args.out}"
             f" ({result.format}): {result.arrays} array{plural},"
             f" {human_size(result.nbytes)}\n")
-  for name in result.files:
-    out.write(f"  {os.path.join(args.out, name)}\n")
+  for path in result.written:
+    out.write(f"  {path}\n")
   if result.scalars:
     where = ("the metadata" if result.format == "safetensors"
-             else f"{exporting.STEM}.json")
+             else result.written[-1].name)
     out.write(f"in {where}: " + ", ".join(
         f"{k} = {v!r}" for k, v in result.scalars.items()) + "\n")
   return EXIT_OK

@@ -16,6 +16,12 @@ joined by dots (`params.Dense_0.kernel`), into a new directory:
   numpy has no name for (bfloat16, float8...: stored as unsigned integers
   of their width, bit for bit).
 
+An OUT that ends in `.npz` or `.safetensors` is a file, as `numpy.savez`
+and safetensors' `save_file` write one: the export is that one file (and,
+for npz, `OUT` with `.json` for `.npz` beside it), in the format its
+suffix names; a safetensors export that must be split then asks for a
+folder name instead. Any other OUT is the directory above.
+
 Memory stays bounded whatever the state's size: the files are written leaf
 by leaf, each leaf in pieces of `PIECE_BYTES` read through
 `reader.LeafReader.read_chunks`, which checks the CRC-32C of every block
@@ -51,6 +57,7 @@ from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import LeafReader
 from flax_ckpt_plugin.records import LeafRecord
+from flax_ckpt_plugin.verify import human_size
 from flax_ckpt_plugin.verify import Progress
 
 FORMATS = ("safetensors", "npz")
@@ -79,6 +86,16 @@ class ExportError(ValueError):
   dtype the format cannot hold, or two leaves whose names collide."""
 
 
+# An OUT with one of these suffixes is a file of that format.
+FILE_SUFFIXES = {".npz": "npz", ".safetensors": "safetensors"}
+
+
+def file_format(out: os.PathLike | str) -> str | None:
+  """The format an OUT names by its suffix, for an export to one file;
+  None for a directory."""
+  return FILE_SUFFIXES.get(pathlib.Path(out).suffix)
+
+
 class SafetensorsNotInstalledError(ImportError):
   """The `safetensors` package (the `[export]` extra) is not installed."""
 
@@ -88,11 +105,11 @@ class ExportResult:
   """What `export` wrote.
 
   Attributes:
-    path: the output directory.
+    path: the output directory, or the output file (an OUT that names one).
     step: the step exported.
     format: "safetensors" or "npz".
-    files: the names of the files in `path`, in order (data files, then
-      the index or the JSON).
+    files: the names of the files written, in order (data files, then the
+      index or the JSON): in `path`, or beside it where `path` is a file.
     arrays: the number of arrays written.
     nbytes: their bytes.
     scalars: the non-array leaves, by dotted name, with their values.
@@ -104,6 +121,13 @@ class ExportResult:
   arrays: int
   nbytes: int
   scalars: dict[str, Any]
+  as_file: bool = False  # `path` is the export's one data file.
+
+  @property
+  def written(self) -> list[pathlib.Path]:
+    """The paths of `files`."""
+    base = self.path.parent if self.as_file else self.path
+    return [base / name for name in self.files]
 
 
 def _name(leaf: LeafRecord) -> str:
@@ -289,7 +313,7 @@ def _write_npz(tmp: pathlib.Path, arrays, scalars, step: int,
 
 
 def export(directory: epath.PathLike, out: os.PathLike | str, *,
-           step: int | None = None, format: str = "safetensors",  # pylint: disable=redefined-builtin
+           step: int | None = None, format: str | None = None,  # pylint: disable=redefined-builtin
            only: Sequence[str] = (), max_file_bytes: int = MAX_FILE_BYTES,
            progress: TextIO | None = None) -> ExportResult:
   """Exports a finalized step's arrays to safetensors or npz files.
@@ -299,9 +323,11 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
 
   Args:
     directory: the checkpoint directory (local, `gs://` or `s3://`).
-    out: the directory to create (local); it must not exist.
+    out: the directory to create (local), or the file, where it ends in
+      `.npz` or `.safetensors`; it (and an npz file's JSON) must not exist.
     step: the step; None for the newest finalized one.
-    format: "safetensors" (needs the `[export]` extra) or "npz".
+    format: "safetensors" (needs the `[export]` extra) or "npz"; None: the
+      one `out`'s suffix names, else safetensors.
     only: key-path prefixes (`params`, `params.Dense_0`, or with `/`);
       only the leaves under one of them are exported. Empty: all.
     max_file_bytes: safetensors exports larger than this are split into
@@ -313,7 +339,7 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
     An `ExportResult`.
 
   Raises:
-    FileExistsError: `out` exists.
+    FileExistsError: `out` (or the JSON beside an npz file) exists.
     CheckpointNotFoundError: no such finalized step.
     CheckpointCorruptedError: the step's manifest or data is damaged (a
       checksum that does not match names the file, the step and the leaf).
@@ -321,15 +347,25 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
     SafetensorsNotInstalledError: safetensors is needed and missing.
     ValueError: an unknown format, or `out` is not a local path.
   """
+  as_file = file_format(out)
+  if format is None:
+    format = as_file or "safetensors"  # pylint: disable=redefined-builtin
   if format not in FORMATS:
     raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+  if as_file is not None and as_file != format:
+    raise ExportError(
+        f"{out} ends in .{as_file}, and the format asked is {format}:"
+        f" name the file {pathlib.Path(out).stem}.{format}, or drop the"
+        " format to take the suffix's")
   if format == "safetensors":
     _import_safetensors()  # Before anything is read.
   if "://" in os.fspath(out):
-    raise ValueError(f"the export goes to a local directory, not {out}")
+    raise ValueError(f"the export goes to a local path, not {out}")
   out = pathlib.Path(out)
-  if out.exists() or out.is_symlink():
-    raise FileExistsError(f"{out} already exists: nothing was written")
+  places = [out] + ([out.with_suffix(".json")] if as_file == "npz" else [])
+  for place in places:
+    if place.exists() or place.is_symlink():
+      raise FileExistsError(f"{place} already exists: nothing was written")
   given = os.fspath(directory)
   directory, backend = backend_lib.make_path(given)
   if step is None:
@@ -347,6 +383,12 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
   arrays = [(n, leaf) for n, leaf in chosen if not leaf.is_scalar]
   scalars = {n: leaf.value for n, leaf in chosen if leaf.is_scalar}
   nbytes = sum(leaf.nbytes for _, leaf in arrays)
+  if as_file == "safetensors" and len(_groups(arrays, max_file_bytes)) > 1:
+    raise ExportError(
+        f"{human_size(nbytes)} of arrays do not fit one safetensors file of"
+        f" at most {human_size(max_file_bytes)}: give OUT as a folder name"
+        f" (not ending in .safetensors) to write numbered files and an"
+        f" index there, or raise the limit (--max-file-size)")
   bar = Progress(nbytes, progress, name="export",
                  enabled=progress is not None and nbytes >= PROGRESS_MIN_BYTES)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -361,10 +403,18 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
     else:
       files = _write_npz(tmp, arrays, scalars, step, writer)
     backend_lib.LOCAL.fsync(epath.Path(tmp))
-    if out.exists() or out.is_symlink():  # Made meanwhile: not replaced.
-      raise FileExistsError(f"{out} appeared during the export: it is kept,"
-                            " and nothing was written")
-    os.rename(tmp, out)
+    for place in places:
+      if place.exists() or place.is_symlink():  # Made meanwhile: kept.
+        raise FileExistsError(f"{place} appeared during the export: it is"
+                              " kept, and nothing was written")
+    if as_file is None:
+      os.rename(tmp, out)
+    else:
+      # The JSON first, the data file last: whoever sees OUT sees both.
+      for name, place in reversed(list(zip(files, places))):
+        os.rename(tmp / name, place)
+      files = [place.name for place in places]
+      tmp.rmdir()
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -373,4 +423,5 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
   backend_lib.LOCAL.fsync(epath.Path(out.parent))
   bar.finish()
   return ExportResult(path=out, step=step, format=format, files=tuple(files),
-                      arrays=len(arrays), nbytes=nbytes, scalars=scalars)
+                      arrays=len(arrays), nbytes=nbytes, scalars=scalars,
+                      as_file=as_file is not None)

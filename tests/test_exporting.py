@@ -139,6 +139,69 @@ def test_npz_gives_back_every_array_and_a_json_beside_it(ckpt_dir, saved,
   _same(got, arrays)
 
 
+def test_an_out_ending_in_npz_is_one_npz_file_with_its_json_beside(
+    ckpt_dir, saved, run, tmp_path):
+  """`np.load("out.npz")` opens it, as after `numpy.savez`; once, OUT was a
+  folder named out.npz (`IsADirectoryError`)."""
+  arrays, scalars = saved
+  out = tmp_path / "out.npz"
+  r = run("export", ckpt_dir, out)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == (
+      f"exported step 3 of {ckpt_dir} to {out} (npz): 14 arrays, 4.4 KiB\n"
+      f"  {out}\n  {tmp_path / 'out.json'}\n"
+      "in out.json: lr = 0.25, state.step = 3\n")
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.json", "out.npz"]
+  with np.load(out) as z:
+    got = {k: z[k] for k in z.files}
+  side = json.loads((tmp_path / "out.json").read_text())
+  assert side == {"step": 3, "scalars": scalars,
+                  "dtypes": {"bf16": "bfloat16"}}
+  got["bf16"] = got["bf16"].view(ml_dtypes.bfloat16)
+  _same(got, arrays)
+
+
+def test_an_out_ending_in_safetensors_is_one_file_load_file_opens(
+    ckpt_dir, saved, tmp_path):
+  arrays, _ = saved
+  out = tmp_path / "model_out.safetensors"
+  result = flax_ckpt_plugin.export(ckpt_dir, out, only=["state"])
+  assert result.format == "safetensors" and result.as_file
+  assert result.written == [out]
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "model_out.safetensors"]
+  _same(safetensors.numpy.load_file(out),
+        {k: v for k, v in arrays.items() if k.startswith("state.")})
+
+
+def test_a_file_out_that_must_be_split_asks_for_a_folder(ckpt_dir, saved,
+                                                         run, tmp_path):
+  del saved
+  out = tmp_path / "big.safetensors"
+  r = run("export", ckpt_dir, out, "--max-file-size", "1000")
+  assert r.returncode == 2
+  assert r.stderr == (
+      "flax-ckpt export: 4.4 KiB of arrays do not fit one safetensors file"
+      " of at most 1000 B: give OUT as a folder name (not ending in"
+      " .safetensors) to write numbered files and an index there, or raise"
+      " the limit (--max-file-size)\n")
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_file_out_whose_suffix_is_not_the_format_is_refused(
+    ckpt_dir, saved, run, tmp_path):
+  del saved
+  r = run("export", ckpt_dir, tmp_path / "x.npz", "--format", "safetensors")
+  assert r.returncode == 2
+  assert "x.npz ends in .npz, and the format asked is safetensors" in r.stderr
+  (tmp_path / "y.json").write_text("mine")
+  r = run("export", ckpt_dir, tmp_path / "y.npz")
+  assert r.returncode == 5
+  assert r.stderr == (f"flax-ckpt export: {tmp_path / 'y.json'} already"
+                      " exists: nothing was written\n")
+  assert (tmp_path / "y.json").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "y.json"]
+
+
 def test_only_params_writes_only_the_params(ckpt_dir, saved, run, tmp_path):
   arrays, _ = saved
   out = tmp_path / "params"
