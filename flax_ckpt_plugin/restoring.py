@@ -49,6 +49,7 @@ class Restoring:
   is_primary: bool
   read_only: bool
   share_reads: bool
+  scope: Any  # A local tier's managers: one process's own copy.
   barrier_timeout_ms: int
   last_restore_stats: RestoreStats | None
   _base: str  # The prefix of the keys that restores meet at.
@@ -59,6 +60,8 @@ class Restoring:
   _known_good: int  # The newest step known to restore (-1: none).
 
   check_still_writer: Callable[..., None]  # Writers only.
+  # Whether `restore` said once that `restore_together` reads less.
+  _hinted_together = False
 
   # -- queries ---------------------------------------------------------------
 
@@ -136,7 +139,11 @@ class Restoring:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Runs on this process alone (it meets no other process), so it may be
-    called on one process only, e.g. in a commit hook.
+    called on one process only, e.g. in a commit hook. Called on every
+    process with a target that several processes hold (replicated across
+    them), each reads all of it: `restore_together` (or
+    `restore_newest_valid`) reads each byte once, and the first such call
+    logs that.
 
     Args:
       target: a concrete pytree such as a `TrainState`, or an abstract one
@@ -180,6 +187,7 @@ class Restoring:
     """
     self._check_open()
     self._committer.check()
+    self._hint_together(target)
     # A restore allocates a whole state of its own: free the save staging
     # buffers first, so host memory peaks at one extra state, not two. (A
     # running commit keeps its own references; the next save maps new ones.)
@@ -199,7 +207,8 @@ class Restoring:
       hand_over()
     return tree
 
-  def restore_together(self, target: Any, step: int, *, verify: bool = True,
+  def restore_together(self, target: Any, step: int | None = None, *,
+                       verify: bool = True,
                        data_iterator: datastate.DataIterator | None = None,
                        cast: bool = False) -> Any:
     """`restore`, called on every process: storage serves each byte once.
@@ -207,6 +216,8 @@ class Restoring:
     Where the target has regions that several processes need (replicated
     arrays), they split the reading and JAX collectives give every device
     its whole region (see `shared_read`); otherwise the same as `restore`.
+    `step` None: the newest finalized step, as the primary host sees it
+    (every process restores that one).
 
     Raises:
       As `restore`, and `fallback.Unsuitable` when another process found
@@ -221,10 +232,11 @@ class Restoring:
     self._committer.check()
     self._staging.clear()
     t0 = time.perf_counter()
-    step = operator.index(step)
-    step_dir = self.directory / str(step)
     key = f"{self._base}/shared"
     key = f"{key}/{self.coordinator.next_round(key)}"
+    step = operator.index(step) if step is not None else self._agreed_newest(
+        f"{key}/newest")
+    step_dir = self.directory / str(step)
 
     def read_manifest():  # On the primary only.
       return manifest_lib.read_raw(self._finalized_dir(step)[1],
@@ -243,6 +255,41 @@ class Restoring:
     if hand_over is not None:
       hand_over()
     return tree
+
+  def _agreed_newest(self, key: str) -> int:
+    """The newest finalized step as the primary host sees it, on every
+    process (a process that lists the directory a moment later could see
+    one more).
+
+    Raises:
+      CheckpointNotFoundError: the primary sees no finalized step.
+    """
+    if self.is_primary:
+      newest = self.latest_step()
+      self.coordinator.kv_set(key, "none" if newest is None else str(newest))
+    else:
+      said = self.coordinator.kv_get(key, timeout_ms=self.barrier_timeout_ms)
+      newest = None if said == "none" else int(said)
+    if newest is None:
+      raise CheckpointNotFoundError(
+          f"no finalized checkpoint in {self.directory}")
+    return newest
+
+  def _hint_together(self, target: Any) -> None:
+    """Logs once, where `restore` runs on several processes with a target
+    that several of them hold, that each reads all of it."""
+    if (self._hinted_together or not self.share_reads or target is None
+        or self.scope is not None or self.coordinator.process_count < 2
+        or not read_plan.worth_it(target)):
+      return
+    self._hinted_together = True
+    log.warning(
+        "restore() of %s: the target has arrays that several of the %d"
+        " processes hold, and restore() on each process reads all of them"
+        " from storage; restore_together(target) (or restore_newest_valid,"
+        " or a callback's restore_or_initialize), called on every process,"
+        " reads each byte once and shares it", self.directory,
+        self.coordinator.process_count)
 
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
                            data_iterator: datastate.DataIterator | None = None,

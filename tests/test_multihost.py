@@ -301,3 +301,25 @@ def test_every_secs_does_not_make_a_blocking_call_at_every_step(tmp_path):
   assert p0["saved"] == p1["saved"] == [50, 100, 150, 200]
   # Saves read a few keys of their own (identity, writer token).
   assert p1["blocking_gets"] < 200 / 4, p1
+
+
+@pytest.mark.timeout(RUN_TIMEOUT * 2)
+def test_restore_together_reads_a_replicated_state_once(tmp_path):
+  """2 processes hold the same state (split within each, replicated across
+  them). `restore` on each reads all of it, 2x in all, and says once that
+  `restore_together` would not; `restore_together` with no step restores
+  the newest step and reads it once in all."""
+  results = run_workers("restore_reads", 2, args=[tmp_path / "ckpt"],
+                        timeout=RUN_TIMEOUT)
+  out = [r.json for r in results]
+  total = out[0]["total"]
+  assert [o["same"] for o in out] == [True, True], [r.log() for r in results]
+  assert [o["alone_step"] for o in out] == [2, 2]
+  assert [o["together_step"] for o in out] == [2, 2]
+  assert sum(o["alone"] for o in out) == 2 * total, out
+  # `b` (256 bytes) is under read_plan.MIN_SHARED_BYTES: cheaper to read
+  # on each process than to share; `w` is read once in all.
+  assert sum(o["together"] for o in out) == total + 256, out
+  for o in out:  # Once per manager, though restore ran twice.
+    assert len(o["hints"]) == 1, o["hints"]
+    assert "restore() on each process reads all of them" in o["hints"][0]
