@@ -28,6 +28,7 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.records import ARRAY_KINDS
 from flax_ckpt_plugin.records import LeafRecord
 from flax_ckpt_plugin.records import Manifest
+from flax_ckpt_plugin.records import BIG_ENDIAN_WRITTEN_UNTIL
 from flax_ckpt_plugin.records import parse_dtype
 from flax_ckpt_plugin.records import SCALAR_KINDS
 from flax_ckpt_plugin.records import ShardRecord
@@ -136,7 +137,8 @@ def _shard(s: Any, lw: str, shape: list[int], dtype: np.dtype,
 
 
 def _leaf(leaf: Any, where: str, files: dict[str, int],
-          block: int, partial: bool = False) -> LeafRecord:
+          block: int, partial: bool = False,
+          big_endian_ok: bool = False) -> LeafRecord:
   if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
     raise _corrupt(where, "a leaf entry has no path")
   lw = f"{where}, leaf {leaf['path']!r}"
@@ -148,7 +150,7 @@ def _leaf(leaf: Any, where: str, files: dict[str, int],
                       shape=(), value=_scalar_leaf(leaf, kind, lw))
   if kind not in ARRAY_KINDS:
     raise _corrupt(lw, f"unknown kind {kind!r}")
-  dtype = parse_dtype(leaf.get("dtype"), lw)
+  dtype = parse_dtype(leaf.get("dtype"), lw, big_endian_ok=big_endian_ok)
   shape = leaf.get("shape")
   if not (isinstance(shape, list) and len(shape) <= 64 and all(
       _is_int(d) and 0 <= d < 2**62 for d in shape)):
@@ -217,11 +219,14 @@ def parse(raw: bytes, where: str) -> Manifest:
             and 0 <= scope["process_index"] < scope["process_count"]):
       raise _corrupt(where, f"bad 'scope' entry {scope!r:.200}")
     scope = (scope["process_index"], scope["process_count"])
+  created_unix = _optional(manifest.get("created_unix"), (int, float))
+  old_writer = (created_unix is not None
+                and created_unix < BIG_ENDIAN_WRITTEN_UNTIL)
   records, paths = [], set()
   for leaf in leaves:
     try:
       record = _leaf(leaf, where, files, checksum["block_bytes"],
-                     partial=scope is not None)
+                     partial=scope is not None, big_endian_ok=old_writer)
     except CheckpointCorruptedError as e:  # Which leaf, for the writer.
       e.leaf_path = leaf.get("path") if isinstance(leaf, dict) else None
       raise
@@ -232,7 +237,7 @@ def parse(raw: bytes, where: str) -> Manifest:
   return Manifest(
       format=FORMAT_NAME, format_version=version, step=step,
       created=_optional(manifest.get("created"), (str,)),
-      created_unix=_optional(manifest.get("created_unix"), (int, float)),
+      created_unix=created_unix,
       process_count=_optional(manifest.get("process_count"), (int,)),
       byte_order=_optional(manifest.get("byte_order"), (str,)),
       files=dict(files), checksum_algorithm=checksum["algorithm"],

@@ -54,7 +54,15 @@ def is_python_scalar(x: Any) -> bool:
   return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
 
 
-def parse_dtype(name: Any, where: str) -> np.dtype:
+# Until this time (2026-11-24 05:40 UTC) the writer stored a big-endian
+# numpy leaf as it was, big-endian, under its name ('>f4'); steps created
+# since hold every leaf little-endian under its canonical name. Manifests
+# record no writer version, so their `created_unix` tells which wrote them.
+BIG_ENDIAN_WRITTEN_UNTIL = 1795498842
+
+
+def parse_dtype(name: Any, where: str, *,
+                big_endian_ok: bool = False) -> np.dtype:
   """A numeric dtype from its manifest name; anything else is corruption.
 
   Accepts what the writer writes, `str(dtype)` of a jax or numpy array
@@ -62,7 +70,8 @@ def parse_dtype(name: Any, where: str) -> np.dtype:
   names and those of `ml_dtypes` (`bfloat16`, `float8_e4m3fn`, `int4`,
   ...), and nothing else that numpy would parse: `>f4` would read the
   bytes the other way round, and `f4` or `single` are names no writer
-  wrote.
+  wrote. `big_endian_ok`: the step predates `BIG_ENDIAN_WRITTEN_UNTIL`,
+  and big-endian names such as `>f4` are what its writer wrote.
 
   Raises:
     CheckpointCorruptedError: `name` names no dtype, or an object,
@@ -80,6 +89,8 @@ def parse_dtype(name: Any, where: str) -> np.dtype:
           f"{where}: unknown dtype {name!r:.60}") from e
   if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
     raise CheckpointCorruptedError(f"{where}: dtype {name!r} is not allowed")
+  if dtype.byteorder == ">" and big_endian_ok:
+    return dtype
   if dtype.byteorder == ">" or (name not in _ML_DTYPES
                                 and str(dtype) != name):
     raise CheckpointCorruptedError(

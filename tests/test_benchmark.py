@@ -252,8 +252,10 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
     run = result["runs"][system][0]
     for key in ("first_save_blocking_secs", "isolated_save_durable_secs",
                 "first_restore_secs", "cold_first_restore_secs",
-                "synced_overhead_per_save_secs", "peak_rss_gb"):
+                "peak_rss_gb"):
       assert run[key] == run[key] and run[key] >= 0, (system, key)
+    # A difference of two loops' times: a few ms below 0 on a tiny state.
+    assert math.isfinite(run["synced_overhead_per_save_secs"]), system
     assert len(run["later_save_blocking_secs"]) == 2  # One per loop.
     if system != "orbax":
       assert run["pinned_path"] is True

@@ -315,14 +315,16 @@ def test_a_manifest_over_the_read_limit_is_never_finalized(
 
 
 def test_a_big_endian_step_of_an_older_version_restores_into_jax(ckpt_dir):
-  """Older versions stored big-endian numpy leaves as `>f4`: they still
-  restore, into numpy and jax targets alike."""
+  """Versions before 2026-11-24 05:40 UTC stored big-endian numpy leaves
+  as `>f4`: such steps still restore, into numpy and jax targets alike.
+  (A step created since that says `>f4` is damage: test_reliability.)"""
   values = np.arange(8, dtype=np.float32) / 3
   _save(ckpt_dir, {"x": values})
   path = ckpt_dir / "1" / "manifest.json"
   doc = json.loads(path.read_text())
   (shard,) = doc["leaves"][0]["shards"]
   doc["leaves"][0]["dtype"] = ">f4"
+  doc["created_unix"] = 1795400000.0  # 2026-11-23, by the older writer.
   data = ckpt_dir / "1" / shard["file"]
   raw = bytearray(data.read_bytes())
   lo, hi = shard["offset"], shard["offset"] + shard["nbytes"]
