@@ -156,10 +156,24 @@ class Backend(abc.ABC):
 
 
 class LocalBackend(Backend):
-  """POSIX file systems: fsync, atomic rename, inodes as identities."""
+  """POSIX file systems: fsync, atomic rename, inodes as identities.
+
+  Args:
+    direct_io: write large shards with direct I/O (`O_DIRECT`) where the
+      file system takes it (the default). A save then becomes durable
+      sooner and costs no copy into the page cache, but its files are not
+      in the page cache afterwards: a restore on the same machine reads
+      the disk. With False every byte goes through the page cache, so a
+      job that restarts on the machine that wrote its checkpoint restores
+      from memory, at the cost of a slower save to durable (see
+      docs/performance.md, *Accelerators*, for both measured).
+  """
 
   rename_is_atomic = True
   reads_are_requests = False
+
+  def __init__(self, *, direct_io: bool = True):
+    self.direct_io = direct_io
 
   def as_path(self, given: str) -> epath.Path:
     return epath.Path(os.path.abspath(given))
@@ -202,7 +216,8 @@ class LocalBackend(Backend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
-    return handles.LocalStepWriter(step_dir, identity, data_dir)
+    return handles.LocalStepWriter(step_dir, identity, data_dir,
+                                   direct_io=self.direct_io)
 
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
     fd, size = handles.open_regular(path, within, f"data file {path}",

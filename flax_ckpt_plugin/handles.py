@@ -141,9 +141,10 @@ class LocalStepWriter(StepWriter):
   positional = True
 
   def __init__(self, step_dir: epath.Path, identity: Identity | None,
-               data_dir: str):
+               data_dir: str, *, direct_io: bool = True):
     self._fd = self._data_fd = None
     self._data_dir = data_dir
+    self._direct_io = direct_io
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
     self._fd = os.open(os.fspath(step_dir), flags)
     st = os.fstat(self._fd)
@@ -170,7 +171,7 @@ class LocalStepWriter(StepWriter):
     return open(fd, "wb", buffering=0)
 
   def open_direct(self, name: str) -> int | None:
-    if not datafile.O_DIRECT:
+    if not (datafile.O_DIRECT and self._direct_io):
       return None
     try:
       return os.open(self._base(name),

@@ -201,3 +201,52 @@ def test_saved_state_restores_from_a_direct_io_disk(direct_dir, monkeypatch,
     manager.wait_until_finished()
     assert any(n >= datafile.DIRECT_MIN_BYTES and d for n, d in calls)
     assert_trees_equal(manager.restore(tree), expected)
+
+
+def _resident(path: pathlib.Path) -> float:
+  """The fraction of the file's pages in the page cache (`mincore`),
+  found without reading them."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mmap.restype = ctypes.c_void_p
+  libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_int, ctypes.c_int, ctypes.c_long]
+  size = path.stat().st_size
+  pages = -(-size // os.sysconf("SC_PAGE_SIZE"))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+      assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size),
+                          vec) == 0, ctypes.get_errno()
+    finally:
+      libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+  finally:
+    os.close(fd)
+  return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_io_can_be_turned_off_to_keep_a_step_in_the_page_cache(
+    direct_dir, monkeypatch, direct_io, assert_trees_equal, host_copy):
+  """LocalBackend(direct_io=False): every byte goes through the page cache,
+  where a restart on the same machine finds it; by default the large
+  shards' bytes go straight to the disk and are not in the page cache."""
+  calls = _spy_direct(monkeypatch)
+  tree = {"w": jnp.asarray(np.random.default_rng(3).standard_normal(
+      (2048, 1024), np.float32)), "step": np.int64(3)}
+  expected = host_copy(tree)
+  backend = backend_lib.LocalBackend(direct_io=direct_io)
+  with CheckpointManager(direct_dir / "ckpt", backend=backend) as manager:
+    manager.save(1, tree)
+    manager.wait_until_finished()
+    (data,) = (direct_dir / "ckpt" / "1").rglob("*.bin")
+    resident = _resident(data)
+    assert_trees_equal(manager.restore(tree), expected)
+  assert calls and all(d == direct_io for _, d in calls)
+  if direct_io:
+    assert resident < 0.1, resident
+  else:
+    assert resident == 1.0, resident
