@@ -171,6 +171,7 @@ class LocalBackend(Backend):
 
   rename_is_atomic = True
   reads_are_requests = False
+  direct_io = True  # (Also for subclasses whose __init__ skips this one's.)
 
   def __init__(self, *, direct_io: bool = True):
     self.direct_io = direct_io
