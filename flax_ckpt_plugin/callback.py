@@ -401,6 +401,8 @@ class CheckpointCallback:
     # Pinned memory first (from `state`, if it holds arrays): the restore
     # then takes its buffers from the same pool.
     self._warm_up(state)
+    if self._peers is not None:
+      self._peers.first_state(state)
     state = self._restored_or_initial(state, cast, make_target)
     self._warm_up(state)
     return state
@@ -444,7 +446,11 @@ class CheckpointCallback:
     Args:
       make_target: given the live devices, the abstract state on them (a
         tree of `jax.ShapeDtypeStruct` with shardings on a mesh of those
-        devices, like the state).
+        devices, like the state). It may be called with several orders of
+        the devices (and once with all of the job's, in their first
+        order) before the order whose meshes reuse no device list of an
+        earlier generation is kept, built last; so it builds and runs
+        nothing that meets other processes.
 
     Returns:
       The state and its step: after a loss, the newest local step that

@@ -38,8 +38,10 @@ agree on a step (`_Vote`), save it to their local tiers, and set
 `should_rebuild`; the loop calls `recover(make_target)`, and then every
 process, the newcomer too, restores that step from the survivors' local
 tiers over JAX collectives (`peer`) onto a mesh of all the live devices in
-a new order (`device_order`: a device list that took part in a collective
-with the dead process is broken for good on CPU), regroups the persistent
+a new order (`groups.choose_order`: a device list that took part in a
+collective with the dead process is broken for good, so no group of
+devices a collective may use repeats a list of an earlier generation),
+regroups the persistent
 tier, and starts a new watcher over all of them. The newcomer reads no
 byte of the persistent tier; the survivors lose no step.
 
@@ -125,6 +127,10 @@ class Peers:
     self.rejoining = group is not None
     self.group = group or groups.Group(tuple(range(count)), 0, primary_host)
     self.watcher = self.rescue = None
+    # The device lists of the job's first meshes (`first_state`), and those
+    # of this group's generation, which its first member records.
+    self._first_lists: set[str] = set()
+    self._lists: set[str] | None = None
     if not self.rejoining:
       groups.mark_opened(self._key)
       self._watch()
@@ -149,10 +155,44 @@ class Peers:
             if degraded and elastic else None),
         lost_key=f"{self._key}/{self.group.gen}/lost" if elastic else None)
 
+  def first_state(self, state: Any) -> None:
+    """The state the job starts from (`restore_or_initialize`): no later
+    generation reuses a device list of its meshes (`groups.mesh_lists`).
+    Its group's first member records them (a relaunched process reads them
+    there)."""
+    if self.rejoining or self.group.gen or self._first_lists:
+      return
+    self._first_lists = groups.mesh_lists(state)
+    coord = self._manager.coordinator
+    key = groups.lists_key(self._key, 0)
+    if (self._elastic_secs is not None and self._first_lists
+        and coord.process_index == self.group.members[0]
+        and key not in coord.kv_dir(f"{self._key}/lists")):
+      coord.kv_set(key, json.dumps(sorted(self._first_lists)))
+
+  def _choose(self, group: groups.Survivors, gen: int,
+              build: Callable[[list[Any]], Any]
+              ) -> tuple[list[Any], Any]:
+    """The devices of generation `gen` in the order its meshes take (see
+    `groups.choose_order`), and the target `build` makes on them; every
+    member chooses the same. Lists used before: those recorded, the first
+    state's, and those of `build` on the job's devices in their first
+    order (the meshes a job that did not hand its first state would
+    have)."""
+    used = (groups.used_lists(group, self._key, gen) | self._first_lists
+            | groups.mesh_lists(build(jax.devices())))
+    devices, target, self._lists = groups.choose_order(group.members, gen,
+                                                       build, used)
+    return devices, target
+
   def _record(self) -> None:
-    """The group's first member records it (see `Group`)."""
+    """The group's first member records it (see `Group`), after the device
+    lists of its meshes, so that whoever sees the group sees them."""
     coord = self._manager.coordinator
     if coord.process_index == self.group.members[0]:
+      if self._lists:
+        coord.kv_set(groups.lists_key(self._key, self.group.gen),
+                     json.dumps(sorted(self._lists)))
       text = json.dumps(list(self.group))
       coord.kv_set(f"{self._key}/groups/{self.group.gen}", text)
       coord.kv_set(f"{self._key}/group", text)
@@ -253,7 +293,7 @@ class Peers:
     key = f"{self._key}/{gen}/recover"
 
     def restore() -> Any:
-      target = make_target(groups.device_order(members, gen))
+      _, target = self._choose(group, gen, make_target)
       return (local.manager.restore(target, step,
                                     data_iterator=data_iterator),
               local.manager.metadata(step).extra)
@@ -368,20 +408,20 @@ class Peers:
         coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
     gen = self.group.gen + 1
     group = groups.Survivors(coord, members)
-    devices = groups.device_order(members, gen)
+    build = make_target or (lambda devices: groups.on_devices(target,
+                                                               devices))
     try:
       outcome = coordinator_lib.agree(
-          group, f"{key}/target", lambda: make_target(devices)
-          if make_target is not None
-          else groups.on_devices(target, devices),
+          group, f"{key}/target", lambda: self._choose(group, gen, build),
           timeout_ms=timeout_ms)
       if outcome.failures:
         raise RuntimeError(
             "building the target on the group's devices failed:"
             f" {coordinator_lib.describe_failures(outcome.failures)}")
+      devices, built = outcome.result
       state, extra = peer.restore(
           group, f"{key}/peer", step, survivors, local.directory,
-          outcome.result, timeout_ms=timeout_ms, devices=devices)
+          built, timeout_ms=timeout_ms, devices=devices)
     except Exception as e:  # pylint: disable=broad-except
       self._rebuild = self._proposed = None
       if self.rejoining:

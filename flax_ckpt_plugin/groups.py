@@ -9,18 +9,23 @@ any size through the key-value store, in chunks.
 
 An elastic job's running group (`elastic`) is recorded in the key-value
 store (`Group`, `joining`), and each of its generations runs on its own
-order of the devices (`device_order`, `on_devices`).
+order of the devices (`choose_order`, `on_devices`), one in which no group
+of devices that a collective may use repeats a device list of an earlier
+generation (`mesh_lists`, recorded under `lists_key`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.coordinator import Rounds
+from flax_ckpt_plugin.logs import log
 
 _CHUNK = 1 << 20  # Characters per key-value entry of a shared text.
 
@@ -213,6 +218,113 @@ def device_order(members: list[int], gen: int,
     devices = devices[::-1]
   k = gen % n
   return devices[k:] + devices[:k]
+
+
+def mesh_lists(tree: Any) -> set[str]:
+  """The device lists that collectives of programs on `tree`'s meshes may
+  run over, each named by a short hash of its device ids in order: for
+  every mesh and every set of its axes, the devices that differ along those
+  axes only, in the mesh's order (lists of two devices or more).
+
+  The runtime keys a collective's rendezvous by its device list (on CPU,
+  `gloo/<ids>/<rank>` in the key-value store). A list that took part in a
+  collective with a process that was lost since is broken for good: its
+  survivors keep its dead context, and the key-value store keeps the keys
+  the dead incarnation set, which its relaunched process cannot set again.
+  """
+  grids: dict[bytes, np.ndarray] = {}
+  import jax  # pylint: disable=g-import-not-at-top
+  for leaf in jax.tree.leaves(tree):
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    devices = getattr(mesh, "devices", None)  # (None: an abstract mesh.)
+    if not isinstance(devices, np.ndarray):
+      continue
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
+    grids.setdefault(repr(ids.shape).encode() + ids.tobytes(), ids)
+  out = set()
+  for ids in grids.values():
+    ndim = ids.ndim
+    for r in range(1, ndim + 1):
+      for axes in itertools.combinations(range(ndim), r):
+        size = int(np.prod([ids.shape[a] for a in axes]))
+        if size < 2:
+          continue
+        rows = np.moveaxis(ids, axes, range(ndim - r, ndim)).reshape(-1, size)
+        out.update(_name(row) for row in rows)
+  return out
+
+
+def _name(ids: np.ndarray) -> str:
+  return hashlib.sha1(",".join(map(str, ids.tolist())).encode()
+                      ).hexdigest()[:16]
+
+
+def lists_key(key: str, gen: int) -> str:
+  """Where generation `gen` of the group of `key` records its `mesh_lists`."""
+  return f"{key}/lists/{gen}"
+
+
+def used_lists(coord: coordinator_lib.Coordinator, key: str,
+               before: int) -> set[str]:
+  """The `mesh_lists` that the generations before `before` recorded."""
+  out: set[str] = set()
+  for k, text in coord.kv_dir(f"{key}/lists").items():
+    if int(k.rsplit("/", 1)[1]) < before:
+      out.update(json.loads(text))
+  return out
+
+
+def _orders(members: list[int], gen: int, devices: list[Any] | None
+            ) -> Iterator[list[Any]]:
+  """`device_order`'s order first, then every rotation forwards and
+  reversed, then permutations drawn with `gen` and a count as the seed;
+  each once."""
+  if devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    devices = jax.devices()
+  seen = set()
+  ours = [d for d in devices if d.process_index in members]
+  n = len(ours)
+  firsts = [device_order(members, gen, devices)]
+  firsts += [(ours[::-1] if rev else ours)[k:] + (ours[::-1] if rev
+                                                  else ours)[:k]
+             for rev in (False, True) for k in range(n)]
+  drawn = ([ours[i] for i in np.random.default_rng([gen, c]).permutation(n)]
+           for c in itertools.count())
+  for order in itertools.chain(firsts, drawn):
+    ids = tuple(d.id for d in order)
+    if ids not in seen:
+      seen.add(ids)
+      yield order
+
+
+def choose_order(members: list[int], gen: int,
+                 build: Callable[[list[Any]], Any], used: set[str], *,
+                 devices: list[Any] | None = None, tries: int = 64
+                 ) -> tuple[list[Any], Any, set[str]]:
+  """The devices of `members` in an order for generation `gen` whose
+  target, `build(order)`, uses none of the device lists in `used` (see
+  `mesh_lists`): the first of `_orders` that does, so that a 1-D mesh
+  gets `device_order`'s. Returns (order, target, its lists); the target
+  is built last from the order returned (`build` may keep what it built,
+  a jitted step, say). If none of `tries` orders avoids them all, the one
+  that reuses fewest, with a warning.
+  """
+  best = None
+  for order in itertools.islice(_orders(members, gen, devices), tries):
+    target = build(order)
+    lists = mesh_lists(target)
+    clash = len(lists & used)
+    if not clash:
+      return order, target, lists
+    if best is None or clash < best[0]:
+      best = (clash, order)
+  clash, order = best
+  log.warning("no order of the group's devices avoids every device list"
+              " an earlier generation used: %d of this one's were used"
+              " before, and their collectives may fail", clash)
+  target = build(order)
+  return order, target, mesh_lists(target)
 
 
 def on_devices(tree: Any, devices: list[Any]) -> Any:

@@ -129,10 +129,10 @@ REJOIN_END = 60
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-@pytest.mark.parametrize("when,primary", [("at_once", 2),
-                                          ("after_recovery", 0)])
+@pytest.mark.parametrize("when,primary,mesh", [
+    ("at_once", 2, "model_in"), ("after_recovery", 0, "model_across")])
 def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
-                                                     primary):
+                                                     primary, mesh):
   """Process 2 dies at step 9; the test relaunches it, as a launcher
   replacing a machine would: at once (it connects before the survivors
   noticed the loss, and their watcher must see its new incarnation), or
@@ -146,7 +146,8 @@ def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
   when it was saved."""
   victim, kill_step = 2, 9
   with WorkerGroup("elastic", N, env=dict(
-      ENV, ELASTIC_REJOIN="1", ELASTIC_PRIMARY=str(primary)), args=[
+      ENV, ELASTIC_REJOIN="1", ELASTIC_PRIMARY=str(primary),
+      ELASTIC_MESH=mesh), args=[
       tmp_path, REJOIN_END, PERSISTENT_EVERY, LOCAL_EVERY, victim,
       kill_step, HEARTBEAT]) as g:
     end = time.monotonic() + TIMEOUT
@@ -252,6 +253,57 @@ def test_a_relaunched_process_is_placed_on_the_groups_device_order():
   assert orders[0] == tuple(range(8)) and len(set(orders)) == len(orders)
   assert [d.id for d in groups.device_order([0, 1, 3], 1, job)] == [
       1, 2, 3, 6, 7, 0]
+
+
+def _fake_state(layout: str):
+  """A make_target over fake devices: a (data, model) mesh whose model
+  pairs are adjacent in the order ("model_in": one process's two devices
+  in the first order) or half the order apart ("model_across")."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def make(devices):
+    grid = np.empty(len(devices), object)
+    grid[:] = devices
+    grid = grid.reshape(-1, 2) if layout == "model_in" else grid.reshape(
+        2, -1).T
+    mesh = types.SimpleNamespace(devices=grid)
+    return {"w": types.SimpleNamespace(
+        sharding=types.SimpleNamespace(mesh=mesh))}
+  return make
+
+
+@pytest.mark.parametrize("layout", ["model_in", "model_across"])
+def test_no_generation_reuses_a_device_list_of_an_earlier_ones_meshes(layout):
+  """A (data, model) mesh: the order `device_order` gives a rejoin (a
+  rotation by 2) puts the model pairs back on the lists of the first
+  generation, whose rendezvous keys the dead process left behind; the
+  order chosen reuses no list of any earlier generation's meshes (every
+  model pair, data column and the whole mesh), through losses and
+  rejoins."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  job = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+  make = _fake_state(layout)
+  used = groups.mesh_lists(make(job))
+  assert len(used) == 4 + 2 + 1  # Model pairs, data columns, all.
+  naive = groups.mesh_lists(make(groups.device_order([0, 1, 2, 3], 2, job)))
+  if layout == "model_in":
+    assert naive & used  # What failed before.
+  history = [[0, 1, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 3], [0, 2, 3],
+             [0, 1, 2, 3]]
+  for gen, members in enumerate(history, 1):
+    order, target, lists = groups.choose_order(members, gen, make, used,
+                                               devices=job)
+    assert lists == groups.mesh_lists(target) and not lists & used, gen
+    assert sorted(d.id for d in order) == [
+        d.id for d in job if d.process_index in members]
+    used |= lists
+  # A 1-D mesh keeps device_order's order: its one list is always new.
+  one_d = lambda devices: {"w": types.SimpleNamespace(  # pylint: disable=g-long-lambda
+      sharding=types.SimpleNamespace(mesh=types.SimpleNamespace(
+          devices=np.array(devices, object))))}
+  order, _, _ = groups.choose_order([0, 1, 2, 3], 2, one_d,
+                                    groups.mesh_lists(one_d(job)), devices=job)
+  assert order == groups.device_order([0, 1, 2, 3], 2, job)
 
 
 def test_a_relaunched_primary_opens_its_tiers_as_another_process():

@@ -71,6 +71,12 @@ STEP_SECS = 0.3
 # "sharded": the first kernel's columns are split over every device (48
 # divide over 8 and 6), so no survivor holds the lost process's columns.
 SHARDED = os.environ.get("ELASTIC_LAYOUT") == "sharded"
+# The mesh: "data" (1-D, the default); "model_in": (data, model) with each
+# model pair the two devices of one process (in the job's first order);
+# "model_across": (data, model) with each model pair on two processes. The
+# batch's features are split over "model", so every step reduces over the
+# model pairs.
+MESH = os.environ.get("ELASTIC_MESH", "data")
 
 
 def _create(rng):
@@ -95,8 +101,14 @@ def digest(state) -> str:
 def make_target(devices):
   """The abstract state on a mesh of `devices`; rebuilds the step too."""
   global train_step  # pylint: disable=global-statement
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  batch = NamedSharding(mesh, P("data"))
+  if MESH == "data":
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    batch = NamedSharding(mesh, P("data"))
+  else:
+    grid = (np.array(devices).reshape(-1, 2) if MESH == "model_in"
+            else np.array(devices).reshape(2, -1).T)
+    mesh = jax.sharding.Mesh(grid, ("data", "model"))
+    batch = NamedSharding(mesh, P("data", "model"))
 
   def sharding(keypath, x):
     names = tuple(str(getattr(k, "key", getattr(k, "name", k)))
