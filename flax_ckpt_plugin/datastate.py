@@ -24,10 +24,10 @@ import crc32c
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import layout
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import DataStateMismatchError
+from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
 
 ENCODINGS = ("bytes", "json")
@@ -183,7 +183,7 @@ def prepare(iterator: DataIterator, step_dir: epath.Path, manifest: Any,
   what gives it to the iterator, once the state restored.
 
   Raises:
-    fallback.Unsuitable: the step holds other processes' states but not
+    errors.Unsuitable: the step holds other processes' states but not
       this one's (a step the survivors of a lost process saved): a restore
       that tries steps in turn skips it.
     DataStateMismatchError, CheckpointCorruptedError: see `read`.
@@ -192,7 +192,7 @@ def prepare(iterator: DataIterator, step_dir: epath.Path, manifest: Any,
   if state is not None:
     return lambda: iterator.set_state(state)
   if manifest.data_states:
-    raise fallback.Unsuitable(
+    raise Unsuitable(
         f"{step_dir} holds no data state of process"
         f" {coordinator.process_index} (the survivors of a lost process"
         " saved it?): an older step resumes the data exactly")

@@ -81,3 +81,10 @@ class PeerLostError(RuntimeError):
 class DataStateMismatchError(ValueError):
   """A step's data states were saved by another number of processes: each
   process's data position means nothing to a job split otherwise."""
+
+
+class Unsuitable(Exception):
+  """Internal: raised by a restore function when a step is whole but cannot
+  serve this restore (it lacks this process's data state, or other
+  processes found it damaged); the newest-valid fallback skips it and keeps
+  it."""

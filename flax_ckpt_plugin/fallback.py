@@ -20,12 +20,8 @@ from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
-
-
-class Unsuitable(Exception):
-  """Raised by a restore function: the step is whole but cannot serve this
-  restore (it lacks this process's data state): skip it, keep it."""
 
 
 class _Damaged(Exception):

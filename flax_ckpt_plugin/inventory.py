@@ -132,7 +132,7 @@ def retention_view(directory: epath.Path, entries: list[dict[str, Any]]
       e["metrics"] = None
       continue
     e["metrics"] = m.metrics
-    policy = policy or m.retention
+    policy = policy or Policy.from_json(m.retention)
   reasons = {} if policy is None else policy.reasons(
       [e["step"] for e in finalized],
       {e["step"]: e["metrics"] for e in finalized})

@@ -1,4 +1,4 @@
-"""The names of things in a checkpoint directory.
+"""The names of things in a checkpoint directory, and its checksum block.
 
     <directory>/_WRITER                 the newest writer's claim (JSON)
     <directory>/<step>/                 a step; finalized iff it holds:
@@ -23,6 +23,9 @@ TMP_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 # A finalized step that failed verification at restore, kept for a person.
 DAMAGED_SUFFIX = ".damaged"
+# Every shard carries a CRC-32C per block of this many bytes (the last block
+# may be shorter), so a reader of part of a shard verifies whole blocks only.
+CHECKSUM_BLOCK = 4 << 20
 
 
 def step_from_name(name: str) -> int | None:

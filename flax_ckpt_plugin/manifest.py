@@ -23,7 +23,6 @@ import numpy as np
 from flax_ckpt_plugin import backend as backend_lib
 from flax_ckpt_plugin import datastate
 from flax_ckpt_plugin import handles
-from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.records import ARRAY_KINDS
 from flax_ckpt_plugin.records import LeafRecord
@@ -245,7 +244,7 @@ def parse(raw: bytes, where: str) -> Manifest:
       extra=manifest.get("extra"), metrics=manifest.get("metrics"),
       scope=scope,
       data_states=datastate.parse(manifest.get("data_states"), where),
-      retention=retention_lib.Policy.from_json(manifest.get("retention")))
+      retention=manifest.get("retention"))
 
 
 def read(step_dir: epath.Path, step: int | None = None,

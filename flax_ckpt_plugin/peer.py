@@ -26,11 +26,9 @@ send (checksums verified); then all run the program.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
@@ -39,6 +37,7 @@ from flax_ckpt_plugin import coordinator as coordinator_lib
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import matching
+from flax_ckpt_plugin import replicas as replicas_lib
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.reader import ByteReader
@@ -70,31 +69,13 @@ class _Stacked(NamedTuple):
   sources: dict[Any, tuple[tuple[int, int], ...]]  # Source device: region.
 
 
-def replica_axes(sharding: NamedSharding, ndim: int
-                 ) -> tuple[tuple[str, ...], NamedSharding, int]:
-  """The mesh axes that `sharding` replicates over (its spec names none of
-  them); the sharding of an array of `ndim` dims stacked along them, with
-  an axis of bytes last ([replicas, *shape, itemsize]); and how many
-  replicas that is."""
-  mesh, spec = sharding.mesh, tuple(sharding.spec)
-  used = set()
-  for entry in spec:
-    used.update(entry if isinstance(entry, tuple) else
-                () if entry is None else (entry,))
-  spare = tuple(a for a in mesh.axis_names if a not in used)
-  spec = spec + (None,) * (ndim - len(spec))
-  return (spare, NamedSharding(mesh, PartitionSpec(spare or None, *spec,
-                                                   None)),
-          math.prod(mesh.shape[a] for a in spare))
-
-
 def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
              holders: set[int]) -> _Stacked | None:
   """The plan of a leaf that travels stacked, None if it cannot."""
   if (not isinstance(sharding, NamedSharding) or leaf.key_impl is not None
       or (leaf.dtype != np.bool_ and bits_dtype(leaf.dtype) is None)):
     return None
-  _, stacked, replicas = replica_axes(sharding, len(leaf.shape))
+  _, stacked, replicas = replicas_lib.replica_axes(sharding, len(leaf.shape))
   sources: dict[Any, Any] = {}
   found: set[Any] = set()
   for device, index in sharding.devices_indices_map(leaf.shape).items():
@@ -111,30 +92,11 @@ def _stacked(path: str, leaf: manifest_lib.LeafRecord, sharding: Any,
   return _Stacked(path, sharding, stacked, replicas, sources)
 
 
-def as_bytes(arr: np.ndarray) -> np.ndarray:
-  """`arr`'s bytes, with an axis of the item's bytes last."""
-  arr = np.asarray(arr, order="C")  # Not ascontiguousarray: 0-d stays 0-d.
-  return arr.reshape(-1).view(np.uint8).reshape(arr.shape + (
-      arr.dtype.itemsize,))
-
-
-def from_bytes(u8: jax.Array, dtype: np.dtype) -> jax.Array:
-  """Values of `dtype` from their bytes (`as_bytes`'s layout), or from
-  themselves with an axis of 1 last (`read_plan.carrier`)."""
-  if u8.dtype == dtype:
-    return u8[..., 0]
-  if dtype == np.bool_:
-    return u8[..., 0] != 0
-  if dtype.itemsize == 1:
-    return lax.bitcast_convert_type(u8[..., 0], dtype)
-  return lax.bitcast_convert_type(u8, dtype)
-
-
 def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
                   dtypes: tuple[np.dtype, ...]):
   """Every device's shard from the one source that sent it (a sum over the
   replicas with one nonzero term), and the flat buffer everywhere."""
-  out = [from_bytes(x.sum(axis=0, dtype=np.uint8), d)
+  out = [replicas_lib.from_bytes(x.sum(axis=0, dtype=np.uint8), d)
          for x, d in zip(stacked, dtypes)]
   return out, None if flat is None else flat.sum(axis=0, dtype=np.uint8)
 
@@ -237,7 +199,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
       if plan is None:  # Whole, in the flat buffer, from the source.
         nbytes = leaf.nbytes
         if is_source:
-          flat.append(as_bytes(leaf_reader(path).read(
+          flat.append(replicas_lib.as_bytes(leaf_reader(path).read(
               tuple((0, d) for d in leaf.shape))).reshape(-1))
         flat_parts.append(nbytes)
         plans.append(("flat", leaf, t))
@@ -249,7 +211,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
         shape = (1,) + tuple(hi - lo for lo, hi in region) + (
             leaf.dtype.itemsize,)
         if device in plan.sources:
-          block = as_bytes(leaf_reader(path).read(region))[None]
+          block = replicas_lib.as_bytes(leaf_reader(path).read(region))[None]
         else:
           block = np.zeros(shape, np.uint8)
         blocks.append(jax.device_put(block, device))

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from flax_ckpt_plugin import peer
+from flax_ckpt_plugin import replicas as replicas_lib
 from flax_ckpt_plugin import writeplan
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.treepaths import Index
@@ -87,7 +87,7 @@ def split(target: Any, load: dict[int, int] | None = None
   if all(len({d.process_index for d in ds}) < 2
          for ds in by_region.values()):
     return None  # No region needed by two processes: each reads its own.
-  spare, stacked, replicas = peer.replica_axes(sharding, len(shape))
+  spare, stacked, replicas = replicas_lib.replica_axes(sharding, len(shape))
   return _gathered(by_region, sharding.mesh, spare, shape, dtype,
                    stacked, replicas, load)
 

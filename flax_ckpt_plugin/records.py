@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin import datastate
-from flax_ckpt_plugin import retention as retention_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 
 Index = tuple[tuple[int, int], ...]
@@ -205,9 +204,9 @@ class Manifest:
   # Per process index, its data state's file (see `datastate`); None if
   # the step has none.
   data_states: dict[int, datastate.Record] | None = None
-  # The writer's retention policy when it saved the step (informational:
-  # None if absent or not a policy).
-  retention: retention_lib.Policy | None = None
+  # The writer's retention policy when it saved the step, as its JSON
+  # (informational; `retention.Policy.from_json` reads it).
+  retention: Any = None
 
   @property
   def total_bytes(self) -> int:

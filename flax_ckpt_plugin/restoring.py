@@ -220,7 +220,7 @@ class Restoring:
     (every process restores that one).
 
     Raises:
-      As `restore`, and `fallback.Unsuitable` when another process found
+      As `restore`, and `errors.Unsuitable` when another process found
       the step damaged (see `restore_newest_valid`).
     """
     if (not self.share_reads or target is None

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from flax_ckpt_plugin import peer
+from flax_ckpt_plugin import replicas as replicas_lib
 from flax_ckpt_plugin import read_plan
 
 
@@ -81,5 +81,5 @@ def _assemble(stacked: list[jax.Array], how: list) -> list[jax.Array]:
     # of Explicit axes (`jax.make_mesh`'s).
     x = jnp.concatenate([x[:, a:b] for a, b in _runs(index)], axis=1)
     u8 = x.reshape((regions * len(index),) + rest)
-    out.append(peer.from_bytes(u8, dtype))
+    out.append(replicas_lib.from_bytes(u8, dtype))
   return out

@@ -44,16 +44,16 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin import coordinator as coordinator_lib
-from flax_ckpt_plugin import fallback
 from flax_ckpt_plugin import groups
 from flax_ckpt_plugin import manifest as manifest_lib
 from flax_ckpt_plugin import matching
-from flax_ckpt_plugin import peer
+from flax_ckpt_plugin import replicas as replicas_lib
 from flax_ckpt_plugin import read_plan
 from flax_ckpt_plugin import restore as restore_lib
 from flax_ckpt_plugin import share_program
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.reader import ByteReader
 from flax_ckpt_plugin.reader import LeafReader
@@ -85,7 +85,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
   Raises:
     CheckpointCorruptedError, FileNotFoundError: this process's files.
     CheckpointNotFoundError: the step is not finalized (raised by all).
-    fallback.Unsuitable: another process found the step damaged, or not
+    errors.Unsuitable: another process found the step damaged, or not
       for it (skip it).
     RestoreFailedError: another process failed otherwise.
     StructureMismatchError: the target does not fit (raised by all).
@@ -170,7 +170,7 @@ def _check(outcome: coordinator_lib.Outcome, where: str,
         "; ".join(m for _, m in outcome.failures.values()))
   if kinds & {"CheckpointCorruptedError", "FileNotFoundError",
               "CheckpointNotFoundError", "Unsuitable"}:
-    raise fallback.Unsuitable(f"{where} is damaged on other processes:"
+    raise Unsuitable(f"{where} is damaged on other processes:"
                               f" {text}")
   raise RestoreFailedError(f"restoring {where} failed on other processes:"
                            f" {text}")
@@ -341,7 +341,7 @@ def _fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
   if not mine:
     return
   lo, hi = min(p[4] for p in mine), max(p[5] for p in mine)
-  data = peer.as_bytes(lr.read(((lo, hi),) + rest)).reshape(hi - lo, -1)
+  data = replicas_lib.as_bytes(lr.read(((lo, hi),) + rest)).reshape(hi - lo, -1)
   for _, offset, n, device, a, b in mine:  # Each read once.
     flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
 
@@ -363,7 +363,7 @@ def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
   got = {}
   if read:
     lr = LeafReader(leaf=leaf, **lr_args)
-    got = {region: (lo, peer.as_bytes(lr.read(((lo, hi),) + region[1:]))
+    got = {region: (lo, replicas_lib.as_bytes(lr.read(((lo, hi),) + region[1:]))
                     .view(carrier))
            for region, (lo, hi) in ranges.items()}  # Each read once.
   blocks = []

@@ -38,7 +38,7 @@ import numpy as np
 
 from flax_ckpt_plugin import pieces as pieces_lib
 from flax_ckpt_plugin import pinned
-from flax_ckpt_plugin.storage import CHECKSUM_BLOCK
+from flax_ckpt_plugin.layout import CHECKSUM_BLOCK
 from flax_ckpt_plugin.staging import bits_dtype
 from flax_ckpt_plugin.staging import HostStaging
 from flax_ckpt_plugin.treepaths import Index
@@ -56,7 +56,7 @@ class ShardData:
   # waits for it.
   data: np.ndarray | jax.Array
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
-  # The CRC-32C of each `storage.CHECKSUM_BLOCK` bytes, when the copy took
+  # The CRC-32C of each `layout.CHECKSUM_BLOCK` bytes, when the copy took
   # them (`HostStaging.copy_summed`); else the writer does.
   crc32c: list[int] | None = None
 

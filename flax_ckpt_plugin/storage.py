@@ -47,9 +47,7 @@ FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_DIR = layout.DATA_DIR
-# Every shard carries a CRC-32C per block of this many bytes (the last block
-# may be shorter), so a reader of part of a shard verifies whole blocks only.
-CHECKSUM_BLOCK = 4 << 20
+CHECKSUM_BLOCK = layout.CHECKSUM_BLOCK
 
 
 # The most bytes of one process's shard table (the manifest's own cap).

@@ -126,7 +126,8 @@ def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
       mngr.wait_until_finished()
     assert mngr.all_steps() == [200, 400, 600]
   assert finalized_steps_on_disk(tmp_path) == [200, 400, 600]
-  recorded = manifest_lib.read(tmp_path / "600", 600).retention
+  recorded = Policy.from_json(manifest_lib.read(tmp_path / "600",
+                                                600).retention)
   assert recorded == Policy(1, None, 2, "loss", "min", True)
 
 
