@@ -108,7 +108,7 @@ def _system(name: str):
   """(open_manager, save, restore) of one system; every step is kept."""
   if name == "ours_page_cache":
     import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
-    from flax_ckpt_plugin import backend  # pylint: disable=g-import-not-at-top
+    from flax_ckpt_plugin.backends import backend  # pylint: disable=g-import-not-at-top
     _, save, restore = scaling.system("ours", max_to_keep=None)
 
     def open_manager(directory):
@@ -141,7 +141,7 @@ def _save_worker(args: argparse.Namespace) -> dict:
          "jax": jax.__version__, "state_bytes": sum(a.nbytes for a in leaves)}
   ours = args.worker.startswith("ours")
   if ours:
-    from flax_ckpt_plugin import pinned  # pylint: disable=g-import-not-at-top
+    from flax_ckpt_plugin.save import pinned  # pylint: disable=g-import-not-at-top
     out["pinned_path"] = pinned.takes(jax.devices()[0])
 
   def steps(n, synced=True):

@@ -212,8 +212,8 @@ def lever_ab(args: argparse.Namespace) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
-  from flax_ckpt_plugin import snapshot  # pylint: disable=g-import-not-at-top
-  from flax_ckpt_plugin import datafile  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.save import snapshot  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.backends import datafile  # pylint: disable=g-import-not-at-top
 
   state, train_step = build(args)
   # One staging area per snapshot mode: a shared one would free one mode's

@@ -112,7 +112,7 @@ def cast_restore(directory: str, mb: int, warm: bool,
 
 
 def export(directory: str, fmt: str, out: str) -> dict:
-  from flax_ckpt_plugin import exporting  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.tools import exporting  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   result = exporting.export(directory, out, format=fmt)
   secs = time.perf_counter() - t0

@@ -37,18 +37,18 @@ OUTPUT = REPO / "docs" / "api.md"
 PACKAGE = "flax_ckpt_plugin"
 # Public modules that `__all__` does not re-export, documented when they
 # exist; importing one that exists must work (it needs its extra installed).
-EXTRA_MODULES = ("flax_ckpt_plugin.clu_hooks", "flax_ckpt_plugin.cli",
-                 "flax_ckpt_plugin.commands",
-                 "flax_ckpt_plugin.retention",
-                 "flax_ckpt_plugin.importer")
+EXTRA_MODULES = ("flax_ckpt_plugin.clu_hooks", "flax_ckpt_plugin.tools.cli",
+                 "flax_ckpt_plugin.tools.commands",
+                 "flax_ckpt_plugin.manager.retention",
+                 "flax_ckpt_plugin.tools.importer")
 # The API of an extra module without `__all__`; otherwise every public class
 # and function defined there. The CLI's other functions are its internals.
 MODULE_API = {
-    "flax_ckpt_plugin.cli": ("main",),
-    "flax_ckpt_plugin.commands": ("EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
+    "flax_ckpt_plugin.tools.cli": ("main",),
+    "flax_ckpt_plugin.tools.commands": ("EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
                                   "EXIT_NOT_FOUND", "EXIT_IO", "EXIT_EXISTS"),
-    "flax_ckpt_plugin.retention": ("Policy",),
-    "flax_ckpt_plugin.importer": (
+    "flax_ckpt_plugin.manager.retention": ("Policy",),
+    "flax_ckpt_plugin.tools.importer": (
         "import_orbax", "locate", "read_tree", "ImportResult", "OrbaxStep",
         "OrbaxImportError", "TensorstoreNotInstalledError", "OrbaxReadError"),
 }

@@ -6,6 +6,8 @@
 # without JAX.
 
 import importlib
+import importlib.abc
+import sys
 from typing import Any, TYPE_CHECKING
 
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
@@ -18,17 +20,17 @@ from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import StructureMismatchError
-from flax_ckpt_plugin.stats import RestoreStats
-from flax_ckpt_plugin.stats import SaveStats
-from flax_ckpt_plugin.stats import StepMetadata
+from flax_ckpt_plugin.save.stats import RestoreStats
+from flax_ckpt_plugin.save.stats import SaveStats
+from flax_ckpt_plugin.save.stats import StepMetadata
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.callback import CheckpointCallback
   from flax_ckpt_plugin.callback import PREEMPTED_EXIT_CODE
-  from flax_ckpt_plugin.exporting import export
-  from flax_ckpt_plugin.exporting import ExportError
-  from flax_ckpt_plugin.exporting import ExportResult
-  from flax_ckpt_plugin.manager import CheckpointManager
+  from flax_ckpt_plugin.tools.exporting import export
+  from flax_ckpt_plugin.tools.exporting import ExportError
+  from flax_ckpt_plugin.tools.exporting import ExportResult
+  from flax_ckpt_plugin.manager.manager import CheckpointManager
 
 __version__ = "0.1.0"
 
@@ -58,10 +60,10 @@ __all__ = [
 _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
-    "CheckpointManager": "flax_ckpt_plugin.manager",
-    "ExportError": "flax_ckpt_plugin.exporting",
-    "ExportResult": "flax_ckpt_plugin.exporting",
-    "export": "flax_ckpt_plugin.exporting",
+    "CheckpointManager": "flax_ckpt_plugin.manager.manager",
+    "ExportError": "flax_ckpt_plugin.tools.exporting",
+    "ExportResult": "flax_ckpt_plugin.tools.exporting",
+    "export": "flax_ckpt_plugin.tools.exporting",
 }
 
 
@@ -76,3 +78,40 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
   return sorted(set(globals()) | set(__all__))
+
+
+# The modules that moved into the folders of their layers: importing one by
+# its old name fails with an error that names the new one.
+_MOVED = {
+    "multihost": ("coordinator", "deadlines", "groups"),
+    "backends": ("backend", "handles", "datafile", "memfile",
+                 "object_store", "layout"),
+    "format": ("records", "manifest", "treepaths", "datastate", "storage"),
+    "save": ("staging", "pinned", "pieces", "writeplan", "snapshot", "commit",
+             "atomicity", "async_commit", "stats"),
+    "restore": ("reader", "matching", "casting", "placement", "fallback",
+                "read_plan", "share_program", "shared_read", "replicas",
+                "restoring"),
+    "manager": ("retention", "schedule"),
+    "tolerance": ("preemption", "liveness", "rescue", "elastic", "peer",
+                  "local_tier"),
+    "tools": ("cli", "commands", "inventory", "exporting", "importer",
+              "zarr_tree", "verify"),
+}
+_NOW = {f"{__name__}.{old}": f"{__name__}.{layer}.{old}"
+        for layer, olds in _MOVED.items() for old in olds}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder):
+  """Says where a module of an old name is now."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    del path, target
+    if fullname in _NOW:
+      raise ModuleNotFoundError(
+          f"{fullname} is now {_NOW[fullname]} (the package's layers are"
+          " folders; see docs/architecture.md)")
+    return None
+
+
+sys.meta_path.append(_MovedModules())

@@ -2,7 +2,7 @@
 
 import sys
 
-from flax_ckpt_plugin.cli import main
+from flax_ckpt_plugin.tools.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

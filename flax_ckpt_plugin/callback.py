@@ -28,22 +28,22 @@ from typing import Any, Callable, Iterable, Sequence
 
 from etils import epath
 
-from flax_ckpt_plugin import atomicity as atomicity_lib
-from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin import coordinator as coordinator_lib
-from flax_ckpt_plugin import datastate
-from flax_ckpt_plugin import elastic as elastic_lib
-from flax_ckpt_plugin import groups
-from flax_ckpt_plugin import liveness
-from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin.commit import CommitHook
-from flax_ckpt_plugin.stats import MetricWriter
-from flax_ckpt_plugin.stats import SaveMetrics
-from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.tolerance import elastic as elastic_lib
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import liveness
+from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.save.commit import CommitHook
+from flax_ckpt_plugin.save.stats import MetricWriter
+from flax_ckpt_plugin.save.stats import SaveMetrics
+from flax_ckpt_plugin.save.stats import SaveStats
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.manager import CheckpointManager
-from flax_ckpt_plugin.preemption import SignalFlag
-from flax_ckpt_plugin.schedule import Triggers
+from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.tolerance.preemption import SignalFlag
+from flax_ckpt_plugin.manager.schedule import Triggers
 
 # The exit code for a job that stopped after its preemption checkpoint:
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from

@@ -174,7 +174,7 @@ def small_tmpfs(tmp_path):
 def run(capsys):
   """`run(*args)` runs `flax-ckpt args` in this process (`cli.main`), as a
   shell would: its exit code, stdout and stderr, kept apart."""
-  from flax_ckpt_plugin import cli  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.tools import cli  # pylint: disable=g-import-not-at-top
 
   def call(*args) -> subprocess.CompletedProcess:
     argv = [str(a) for a in args]

@@ -44,11 +44,11 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin import datafile
-from flax_ckpt_plugin import manager as manager_lib
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.manager import manager as manager_lib
+from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE

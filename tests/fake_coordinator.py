@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 
 
 class FakeCluster:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flax_ckpt_plugin import async_commit
+from flax_ckpt_plugin.save import async_commit
 from flax_ckpt_plugin import CheckpointManager
 
 

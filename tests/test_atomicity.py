@@ -7,8 +7,8 @@ from etils import epath
 import pytest
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import backend as backend_lib
 
 from helpers import entries
 

@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
-from flax_ckpt_plugin import cli
-from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import restore as restore_lib
+from flax_ckpt_plugin.tools import cli
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.restore import restore as restore_lib
 from helpers import call_on_thread
 
 MANIFEST = "manifest.json"
@@ -147,7 +147,9 @@ def test_fifo_manifest_or_claim_cli_answers_promptly(saved, capsys, command):
 _CAPPED = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from flax_ckpt_plugin import atomicity, cli, inventory, manifest
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.tools import cli, inventory
+from flax_ckpt_plugin.format import manifest
 from etils import epath
 d = epath.Path(sys.argv[2])
 what = sys.argv[1]
@@ -239,7 +241,7 @@ def test_verify_of_a_huge_claimed_block_allocates_what_the_files_hold(
 
 def test_verify_sums_a_block_larger_than_its_buffer(ckpt_dir, capsys,
                                                     monkeypatch):
-  from flax_ckpt_plugin import verify  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.tools import verify  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(verify, "_VERIFY_CHUNK", 1000)
   with CheckpointManager(ckpt_dir) as manager:
     manager.save(1, {"w": jnp.arange(5000.0)})

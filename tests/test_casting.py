@@ -14,8 +14,8 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
-from flax_ckpt_plugin import casting
-from flax_ckpt_plugin import records
+from flax_ckpt_plugin.restore import casting
+from flax_ckpt_plugin.format import records
 from launcher import run_workers
 
 

@@ -20,10 +20,10 @@ import pytest
 
 from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import cli
-from flax_ckpt_plugin.inventory import human_age
-from flax_ckpt_plugin.verify import human_size
-from flax_ckpt_plugin.verify import Progress
+from flax_ckpt_plugin.tools import cli
+from flax_ckpt_plugin.tools.inventory import human_age
+from flax_ckpt_plugin.tools.verify import human_size
+from flax_ckpt_plugin.tools.verify import Progress
 
 KERNEL = "params/params/Dense_0/kernel"  # float32[8,16] in conftest's MLP.
 
@@ -291,8 +291,8 @@ def test_list_shows_a_step_set_aside_as_damaged_and_prune_keeps_it(ckpt,
 
 _WITHOUT_JAX = """
 import sys
-from flax_ckpt_plugin import cli
-assert "jax" not in sys.modules, "importing flax_ckpt_plugin.cli imported jax"
+from flax_ckpt_plugin.tools import cli
+assert "jax" not in sys.modules, "importing flax_ckpt_plugin.tools.cli imported jax"
 codes = [cli.main([command, sys.argv[1]]) for command in ("list", "show",
                                                           "verify")]
 loaded = sorted(m for m in sys.modules if m == "jax" or m.startswith("jax."))

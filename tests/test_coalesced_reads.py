@@ -17,9 +17,9 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import handles
-from flax_ckpt_plugin import reader as reader_lib
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.backends import handles
+from flax_ckpt_plugin.restore import reader as reader_lib
+from flax_ckpt_plugin.format import storage
 
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.int8, np.int32)
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flax_ckpt_plugin import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from launcher import WorkerGroup
 
 BARRIER_TIMEOUT_SECS = 3.0  # As in mp_workers/stopped_primary.py.

@@ -47,9 +47,9 @@ from typing import Any
 
 import pytest
 
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
-from flax_ckpt_plugin import cli
+from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import DataStateMismatchError
-from flax_ckpt_plugin import local_tier
+from flax_ckpt_plugin.tolerance import local_tier
 
 
 class Batches:

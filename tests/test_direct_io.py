@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin import datafile
-from flax_ckpt_plugin import storage
-from flax_ckpt_plugin.snapshot import LeafSnapshot
-from flax_ckpt_plugin.snapshot import ShardData
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.save.snapshot import LeafSnapshot
+from flax_ckpt_plugin.save.snapshot import ShardData
 
 MIB = 1 << 20
 

@@ -26,8 +26,8 @@ import types
 
 import pytest
 
-from flax_ckpt_plugin import elastic
-from flax_ckpt_plugin import groups
+from flax_ckpt_plugin.tolerance import elastic
+from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup

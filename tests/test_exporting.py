@@ -25,7 +25,7 @@ import safetensors.numpy
 
 import flax_ckpt_plugin
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import exporting
+from flax_ckpt_plugin.tools import exporting
 from helpers import doc_blocks
 from helpers import doc_section
 from helpers import run_console
@@ -360,7 +360,7 @@ def test_a_state_saved_by_4_processes_x_2_devices_exports_bit_identical(
 
 _NO_JAX = """
 import sys
-from flax_ckpt_plugin import cli
+from flax_ckpt_plugin.tools import cli
 code = cli.main(["export", sys.argv[1], sys.argv[2], "--format", "npz"])
 assert code == 0, code
 assert "jax" not in sys.modules, "export imported jax"

@@ -14,7 +14,7 @@ import optax
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import cli
+from flax_ckpt_plugin.tools import cli
 from helpers import two_device_mesh
 
 

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin import StructureMismatchError
-from flax_ckpt_plugin.retention import steps_to_delete
+from flax_ckpt_plugin.manager.retention import steps_to_delete
 from helpers import assert_only_finalized_steps
 from helpers import FlakyDisk
 from helpers import free_bytes

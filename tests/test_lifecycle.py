@@ -35,7 +35,8 @@ def test_read_only_manager_sees_steps_finalized_after_it_opened(ckpt_dir):
 _EXIT_WITHOUT_CLOSE = textwrap.dedent("""
     import sys, time
     import numpy as np
-    from flax_ckpt_plugin import CheckpointManager, storage
+    from flax_ckpt_plugin import CheckpointManager
+    from flax_ckpt_plugin.format import storage
     directory, fail = sys.argv[1], sys.argv[2] == "fail"
     if fail:  # Fault injected: the write fails in the background.
       def broken(*args, **kwargs):

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from flax_ckpt_plugin import PeerLostError
-from flax_ckpt_plugin import deadlines
-from flax_ckpt_plugin import liveness
+from flax_ckpt_plugin.multihost import deadlines
+from flax_ckpt_plugin.tolerance import liveness
 
 
 class ScriptedCoordinator:

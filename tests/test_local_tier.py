@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import backend as backend_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
-from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.format import manifest as manifest_lib
 
 from fake_coordinator import run_threads
 from helpers import sorted_entries

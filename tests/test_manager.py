@@ -15,9 +15,9 @@ from flax_ckpt_plugin import CheckpointExistsError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
-from flax_ckpt_plugin import reader as reader_lib
-from flax_ckpt_plugin import staging as staging_lib
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.restore import reader as reader_lib
+from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.format import storage
 
 from helpers import FlakyDisk
 from helpers import entries

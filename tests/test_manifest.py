@@ -16,7 +16,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import manifest as manifest_lib
+from flax_ckpt_plugin.format import manifest as manifest_lib
 
 
 def _jax_dtypes() -> list[np.dtype]:
@@ -125,7 +125,7 @@ def test_parse_reports_the_first_problem_with_the_leaf(ckpt_dir):
 
 def test_manifest_and_reader_do_not_import_jax():
   code = ("import sys\n"
-          "from flax_ckpt_plugin import manifest, reader, verify\n"
+          "from flax_ckpt_plugin.format import manifest\nfrom flax_ckpt_plugin.restore import reader\nfrom flax_ckpt_plugin.tools import verify\n"
           "assert 'jax' not in sys.modules\n"
           "assert str(manifest.parse_dtype('bfloat16', '')) == 'bfloat16'\n")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True,

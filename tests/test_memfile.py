@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin import memfile
+from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.backends import memfile
 
 
 class _Process:

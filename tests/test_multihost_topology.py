@@ -444,7 +444,7 @@ def test_damage_one_process_meets_in_a_shared_read_falls_back_for_all(
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top
-  from flax_ckpt_plugin import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   length = 5_000_000
   base = np.arange(length, dtype=np.float32)
   with CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as manager:

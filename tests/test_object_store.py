@@ -36,15 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import backend as backend_lib
-from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import object_store
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.format import storage
 from gcs_server import GCSServer
 from helpers import two_device_mesh
 from launcher import REPO_ROOT
@@ -639,8 +639,8 @@ def test_unfinished_step_is_never_listed_or_restored_and_is_cleaned_up(
 _KILLED_WRITER = """
 import sys
 import numpy as np
-from flax_ckpt_plugin import atomicity
-from flax_ckpt_plugin import object_store
+from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.backends import object_store
 from flax_ckpt_plugin import CheckpointManager
 
 def finalize_never(self):

@@ -34,8 +34,8 @@ import pytest
 
 from conftest import create_state
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import importer
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.tools import importer
 from helpers import doc_blocks
 from helpers import doc_section
 from helpers import run_console
@@ -465,7 +465,8 @@ _WITHOUT_ORBAX = """
 import sys
 import numpy as np
 import flax_ckpt_plugin
-from flax_ckpt_plugin import CheckpointManager, cli
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.tools import cli
 with CheckpointManager(sys.argv[1]) as mgr:
   mgr.save(1, {"w": np.ones(3)})
   mgr.wait_until_finished()

@@ -1,5 +1,5 @@
 """The accelerator path: snapshots through pinned host memory, and restores
-that send pinned buffers to the devices (`flax_ckpt_plugin.pinned`).
+that send pinned buffers to the devices (`flax_ckpt_plugin.save.pinned`).
 
 The CPU backend has the `pinned_host` memory kind too, and the switch
 `FLAX_CKPT_PLUGIN_PINNED_CPU=1` makes CPU devices take that path, so these
@@ -24,7 +24,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import pinned
+from flax_ckpt_plugin.save import pinned
 from helpers import assert_only_finalized_steps
 from helpers import pinned_counter
 from helpers import two_device_mesh

@@ -24,10 +24,10 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import placement
-from flax_ckpt_plugin import reader as reader_lib
-from flax_ckpt_plugin import staging as staging_lib
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.restore import reader as reader_lib
+from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.format import storage
 
 DATA = "data/process_00000.bin"
 

@@ -28,7 +28,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.format import storage
 
 from helpers import start_thread
 from launcher import StdoutLines

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from flax_ckpt_plugin import read_plan
+from flax_ckpt_plugin.restore import read_plan
 
 
 @dataclasses.dataclass(frozen=True)

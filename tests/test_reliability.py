@@ -43,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import atomicity
+from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import StructureMismatchError
 from helpers import fill
 from helpers import free_bytes

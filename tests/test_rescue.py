@@ -14,9 +14,9 @@ import numpy as np
 
 from fake_coordinator import run_threads
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import local_tier
-from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import rescue
+from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.tolerance import rescue
 
 
 def _local_steps(tmp_path, parts, shape):

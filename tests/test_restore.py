@@ -6,7 +6,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
-from flax_ckpt_plugin import reader as reader_lib
+from flax_ckpt_plugin.restore import reader as reader_lib
 
 
 def _save(directory, tree):

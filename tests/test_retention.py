@@ -18,9 +18,9 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import cli
-from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin.retention import Policy
+from flax_ckpt_plugin.tools import cli
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.manager.retention import Policy
 from fake_coordinator import run_threads
 from launcher import REPO_ROOT
 from launcher import run_workers

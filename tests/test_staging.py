@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import staging as staging_lib
-from flax_ckpt_plugin import treepaths
+from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.format import treepaths
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -15,8 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import manifest as manifest_lib
-from flax_ckpt_plugin import writeplan
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.save import writeplan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from flax_ckpt_plugin import writeplan
+from flax_ckpt_plugin.save import writeplan
 
 PROCESS_ID = _setup.PROCESS_ID
 NUM_PROCESSES = _setup.NUM_PROCESSES

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from flax_ckpt_plugin import writeplan
+from flax_ckpt_plugin.save import writeplan
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
 

@@ -28,7 +28,7 @@ topo.init()
 import jax
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.format import storage
 
 PRIMARY_HOST = int(os.environ.get("PRIMARY_HOST", "0"))
 KILL_AT_STEP = int(os.environ.get("KILL_AT_STEP", "-1"))

@@ -30,7 +30,7 @@ import jax
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import reader
+from flax_ckpt_plugin.restore import reader
 
 BARRIER_TIMEOUT_SECS = 30
 

@@ -23,7 +23,7 @@ topo.init()
 import jax
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import coordinator
+from flax_ckpt_plugin.multihost import coordinator
 
 NUM_STEPS = 4
 MESH = (2, 2)

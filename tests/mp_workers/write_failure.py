@@ -26,8 +26,8 @@ _setup.init()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import coordinator
-from flax_ckpt_plugin import storage
+from flax_ckpt_plugin.multihost import coordinator
+from flax_ckpt_plugin.format import storage
 
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "-1"))
 KV_LATENCY_SECS = float(os.environ.get("KV_LATENCY_SECS", "0"))

@@ -1,0 +1,232 @@
+"""The file handles that storage backends hand out, and the local ones.
+
+`RangedFile` (a data file read by offset) and `StepWriter` (one process's
+files of a step) are what `backend.Backend` returns; the local file system's
+implementations live here too, with `open_regular`, which every local read
+of a step's files goes through: never out of the step, never a named pipe
+or a device.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import mmap
+import os
+import stat
+from typing import BinaryIO, Iterator
+
+from etils import epath
+
+from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import ConcurrentWriterError
+
+Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
+# Errors that mean a name cannot be a file of ours (a socket, a loop of
+# links, a directory); others (EACCES, EIO) say nothing of the file itself.
+NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
+              errno.ENXIO)
+
+
+class RangedFile(abc.ABC):
+  """An open data file that threads read by offset at once."""
+
+  size: int
+
+  @abc.abstractmethod
+  def read_into(self, offset: int, out: memoryview) -> int:
+    """Reads into `out` from `offset`; the bytes read (short only at the end)."""
+
+  @contextlib.contextmanager
+  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
+    """The bytes at [offset, offset + size) as a read-only view of the
+    file's pages, valid inside the context; None where the storage maps
+    nothing (then `read_into`)."""
+    del offset, size
+    yield None
+
+  @abc.abstractmethod
+  def close(self) -> None:
+    ...
+
+
+class StepWriter(abc.ABC):
+  """Creates one process's files in a step directory (see `Backend`)."""
+
+  # Whether files from `open` have descriptors written by offset (pwrite);
+  # otherwise they are streams, written front to back.
+  positional = False
+
+  @abc.abstractmethod
+  def open(self, name: str) -> BinaryIO:
+    """A binary file for writing at `name` (relative to the step directory)."""
+
+  def open_direct(self, name: str) -> int | None:
+    """A second, O_DIRECT descriptor of `name` (opened by `open` first).
+
+    None where the storage has no direct I/O.
+    """
+    del name
+    return None
+
+  def mapping(self, f: BinaryIO, size: int) -> memoryview | None:
+    """A writable view of the first `size` bytes of `f` (from `open`), to
+    copy into instead of writing; None where writes are better."""
+    del f, size
+    return None
+
+  def sync(self, f: BinaryIO) -> None:
+    """Makes what was written to `f` durable (before it is closed)."""
+    del f
+
+  def close(self) -> None:
+    pass
+
+
+class LocalFile(RangedFile):
+  """A local data file, read by offset (`os.preadv`) from any thread."""
+
+  def __init__(self, fd: int, size: int):
+    self._fd, self.size = fd, size
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    done = 0
+    while done < len(out):
+      n = os.preadv(self._fd, [out[done:]], offset + done)
+      if not n:
+        break
+      done += n
+    return done
+
+  @contextlib.contextmanager
+  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
+    """A private, read-only mapping of the range, its pages populated at
+    once (from the page cache, or read ahead from the disk); None for a
+    range past the size the file had when opened."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    if size <= 0 or offset + size > self.size:
+      yield None
+      return
+    try:
+      m = mmap.mmap(self._fd, offset + size - start, prot=mmap.PROT_READ,
+                    flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                    offset=start)
+    except (OSError, ValueError):  # A file system that maps nothing.
+      yield None
+      return
+    view = memoryview(m)[offset - start:]
+    try:
+      yield view
+    finally:
+      try:
+        view.release()
+        m.close()
+      except BufferError:  # Still viewed: unmapped when the views go.
+        pass
+
+  def close(self) -> None:
+    os.close(self._fd)
+
+
+class LocalStepWriter(StepWriter):
+  """Creates files relative to the step directory's descriptor.
+
+  The directory is opened once and checked against the identity the primary
+  host recorded when it made it; if another writer replaces the directory by
+  name, this process never writes into the replacement.
+  """
+
+  positional = True
+
+  def __init__(self, step_dir: epath.Path, identity: Identity | None,
+               data_dir: str, *, direct_io: bool = True):
+    self._fd = self._data_fd = None
+    self._data_dir = data_dir
+    self._direct_io = direct_io
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    self._fd = os.open(os.fspath(step_dir), flags)
+    st = os.fstat(self._fd)
+    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+      self.close()
+      raise ConcurrentWriterError(
+          f"{step_dir} is no longer the directory this save was started in:"
+          " another writer replaced it. This save is abandoned.")
+    try:
+      os.mkdir(data_dir, dir_fd=self._fd)
+    except FileExistsError:
+      pass
+    self._data_fd = os.open(data_dir, flags, dir_fd=self._fd)
+
+  def _base(self, name: str) -> str:
+    head, _, base = name.partition("/")
+    assert head == self._data_dir, name  # Every file lives in data_dir.
+    return base
+
+  def open(self, name: str) -> BinaryIO:
+    fd = os.open(self._base(name),
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
+                 dir_fd=self._data_fd)
+    return open(fd, "wb", buffering=0)
+
+  def open_direct(self, name: str) -> int | None:
+    if not (datafile.O_DIRECT and self._direct_io):
+      return None
+    try:
+      return os.open(self._base(name),
+                     os.O_WRONLY | datafile.O_DIRECT | os.O_CLOEXEC,
+                     dir_fd=self._data_fd)
+    except OSError as e:
+      if e.errno != errno.EINVAL:
+        raise
+      return None  # The file system refuses direct I/O (tmpfs).
+
+  def sync(self, f: BinaryIO) -> None:
+    os.fsync(f.fileno())
+
+  def close(self) -> None:
+    for fd in (self._data_fd, self._fd):
+      if fd is not None:
+        os.close(fd)
+    self._fd = self._data_fd = None
+
+
+def open_regular(path: epath.Path, within: epath.Path, what: str,
+                  where: str) -> tuple[int, int]:
+  """A descriptor of regular file `path` inside `within`, and its size.
+
+  `what` starts the messages, `where` names `within` in them.
+  """
+  real_dir = os.path.realpath(os.fspath(within))
+  real = os.path.realpath(os.fspath(path))
+  if os.path.commonpath([real_dir, real]) != real_dir:
+    raise CheckpointCorruptedError(f"{what} leads outside {where}")
+  # O_NONBLOCK: opening a named pipe must not wait for a writer.
+  fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode):
+    os.close(fd)
+    raise CheckpointCorruptedError(f"{what} is not a regular file")
+  return fd, st.st_size
+
+
+def read_regular(path: epath.Path, within: epath.Path, limit: int) -> bytes:
+  """`Backend.read_small` on a local disk: at most `limit` bytes, or raise."""
+  fd, size = open_regular(path, within, str(path), os.fspath(within))
+  try:
+    if size > limit:
+      raise CheckpointCorruptedError(
+          f"{path}: {size} bytes, over the limit of {limit}")
+    chunks, total = [], 0
+    while total <= limit:  # It may grow meanwhile: never past limit + 1.
+      chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
+      if not chunk:
+        break
+      chunks.append(chunk)
+      total += len(chunk)
+  finally:
+    os.close(fd)
+  if total > limit:
+    raise CheckpointCorruptedError(f"{path}: grew over the limit of {limit}")
+  return b"".join(chunks)

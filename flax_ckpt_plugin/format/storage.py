@@ -1,0 +1,383 @@
+"""Storage format v1: a JSON manifest and one data file per process.
+
+A step directory holds:
+
+* `manifest.json` - format name and version, step, timestamps, every leaf by
+  key path with its kind, dtype and global shape, and for every shard the
+  file, byte offset, byte count and the shard's index in the global array;
+  user `extra` state and `metrics`.
+* `data/process_NNNNN.bin` - the raw little-endian C-order bytes of the
+  shards that process NNNNN owns, one after another.
+* `_COMMITTED` - the commit marker (see `atomicity`).
+
+While a step is written, each process also leaves `data/process_NNNNN.json`
+(its shard table, with a digest of how it sees every leaf) and
+`data/process_NNNNN.views.json` (that view, read only if its digest differs
+from the primary's); the primary host merges the tables into the manifest
+and removes both before finalizing. `docs/format.md` describes the format for
+readers with numpy alone; `manifest` reads and validates the manifest and
+`reader` the data files. Nothing read here is ever executed: only JSON and raw bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import math
+import time
+import threading
+from typing import Any, NamedTuple, Sequence, TYPE_CHECKING
+
+import crc32c
+from etils import epath
+import numpy as np
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.backends import layout
+from flax_ckpt_plugin.errors import SaveFailedError
+
+if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
+  from flax_ckpt_plugin.save.snapshot import LeafSnapshot
+
+FORMAT_NAME = "flax_ckpt_plugin"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA_DIR = layout.DATA_DIR
+CHECKSUM_BLOCK = layout.CHECKSUM_BLOCK
+
+
+# The most bytes of one process's shard table (the manifest's own cap).
+MAX_TABLE_BYTES = 256 << 20
+
+
+class Scope(NamedTuple):
+  """A step that holds only the shards of one process of a job (every
+  distinct shard it held, replicas included): what that process needs to
+  restore itself, in the local tier. Its arrays are not covered whole."""
+  process_index: int
+  process_count: int
+
+
+def data_file(process_index: int) -> str:
+  return f"{DATA_DIR}/process_{process_index:05d}.bin"
+
+
+def index_file(process_index: int) -> str:
+  return f"{DATA_DIR}/process_{process_index:05d}.json"
+
+
+def views_file(process_index: int) -> str:
+  """How that process sees every leaf; read only if its digest differs."""
+  return f"{DATA_DIR}/process_{process_index:05d}.views.json"
+
+
+def _views(leaves: list[LeafSnapshot]) -> tuple[str, str]:
+  """The JSON of every leaf's `_view`, and its SHA-256."""
+  text = json.dumps({leaf.path: _view(leaf) for leaf in leaves})
+  return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_all(f, buf: memoryview) -> None:
+  """Writes all of `buf`: an unbuffered write may write less than asked."""
+  while buf:
+    n = f.write(buf[:datafile.CHUNK])
+    if not n:  # None: a non-blocking stream; 0: nothing went (not expected).
+      raise OSError(errno.EIO, f"write of {len(buf)} bytes wrote {n!r}")
+    buf = buf[n:]
+
+
+def _view(leaf: LeafSnapshot) -> list[Any]:
+  """How a process sees one leaf: [kind, dtype, shape, key_impl].
+
+  A numpy leaf and a jax array are alike here: both restore either way.
+  """
+  kind = "array" if leaf.kind == "numpy" else leaf.kind
+  return [kind, leaf.dtype, list(leaf.shape), leaf.key_impl]
+
+
+def _describe_view(view: list[Any] | None) -> str:
+  if view is None:
+    return "no such leaf"
+  kind, dtype, shape, key_impl = view
+  if kind not in ("array", "numpy"):
+    return f"a Python {kind}"
+  desc = f"{dtype}[{','.join(str(d) for d in shape)}]"
+  return desc + (f" (PRNG keys of impl {key_impl})" if key_impl else "")
+
+
+def block_checksums(buf: memoryview, block: int = CHECKSUM_BLOCK) -> list[int]:
+  """CRC-32C of each `block`-byte block of `buf` (one for an empty buffer)."""
+  if not buf:
+    return [crc32c.crc32c(b"")]
+  return [crc32c.crc32c(buf[i:i + block]) for i in range(0, len(buf), block)]
+
+
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+  # Views through uint8 also work for dtypes the buffer protocol lacks
+  # (bfloat16, float8, int4 from ml_dtypes).
+  return np.asarray(arr, order="C").reshape(-1).view(np.uint8)
+
+
+def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
+                        process_index: int, *,
+                        identity: backend_lib.Identity | None = None,
+                        backend: backend_lib.Backend | None = None,
+                        data_state: datastate.Encoded | None = None) -> int:
+  """Writes this process's shards and shard table; returns the shards' bytes.
+
+  Called on every process, each into the same temporary step directory. The
+  data file is fsynced before the shard table is written.
+
+  Args:
+    step_dir: the step's temporary directory.
+    leaves: this process's snapshot.
+    process_index: names the files.
+    identity: the identity of `step_dir` when the primary host made it
+      (local disks); a different directory there raises
+      `ConcurrentWriterError`.
+    backend: the directory's storage backend (default: by its scheme).
+    data_state: this process's data state, if it has one (`datastate`).
+  """
+  backend = backend or backend_lib.for_path(step_dir)
+  out = backend.step_writer(step_dir, identity, DATA_DIR)
+  try:
+    entries = []
+    offset = 0  # The data file's size.
+    name = data_file(process_index)
+    shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
+    if shards:
+      if out.positional:
+        offset = _write_by_offset(out, name, shards, entries)
+      else:
+        with out.open(name) as f:
+          for leaf, shard in shards:
+            buf = _as_bytes(shard.host())
+            _write_all(f, memoryview(buf))
+            entries.append(_entry(leaf, shard, name, offset, buf.nbytes,
+                                  shard.crc32c or block_checksums(
+                                      memoryview(buf))))
+            offset += buf.nbytes
+    views, digest = _views(leaves)
+    with out.open(views_file(process_index)) as f:  # Read in this save only.
+      _write_all(f, memoryview(views.encode()))
+    table = {"process_index": process_index, "file": name if shards else None,
+             "nbytes": offset, "shards": entries, "views_sha256": digest}
+    if data_state is not None:
+      with out.open(datastate.state_file(process_index)) as f:
+        _write_all(f, memoryview(data_state.data))
+        out.sync(f)
+      table["data_state"] = datastate.table_entry(process_index, data_state)
+    with out.open(index_file(process_index)) as f:
+      _write_all(f, memoryview(json.dumps(table).encode()))
+      out.sync(f)
+  finally:
+    out.close()
+  return sum(e["nbytes"] for e in entries)
+
+
+def _entry(leaf: LeafSnapshot, shard: Any, name: str, offset: int,
+           nbytes: int, sums: list[int]) -> dict:
+  return {"path": leaf.path, "file": name, "offset": offset,
+          "nbytes": nbytes, "index": [list(r) for r in shard.index],
+          "crc32c": sums}
+
+
+def _write_by_offset(out: backend_lib.StepWriter, name: str,
+                     shards: list[Any], entries: list[dict]) -> int:
+  """Writes the data file by offset (local disks); returns its size.
+
+  Every shard is placed in the file first (its size and address are known
+  while its copy is still in flight, see `snapshot.ShardData`), then each
+  is waited for just before it is written, so the writes overlap the
+  transfers of the shards after it. The checksums are computed by a second
+  thread while this one writes (both release the GIL), so a save costs
+  about its slower half.
+  """
+  # A plain thread, not a pool: a commit that finishes while the interpreter
+  # exits (see async_commit) may no longer start pool work.
+  sums: list[list[int] | None] = [shard.crc32c for _, shard in shards]
+  failed: list[BaseException] = []
+
+  def checksum() -> None:
+    try:  # Those the snapshot did not take while copying.
+      for i, (_, shard) in enumerate(shards):
+        if sums[i] is None:
+          sums[i] = block_checksums(memoryview(_as_bytes(shard.host())))
+    except BaseException as e:  # pylint: disable=broad-except
+      failed.append(e)
+
+  summer = threading.Thread(target=checksum, name="flax_ckpt_plugin-checksum")
+  summer.start()
+  try:
+    data = datafile.DataFile(out, name)
+    try:
+      offsets = [data.place(shard.nbytes, shard.address)
+                 for _, shard in shards]
+      for (_, shard), offset in zip(shards, offsets):
+        data.write(_as_bytes(shard.host()), offset)
+      data.sync()
+    finally:
+      data.close()
+  finally:
+    summer.join()
+  if failed:
+    raise failed[0]
+  for (leaf, shard), offset, crcs in zip(shards, offsets, sums):
+    entries.append(_entry(leaf, shard, name, offset, shard.nbytes, crcs))
+  return data.end
+
+
+def extra_to_json(value: Any, what: str = "extra") -> Any:
+  """`extra` as the JSON it is stored as; TypeError if it cannot be."""
+  try:  # (numpy scalars and arrays too: what data loaders hand out.)
+    return json.loads(json.dumps(value, allow_nan=False,
+                                 default=datastate.to_plain))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{what} must be JSON-serializable (dicts, lists, str,"
+                    f" int, finite float, bool, None, numpy scalars): {e}"
+                    ) from e
+
+
+def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+  """Metrics as stored: str keys, float values (None for NaN and
+  infinities); TypeError otherwise."""
+  if metrics is None:
+    return None
+  out = {}
+  for k, v in metrics.items():
+    try:
+      value = float(v)  # jax and numpy scalars too.
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"metric {k!r} is not a number: {v!r}") from e
+    # JSON has no NaN nor infinity: such a value is stored as null (no
+    # value), which best-metric retention treats as a step without it.
+    out[str(k)] = value if math.isfinite(value) else None
+  return out
+
+
+def _read_table(step_dir: epath.Path, p: int,
+                backend: backend_lib.Backend) -> dict[str, Any]:
+  path = step_dir / index_file(p)
+  if not path.exists():
+    raise RuntimeError(f"process {p} left no shard table at {path}")
+  try:
+    table = json.loads(backend.read_small(path, within=step_dir,
+                                          limit=MAX_TABLE_BYTES))
+    table["file"], table["nbytes"], table["shards"], table["views_sha256"]
+  except (ValueError, TypeError, KeyError) as e:
+    raise RuntimeError(f"the shard table {path} of process {p} is not"
+                       f" whole: {e!s:.200}") from e
+  if table["file"]:
+    size, _ = backend.size_and_mtime(step_dir / table["file"])
+    if size < table["nbytes"]:
+      raise RuntimeError(
+          f"the data file {step_dir / table['file']} of process {p} has"
+          f" {size} bytes; its shard table says {table['nbytes']}")
+  return table
+
+
+def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
+                 primary: int, p: int) -> None:
+  """Raises naming the leaves that process `p` sees otherwise than `primary`.
+
+  Both save one tree: a leaf with another dtype, shape or kind on one
+  process (a user bug) would finalize a step that cannot be restored.
+  """
+  if theirs == mine:
+    return
+  differ = [k for k in list(mine) + [k for k in theirs if k not in mine]
+            if mine.get(k) != theirs.get(k)]
+  shown = "; ".join(
+      f"leaf {k!r}: process {primary} (primary) saves"
+      f" {_describe_view(mine.get(k))}, process {p} saves"
+      f" {_describe_view(theirs.get(k))}" for k in differ[:5])
+  more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+  raise SaveFailedError(
+      f"processes disagree about the state they save: {shown}{more}. Every"
+      " process must save the same tree, with the same dtypes and shapes.")
+
+
+def merge_tables(step_dir: epath.Path, *, step: int,
+                 leaves: list[LeafSnapshot], process_count: int,
+                 primary: int, extra: Any, metrics: dict[str, Any] | None,
+                 backend: backend_lib.Backend, scope: Scope | None = None,
+                 writers: Sequence[int] | None = None,
+                 retention: dict[str, Any] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
+  """Merges every process's shard table into the manifest (primary host).
+
+  After all processes wrote. Checks that every process saw each leaf as the
+  primary does and that its data file holds what its table says. With
+  `scope`, the step holds one process's shards only (see `Scope`). Only
+  `writers` wrote (default: every process). `retention` is the directory's
+  retention policy, recorded for `flax-ckpt list`.
+
+  Returns:
+    The manifest, and per leaf path the shard indices each process wrote.
+
+  Raises:
+    RuntimeError: a table is missing or short, or a data file is short.
+    SaveFailedError: the processes disagree about a leaf.
+    (The save is abandoned either way.)
+  """
+  by_path = {leaf.path: dict(leaf.meta(), shards=[]) for leaf in leaves}
+  writers = range(process_count) if writers is None else writers
+  tables = {p: _read_table(step_dir, p, backend) for p in writers}
+  digest = tables[primary]["views_sha256"]
+  files, origins = {}, {}
+  for p, table in tables.items():
+    if table["views_sha256"] != digest:  # Only then read the whole views.
+      mine, theirs = (json.loads(backend.read_small(
+          step_dir / views_file(q), within=step_dir, limit=MAX_TABLE_BYTES))
+                      for q in (primary, p))
+      _check_views(mine, theirs, primary, p)
+    if table["file"]:
+      files[table["file"]] = table["nbytes"]
+    for entry in table["shards"]:
+      path = entry.pop("path")
+      by_path[path]["shards"].append(entry)
+      origins.setdefault(path, {}).setdefault(p, []).append(entry["index"])
+  for leaf in by_path.values():
+    if leaf["kind"] in ("array", "numpy"):
+      leaf["shards"].sort(key=lambda e: e["index"])
+    else:
+      del leaf["shards"]
+  now = time.time()
+  held = {} if scope is None else {"scope": scope._asdict()}
+  states = {str(p): t["data_state"] for p, t in tables.items()
+            if t.get("data_state")}
+  return {
+      **held,
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
+      "step": step,
+      "created_unix": now,
+      "created": datetime.datetime.fromtimestamp(
+          now, datetime.timezone.utc).isoformat(),
+      "process_count": process_count,
+      "byte_order": "little",
+      "files": files,
+      "checksum": {"algorithm": "crc32c", "block_bytes": CHECKSUM_BLOCK},
+      "leaves": list(by_path.values()),
+      "extra": extra,
+      "metrics": metrics,
+      **({"data_states": states} if states else {}),
+      **({"retention": retention} if retention else {}),
+  }, origins
+
+
+def write_manifest(step_dir: epath.Path, *, text: str, process_count: int,
+                   backend: backend_lib.Backend,
+                   writers: Sequence[int] | None = None) -> None:
+  """Writes a manifest (checked by the caller) durably and removes the
+  shard tables (of `writers`, default all). Primary host only."""
+  backend.write_small(step_dir / MANIFEST, text)
+  for p in range(process_count) if writers is None else writers:
+    (step_dir / index_file(p)).unlink(missing_ok=True)
+    (step_dir / views_file(p)).unlink(missing_ok=True)
+  backend.fsync(step_dir / DATA_DIR)
+  backend.fsync(step_dir)

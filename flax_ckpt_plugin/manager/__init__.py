@@ -1,0 +1,1 @@
+"""CheckpointManager: numbered steps in one directory, their retention, and when to save."""

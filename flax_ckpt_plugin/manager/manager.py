@@ -1,0 +1,449 @@
+"""CheckpointManager: numbered steps in one directory.
+
+Multi-process contract: every method is called on every process, in the same
+order, with the same arguments (the state being each process's view of the
+same global arrays). Every process writes only its own shards; only the
+primary host creates, finalizes and deletes step directories.
+
+This module holds the save side (snapshot, commit, hooks, retention); the
+listing and the restores are its base class, `restoring.Restoring`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import operator
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+from etils import epath
+import jax
+
+from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.save import commit as commit_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.manager import retention as retention_lib
+from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.save.async_commit import AsyncCommitter
+from flax_ckpt_plugin.save.commit import CommitHook
+from flax_ckpt_plugin.save.stats import RestoreStats
+from flax_ckpt_plugin.save.stats import SaveStats
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import CheckpointExistsError
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.restore.restoring import Restoring
+from flax_ckpt_plugin.save.staging import HostStaging
+from flax_ckpt_plugin.save.snapshot import pinned_pieces
+from flax_ckpt_plugin.save.snapshot import take_snapshot
+
+
+class CheckpointManager(Restoring):
+  """Saves, lists, restores and prunes the steps of one directory.
+
+  Called on every process. `save` blocks only for a host snapshot; a
+  background thread writes and commits. An error in the background is raised
+  on the next call to `save`, `restore`, `wait_until_finished` or `close`.
+
+  Args:
+    directory: where steps live; a local path, or `gs://`/`s3://`.
+    max_to_keep: keep the newest N finalized steps (None keeps all).
+    keep_every_n_steps: also keep every step divisible by this, forever.
+    keep_best: also keep the N steps with the best `best_metric`, as
+      recorded by `save(metrics=...)` on the primary host.
+    best_metric: the metric that ranks steps for `keep_best`.
+    best_mode: 'min' (a loss) or 'max' (an accuracy).
+    keep_without_metric: with `keep_best`, keep the steps saved without a
+      value of `best_metric` (or with NaN); False leaves them to the other
+      rules. A step is kept if any rule keeps it, and the newest finalized
+      step is never deleted (see `retention`).
+    atomicity: 'auto' (rename on local paths, commit file on object stores),
+      'rename' or 'commit_file'.
+    primary_host: the process that creates, finalizes and deletes.
+    barrier_timeout_secs: how long a process waits at a barrier for the
+      others before raising `TimeoutError`.
+    name: the start of this manager's barrier keys; defaults to a digest of
+      `directory` as given (the same string on every process). A token drawn
+      by the writer at open completes the keys.
+    coordinator: how processes meet (`coordinator.Coordinator`); defaults
+      to JAX's coordination service.
+    backend: the directory's storage (`backend.Backend`); defaults to the
+      one its scheme names (local file system, or an object store).
+    read_only: only list and restore: never save, and never remove the
+      unfinished steps that a writer may be working on (use it in an
+      evaluation job that reads a training job's directory). It lists the
+      directory at every query, so it sees steps finalized after it opened,
+      and it talks to other processes only in `restore_newest_valid`.
+    commit_hooks: callables run with the `SaveStats` of each step once it is
+      finalized (to notify, start an evaluation, copy the step elsewhere);
+      see `add_commit_hook`.
+    scope: save, for the process it names, every distinct shard that
+      process holds, alone (the local tier's steps; see `local_tier`).
+    share_reads: in restores that every process makes together
+      (`restore_newest_valid`, the callback's), split the reading of what
+      several processes need and share it over JAX collectives, so that
+      storage serves each byte once (see `shared_read`: it costs host
+      memory); False: each process reads all it needs itself.
+    pinned_host_bytes: on accelerators, the most bytes of one save that
+      go through pinned host memory, which the save call does not wait for
+      (see `pinned`); None (default): all this process writes; 0: none
+      (every shard then takes the plain transfer, which it waits for).
+
+  Attributes:
+    directory: the checkpoint directory (absolute, for local paths).
+    name: the prefix of this manager's barrier and key-value keys.
+    retention: the `retention.Policy` built from the arguments above.
+    coordinator: the `Coordinator` it meets other processes through.
+    is_primary: whether this process is the primary host.
+    read_only: whether this manager only lists and restores.
+    last_save_stats: `SaveStats` of the newest save this manager finalized,
+      or None.
+    last_restore_stats: `RestoreStats` of the newest restore, or None.
+    check_still_writer: raises `ConcurrentWriterError` (ending with the
+      given consequence) if another job claimed the directory since this
+      manager opened it (writers only).
+
+  Every method raises `RuntimeError` after `close`. As a context manager it
+  closes on exit; an error raised while closing after an exception in the
+  block is attached to that exception as a note.
+  """
+
+  def __init__(self, directory: epath.PathLike, *,
+               max_to_keep: int | None = None,
+               keep_every_n_steps: int | None = None,
+               keep_best: int | None = None,
+               best_metric: str | None = None,
+               best_mode: retention_lib.BestMode = "min",
+               keep_without_metric: bool = True,
+               atomicity: atomicity_lib.Atomicity = "auto",
+               primary_host: int = 0,
+               barrier_timeout_secs: float = 300.0,
+               name: str | None = None,
+               coordinator: coordinator_lib.Coordinator | None = None,
+               backend: backend_lib.Backend | None = None,
+               read_only: bool = False,
+               commit_hooks: Sequence[CommitHook] = (),
+               scope: storage.Scope | None = None,
+               share_reads: bool = True,
+               pinned_host_bytes: int | None = None):
+    self.retention = retention_lib.Policy(
+        max_to_keep, keep_every_n_steps, keep_best, best_metric, best_mode,
+        keep_without_metric)
+    self.coordinator = coordinator or coordinator_lib.default()
+    count = self.coordinator.process_count
+    if not 0 <= primary_host < count:
+      raise ValueError(f"primary_host={primary_host} is not a process index"
+                       f" (process count {count})")
+    given = os.fspath(directory)
+    # The storage backend is chosen once, by the path's scheme; object
+    # stores go through fsspec, never tf.io.gfile (see object_store).
+    self.directory, self.backend = backend_lib.make_path(given, backend)
+    self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity,
+                                                     self.backend)
+    self.primary_host = primary_host
+    self.read_only = read_only
+    self.scope = scope
+    self.share_reads = share_reads
+    self.is_primary = self.coordinator.process_index == primary_host
+    self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
+    base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
+    self._base = f"flax_ckpt_plugin/{base}"
+    self.name = self._base
+    self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
+    # Host copies of CPU shards, reused by each save (see staging.py).
+    # A directory of this process alone may hold its snapshots (tmpfs).
+    self._staging = HostStaging(arena=None if scope is None else
+                                self.backend.staging_arena(self.directory))
+    # Accelerator shards' pinned host memory (see pinned.py).
+    self._pinned = pinned.PinnedStaging(pinned_host_bytes)
+    self._saves, self._closed, self._lock = 0, False, threading.Lock()
+    self.last_save_stats: SaveStats | None = None
+    self.last_restore_stats: RestoreStats | None = None
+    self._commit_hooks: list[CommitHook] = []
+    for hook in commit_hooks:
+      self.add_commit_hook(hook)
+    self._steps: list[int] = []
+    self._writers: list[int] | None = None  # None: every process.
+    # The primary's recorded metrics of each step, for `keep_best` (steps
+    # of earlier runs are read from their manifests when first needed).
+    self._metrics: dict[int, Any] = {}
+    # The newest step known to restore (-1: none); retention keeps it.
+    self._known_good = -1
+    if not read_only:  # The writer's token names every later key.
+      token, steps = commit_lib.open_for_writing(
+          self.coordinator, self.directory, self.backend, self._base,
+          is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
+      self.name = f"{self._base}/{token}"
+      self.check_still_writer = functools.partial(
+          atomicity_lib.check_still_writer, self.directory, token,
+          writer_count=count, backend=self.backend)
+      self._steps = steps
+    self._opened_name = self.name  # `regroup` names its groups under it.
+
+  def add_commit_hook(self, hook: CommitHook) -> None:
+    """Runs `hook(stats)` after each step this manager finalizes.
+
+    Hooks run on the primary host only (register them on every process),
+    in the commit thread, once the step is durable and before retention, in
+    the order added. If a hook raises, the remaining hooks and retention are
+    skipped for that step, and every process raises `CommitHookError` on
+    its next call into the manager; the step stays finalized.
+    """
+    if not callable(hook):
+      raise TypeError(f"commit hook {hook!r} is not callable")
+    self._commit_hooks.append(hook)
+
+  # -- save ------------------------------------------------------------------
+
+  def save(self, step: int, state: Any, *, extra: Any = None,
+           metrics: dict[str, Any] | None = None,
+           data_state: Any = None) -> None:
+    """Starts saving `state` as `step`; returns once a host snapshot exists.
+
+    The caller may donate or overwrite the state's buffers as soon as this
+    returns. Waits first if the previous save is still committing.
+
+    Args:
+      step: the step number, >= 0, not already finalized.
+      state: a pytree of jax/numpy arrays and Python scalars (a `TrainState`).
+      extra: JSON-serializable user state, e.g. a data iterator position;
+        read back with `metadata(step).extra`.
+      metrics: numbers recorded with the step.
+      data_state: this process's own data state (each process passes its
+        own, e.g. its data iterator's `get_state()`): bytes, or a JSON
+        value; read back on each process with `data_state(step)`.
+
+    Raises:
+      CheckpointExistsError: `step` is already finalized.
+      ValueError: `step` is negative.
+      PermissionError: the manager is read-only.
+      TypeError: `extra` or `metrics` cannot be stored, or a leaf has an
+        unsupported type.
+      Exception: the error of an earlier background commit.
+    """
+    self._check_open()
+    if self.read_only:
+      raise PermissionError(
+          f"CheckpointManager for {self.directory} is read-only")
+    self._committer.check()
+    step = operator.index(step)
+    if step < 0:
+      raise ValueError(f"step must be >= 0, got {step}")
+    extra = storage.extra_to_json(extra)
+    metrics = storage.metrics_to_json(metrics)
+    encoded = None if data_state is None else datastate.encode(data_state)
+    t0 = time.perf_counter()
+    self._committer.wait()  # Only blocks if the previous commit still runs.
+    if step in self.all_steps():
+      raise CheckpointExistsError(
+          f"step {step} is already finalized in {self.directory}")
+    coord = self.coordinator
+    inputs = commit_lib.CommitInputs(
+        coordinator=coord, directory=self.directory, backend=self.backend,
+        step=step,
+        key=f"{self.name}/save{self._saves}/step{step}",
+        tmp=atomicity_lib.temporary_path(self.directory, step,
+                                         self.atomicity, self.backend),
+        leaves=[], extra=extra, metrics=metrics,
+        blocking_secs=0.0, is_primary=self.is_primary,
+        timeout_ms=self.barrier_timeout_ms,
+        check_still_writer=self.check_still_writer, scope=self.scope,
+        data_state=encoded, writers=self._writers,
+        retention=self.retention.to_json() if self.retention.deletes else None)
+    self._committer.prepare()
+    # The snapshot last: what follows it should cost the call nothing.
+    leaves = take_snapshot(state, process_count=coord.process_count,
+                           is_primary=self.is_primary, staging=self._staging,
+                           own_copy=self.scope is not None,
+                           pinned_staging=self._pinned)
+    inputs = inputs._replace(leaves=leaves,
+                             blocking_secs=time.perf_counter() - t0)
+    self._saves += 1
+    del leaves
+    # The commit takes the inputs out of the box, so that the snapshot is
+    # freed when the commit returns, before hooks and retention run.
+    self._committer.start(functools.partial(self._commit, [inputs]),
+                          description=f"step {step} in {self.directory}")
+
+  def warm_up(self, state: Any) -> bool:
+    """Sets up what saving `state` needs that the first save would
+    otherwise wait for: on accelerators, the pinned host memory its shards
+    are copied into (see `pinned`; about 0.5 s per GB, once per process).
+    Blocks until done. Optional: without it, the first save pins that
+    memory itself. The callback calls it from `restore_or_initialize`.
+
+    Returns:
+      Whether `state` holds arrays to take the measure of (False for an
+      abstract state: call it again with a concrete one).
+    """
+    if self.read_only:
+      return True
+    try:
+      pieces = pinned_pieces(
+          state, process_count=self.coordinator.process_count,
+          is_primary=self.is_primary, pinned_staging=self._pinned,
+          own_copy=self.scope is not None)
+    except (TypeError, ValueError) as e:  # The save will say it better.
+      log.info("no warm-up for saving %s: %s", self.directory, e)
+      return True
+    self._pinned.warm_up(pieces)
+    return not any(isinstance(leaf, jax.ShapeDtypeStruct)
+                   for leaf in jax.tree.leaves(state))
+
+  def _commit(self, box: list[commit_lib.CommitInputs]) -> None:
+    """The commit thread's job: commit, record, hooks, retention."""
+    inputs = box.pop()
+    key, step, metrics = inputs.key, inputs.step, inputs.metrics
+    try:
+      stats = commit_lib.commit(inputs)
+    except BaseException as e:
+      e.add_note(commit_lib.step_state(self.directory, step))
+      raise
+    del inputs  # The snapshot's buffers go back to the staging area.
+    self._staging.release_spent()
+    self.last_save_stats = stats
+    with self._lock:
+      self._steps = sorted(set(self._steps) | {step})
+      self._metrics[step] = metrics
+      # The reader accepted it. A max, as in restores: either order agrees.
+      self._known_good = max(step, self._known_good)
+    try:
+      commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
+                           is_primary=self.is_primary,
+                           timeout_ms=self.barrier_timeout_ms)
+      self._retention(key, stats)
+    except BaseException as e:
+      e.add_note(f"Step {step} is finalized in {self.directory}.")
+      raise
+
+  def _retention(self, key: str, stats: SaveStats) -> None:
+    with self._lock:
+      steps, protect = list(self._steps), self._known_good
+    if self.retention.needs_metrics:
+      doomed = retention_lib.decided_by_primary(
+          self.retention, self.coordinator, f"{key}/retention_plan", steps,
+          protect=protect, metrics=self._metrics,
+          read_metrics=self._recorded_metrics, is_primary=self.is_primary,
+          timeout_ms=self.barrier_timeout_ms)
+    else:  # The same on every process: it depends on the steps alone.
+      doomed = self.retention.to_delete(steps, protect=protect)
+    with self._lock:
+      self._steps = [s for s in self._steps if s not in doomed]
+    if doomed:  # Every process has the same list: all meet, or none.
+      commit_lib.run_retention(
+          self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
+          delete=lambda: self.is_primary and atomicity_lib.delete_steps(
+              self.directory, doomed, self.check_still_writer, self.backend))
+
+  def _recorded_metrics(self, step: int) -> Any:
+    """The metrics in `step`'s manifest; None (no metric) if unreadable."""
+    try:
+      return manifest_lib.read(self.directory / str(step), step,
+                               self.backend).metrics
+    except (OSError, CheckpointCorruptedError) as e:
+      log.warning("retention: cannot read the metrics of step %d in %s"
+                  " (%s); it counts as a step without %s", step,
+                  self.directory, e, self.retention.best_metric)
+      return None
+
+  def wait_until_finished(self, timeout: float | None = None) -> bool:
+    """Blocks until the running save is finalized; raises its error.
+
+    Returns False, raising nothing, if it still runs after `timeout` secs.
+    """
+    if not self._committer.join(timeout):
+      return False
+    self._committer.check()
+    return True
+
+  def regroup(self, coordinator: Any, wait_secs: float, *, tag: str,
+              primary_host: int) -> None:
+    """Goes on with the processes of `coordinator` alone (a
+    `groups.Survivors`: the survivors of a lost peer, or every process
+    again once a replacement rejoined, see `elastic`): later saves meet
+    them only, and they write every byte. The save that the loss broke is
+    waited for (at most `wait_secs`) and its error dropped.
+
+    Args:
+      coordinator: the group.
+      wait_secs: how long to wait for the running save.
+      tag: names the group's keys (the same on every member, new for each
+        regroup of the job).
+      primary_host: the group's primary (a member).
+    """
+    try:
+      if not self.wait_until_finished(wait_secs):
+        log.warning("the save the loss broke still runs after %.0fs",
+                    wait_secs)
+    except Exception as e:  # pylint: disable=broad-except
+      log.info("dropped the error of the save the loss broke: %r", e)
+    members = list(coordinator.members)
+    self.coordinator, self._writers = coordinator, members
+    # Keys of their own: the members may have counted the broken save
+    # differently (one whose snapshot failed did not count it), a key used
+    # before names another set of processes, and a process that rejoins
+    # counted no save at all.
+    self.name = f"{self._opened_name}/{tag}"
+    self._saves = 0
+    self.primary_host = primary_host
+    self.is_primary = coordinator.process_index == primary_host
+    # That save may have finalized its step before it broke: the primary
+    # lists the steps anew, for all.
+    key = f"{self.name}/regroup/{coordinator.next_round(self.name)}"
+    outcome = coordinator_lib.agree(
+        coordinator, f"{key}/listed", lambda: self.is_primary and (
+            groups.share_text(coordinator, f"{key}/steps", json.dumps(
+                atomicity_lib.finalized_steps(self.directory)))),
+        timeout_ms=self.barrier_timeout_ms)
+    if outcome.failures:
+      raise RuntimeError(f"listing {self.directory} failed: "
+                         + coordinator_lib.describe_failures(
+                             outcome.failures))
+    steps = json.loads(groups.fetch_text(coordinator, f"{key}/steps",
+                                         self.barrier_timeout_ms))
+    with self._lock:
+      self._steps = sorted(steps)
+
+  def check_for_errors(self) -> None:
+    """Raises the error of a finished background save, without waiting."""
+    self._committer.check()
+
+  @property
+  def save_in_progress(self) -> bool:
+    """Whether a background commit is running now."""
+    return self._committer.is_running
+
+  # -- lifetime --------------------------------------------------------------
+
+  def close(self) -> None:
+    """Waits for the running save and raises its error. Idempotent."""
+    if self._closed:
+      return
+    self._committer.refuse_on_commit_thread()  # Still open, then.
+    self._closed = True
+    try:
+      self._committer.wait()
+    finally:
+      self._committer.close()
+      self._staging.clear()
+      self.backend.close_directory(self.directory)
+
+  def __enter__(self) -> "CheckpointManager":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc is None:
+      self.close()
+      return
+    try:
+      self.close()
+    except Exception as close_error:  # pylint: disable=broad-except
+      exc.add_note(f"while closing the checkpoint manager: {close_error!r}")

@@ -1,0 +1,217 @@
+"""Which finalized steps a directory keeps: the retention rules.
+
+A step is kept if any rule keeps it:
+
+* the newest finalized step, always;
+* the newest step known to restore (`protect`), always;
+* `max_to_keep`: the newest N steps;
+* `keep_every_n_steps`: every step divisible by N, forever;
+* `keep_best`: the N steps with the best value of `best_metric` ('min' or
+  'max'); ties go to the newer step;
+* `keep_without_metric`: with `keep_best`, every step that has no value of
+  the metric (a null value, which is how NaN is stored, counts as none).
+
+With neither `max_to_keep` nor `keep_best` set, every step is kept.
+`Policy.reasons` names the rules that keep each step; `flax-ckpt list`
+prints them from the policy recorded in the newest step's manifest.
+
+The decision must be the same on every process. Without `keep_best` it
+depends on the list of steps alone, which every process knows. With it, it
+depends on metrics, which the primary host's manifests record: the primary
+decides and the others learn its list (see `CheckpointManager`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
+
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
+
+BestMode = Literal["min", "max"]
+
+NEWEST = "newest"
+RESTORABLE = "restorable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The retention rules of one checkpoint directory.
+
+  Attributes:
+    max_to_keep: keep the newest N finalized steps (None: this rule keeps
+      none besides the newest).
+    keep_every_n_steps: also keep every step divisible by N, forever.
+    keep_best: also keep the N steps with the best `best_metric`.
+    best_metric: the key of `metrics=` that ranks steps for `keep_best`.
+    best_mode: 'min' (a loss) or 'max' (an accuracy).
+    keep_without_metric: with `keep_best`, whether steps saved without a
+      value of `best_metric` are kept (True) or left to the other rules.
+  """
+  max_to_keep: int | None = None
+  keep_every_n_steps: int | None = None
+  keep_best: int | None = None
+  best_metric: str | None = None
+  best_mode: BestMode = "min"
+  keep_without_metric: bool = True
+
+  def __post_init__(self):
+    for name in ("max_to_keep", "keep_every_n_steps", "keep_best"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int)
+                                or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if self.keep_best is not None and not self.best_metric:
+      raise ValueError(
+          f"keep_best={self.keep_best} needs best_metric, the name of the"
+          " metric passed to save(metrics=...) that ranks the steps")
+    if self.best_metric is not None and not isinstance(self.best_metric, str):
+      raise ValueError(f"best_metric must be a str, got {self.best_metric!r}")
+    if self.best_mode not in ("min", "max"):
+      raise ValueError(
+          f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+    if not isinstance(self.keep_without_metric, bool):
+      raise ValueError("keep_without_metric must be True or False, got"
+                       f" {self.keep_without_metric!r}")
+
+  @property
+  def deletes(self) -> bool:
+    """Whether any step can ever be deleted."""
+    return self.max_to_keep is not None or self.keep_best is not None
+
+  @property
+  def needs_metrics(self) -> bool:
+    """Whether the decision depends on the steps' metrics."""
+    return self.keep_best is not None
+
+  def metric_of(self, metrics: Any) -> float | None:
+    """The ranking value in a step's recorded `metrics`, or None."""
+    if not isinstance(metrics, Mapping):
+      return None
+    value = metrics.get(self.best_metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return None
+    return None if math.isnan(value) else float(value)
+
+  def reasons(self, steps: Sequence[int],
+              metrics: Mapping[int, Any] | None = None,
+              protect: int | None = None) -> dict[int, list[str]]:
+    """The rules that keep each step; steps with none are deleted.
+
+    Args:
+      steps: the finalized steps.
+      metrics: per step, its recorded `metrics` (needed for `keep_best`;
+        a step missing here has no metric).
+      protect: the newest step known to restore.
+    """
+    steps = sorted(set(steps))
+    why: dict[int, list[str]] = {s: [] for s in steps}
+    if not steps:
+      return why
+    if not self.deletes:
+      for s in steps:
+        why[s].append("all (no max_to_keep or keep_best)")
+      return why
+    why[steps[-1]].append(NEWEST)
+    if protect in why and protect != steps[-1]:
+      why[protect].append(RESTORABLE)
+    if self.max_to_keep is not None:
+      for s in steps[-self.max_to_keep:]:
+        why[s].append(f"newest {self.max_to_keep}")
+    if self.keep_every_n_steps:
+      for s in steps:
+        if s % self.keep_every_n_steps == 0:
+          why[s].append(f"every {self.keep_every_n_steps} steps")
+    if self.keep_best is not None:
+      metrics = metrics or {}
+      ranked, unranked = [], []
+      for s in steps:
+        value = self.metric_of(metrics.get(s))
+        (unranked if value is None else ranked).append((value, s))
+      sign = 1 if self.best_mode == "min" else -1
+      ranked.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+      label = f"best {self.keep_best} by {self.best_metric} ({self.best_mode})"
+      for _, s in ranked[:self.keep_best]:
+        why[s].append(label)
+      if self.keep_without_metric:
+        for _, s in unranked:
+          why[s].append(f"no {self.best_metric} (keep_without_metric)")
+    return why
+
+  def to_delete(self, steps: Sequence[int],
+                metrics: Mapping[int, Any] | None = None,
+                protect: int | None = None) -> list[int]:
+    """The finalized steps that retention removes, oldest first."""
+    return [s for s, rules in self.reasons(steps, metrics, protect).items()
+            if not rules]
+
+  def to_json(self) -> dict[str, Any]:
+    """The policy as recorded in a manifest's 'retention' entry."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, value: Any) -> "Policy | None":
+    """A recorded policy, or None if absent or not one (informational)."""
+    if not isinstance(value, dict):
+      return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+      return cls(**{k: v for k, v in value.items() if k in names})
+    except (TypeError, ValueError):
+      return None
+
+
+def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
+                    keep_every_n_steps: int | None,
+                    protect: int | None = None) -> list[int]:
+  """The steps that `max_to_keep` and `keep_every_n_steps` remove.
+
+  Never the newest, nor `protect` (the newest step known to restore).
+  """
+  return Policy(max_to_keep, keep_every_n_steps).to_delete(
+      steps, protect=protect)
+
+
+def decided_by_primary(policy: Policy, coord: coordinator_lib.Coordinator,
+                       key: str, steps: list[int], *, protect: int | None,
+                       metrics: MutableMapping[int, Any],
+                       read_metrics: Callable[[int], Any], is_primary: bool,
+                       timeout_ms: int) -> list[int]:
+  """The steps to delete by a policy that ranks metrics, the same on all.
+
+  Called by every process after a finalized save, with a `key` of that
+  save. The primary decides from its recorded metrics (`metrics`, filled
+  in with `read_metrics(step)` for steps it has not seen, such as those of
+  an earlier run) and shares its list under `key`; the others, whose own
+  metrics may differ, take it.
+
+  Raises:
+    Exception: the primary's error while deciding (on the others, a
+      RuntimeError naming it); nothing is deleted then.
+  """
+  if not is_primary:
+    plan = json.loads(groups.fetch_text(coord, key, timeout_ms))
+    if "error" in plan:
+      raise RuntimeError(
+          f"retention after step {steps[-1]} failed on the primary host (the"
+          f" step is finalized; older steps are left): {plan['error']}")
+    return plan["doomed"]
+  multi = coord.process_count > 1
+  try:
+    for step in steps:
+      if step not in metrics:
+        metrics[step] = read_metrics(step)
+    doomed = policy.to_delete(steps, metrics, protect)
+  except Exception as e:
+    if multi:
+      groups.share_text(coord, key, json.dumps(
+          {"error": f"{type(e).__name__}: {e}"}))
+    raise
+  if multi:
+    groups.share_text(coord, key, json.dumps({"doomed": doomed}))
+  for step in doomed:
+    metrics.pop(step, None)
+  return doomed

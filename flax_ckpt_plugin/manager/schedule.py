@@ -1,0 +1,165 @@
+"""When `every_secs` has passed, decided alike on every process, rarely talking.
+
+Hosts' clocks disagree, so one process (the primary host) decides and the
+others must hear its decision before they leave the step. Asking it at every
+step would cost every other process a blocking round trip to the
+coordination service per step. Instead, each answer that is "not yet" also
+names the next step at which to ask again: half the remaining time at the
+primary's current step rate. Until that step no process asks, so a job asks
+about log2(every_secs / step time) times per interval instead of once per
+step. Steps that speed up by more than 2x between two asks can make a save
+come a few steps late; never early, and never on some processes only.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable, Iterable
+
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+
+
+class Triggers:
+  """When a callback saves, decided alike on every process: to the
+  persistent tier at every positive multiple of `every_steps`, when
+  `every_secs` have passed (`EverySecs`, from `start`), at `on_steps` and
+  at `last_step`; to the local tier at every positive multiple of
+  `local_every_steps`.
+
+  Raises:
+    ValueError: an interval that cannot be kept.
+  """
+
+  def __init__(self, *, every_steps: int | None, every_secs: float | None,
+               on_steps: Iterable[int], last_step: int | None,
+               local_directory: Any, local_every_steps: int | None,
+               clock: Callable[[], float]):
+    if every_steps is not None and every_steps < 1:
+      raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    if (local_directory is None) != (local_every_steps is None):
+      raise ValueError("local_directory and local_every_steps go together;"
+                       f" got {local_directory!r} and {local_every_steps!r}")
+    if local_every_steps is not None and local_every_steps < 1:
+      raise ValueError(
+          f"local_every_steps must be >= 1, got {local_every_steps}")
+    if every_secs is not None and not every_secs > 0:
+      raise ValueError(f"every_secs must be > 0, got {every_secs}")
+    self.every_steps, self.every_secs = every_steps, every_secs
+    self.on_steps = frozenset(operator.index(s) for s in on_steps)
+    self.last_step, self.local_every_steps = last_step, local_every_steps
+    self._clock = clock
+    self.timer: EverySecs | None = None
+
+  def start(self, coord: coordinator_lib.Coordinator, *, is_primary: bool,
+            timeout_ms: int) -> None:
+    """Starts the `every_secs` clock, decided by the primary of `coord`."""
+    if self.every_secs is not None:
+      self.timer = EverySecs(self.every_secs, self._clock, coord,
+                             is_primary=is_primary, timeout_ms=timeout_ms)
+
+  def persistent(self, step: int, name: str) -> bool:
+    """Whether `step` is due in the persistent tier (`name`: the manager's,
+    for the `every_secs` keys)."""
+    due = self.timer is not None and self.timer.due(step, name)
+    if self.every_steps is not None and step > 0:
+      due |= step % self.every_steps == 0
+    return due or step in self.on_steps or step == self.last_step
+
+  def local(self, step: int) -> bool:
+    return (self.local_every_steps is not None and step > 0
+            and step % self.local_every_steps == 0)
+
+  def saved(self, name: str) -> None:
+    """The persistent tier saved at the latest step."""
+    if self.timer is not None:
+      self.timer.saved(name)
+
+  def regroup(self, coord: coordinator_lib.Coordinator, *,
+              is_primary: bool) -> None:
+    """See `EverySecs.regroup`."""
+    if self.timer is not None:
+      self.timer.regroup(coord, is_primary=is_primary)
+
+
+class EverySecs:
+  """The `every_secs` trigger of one callback; called on every process.
+
+  Args:
+    every_secs: the interval.
+    clock: seconds as a float (`time.monotonic`, or a fake in tests).
+    coord: how processes meet.
+    is_primary: whether this process decides for all.
+    timeout_ms: how long the others wait for the primary's answer.
+  """
+
+  def __init__(self, every_secs: float, clock: Callable[[], float],
+               coord: coordinator_lib.Coordinator, *, is_primary: bool,
+               timeout_ms: int):
+    self.every_secs = every_secs
+    self._clock = clock
+    self._coord = coord
+    self._is_primary = is_primary
+    self._timeout_ms = timeout_ms
+    self._last_save = clock()
+    self._next_ask: int | None = None  # None: ask at the next call.
+    self._round = 0  # Saves so far: names a key directory per interval.
+    self._asks_now = 0  # Asks in this interval: names the key.
+    self._prev: tuple[int, float] | None = None  # Primary: (step, time).
+    self._secs_per_step: float | None = None  # Primary: the latest rate.
+    self.asks = 0  # How often this process asked in all.
+
+  def regroup(self, coord: coordinator_lib.Coordinator, *,
+              is_primary: bool) -> None:
+    """Meets `coord`'s processes from now on (the survivors, see
+    `elastic`), under a new key prefix: the counts start again (a survivor
+    whose save the loss broke did not count it), and the primary may be
+    another process."""
+    self._coord, self._is_primary = coord, is_primary
+    self._next_ask, self._round, self._asks_now = None, 0, 0
+    self._prev = self._secs_per_step = None
+
+  def _answer(self, step: int, now: float) -> str:
+    """Primary: 'due', or 'next N' (the step at which all ask again)."""
+    remaining = self.every_secs - (now - self._last_save)
+    if remaining <= 0:
+      return "due"
+    ahead = 1
+    if self._secs_per_step:
+      ahead = max(1, math.floor(remaining / self._secs_per_step / 2))
+    return f"next {step + ahead}"
+
+  def due(self, step: int, key: str) -> bool:
+    """Whether to save at `step`; `key` is a prefix unique to the writer."""
+    now = self._clock()
+    if self._coord.process_count == 1:
+      return now - self._last_save >= self.every_secs
+    if self._is_primary:
+      prev, self._prev = self._prev, (step, now)
+      if prev is not None and step > prev[0]:
+        self._secs_per_step = (now - prev[1]) / (step - prev[0])
+    if self._next_ask is not None and step < self._next_ask:
+      return False
+    name = f"{key}/every_secs/{self._round}/{self._asks_now}"
+    self._asks_now += 1
+    self.asks += 1
+    if self._is_primary:
+      answer = self._answer(step, now)
+      self._coord.kv_set(name, answer)
+    else:
+      answer = self._coord.kv_get(name, timeout_ms=self._timeout_ms)
+    if answer == "due":
+      return True
+    self._next_ask = int(answer.split()[1])
+    return False
+
+  def saved(self, key: str) -> None:
+    """A save started: the interval starts again, keys of the last go."""
+    self._last_save = self._clock()
+    self._next_ask = None
+    self._round += 1
+    self._asks_now = 0
+    if self._is_primary and self._coord.process_count > 1 and self._round >= 2:
+      # The save waited for the previous commit, whose barriers every
+      # process passed after reading all keys from before that save.
+      self._coord.kv_delete(f"{key}/every_secs/{self._round - 2}")

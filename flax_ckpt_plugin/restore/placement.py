@@ -1,0 +1,286 @@
+"""Placing restored regions on devices.
+
+A region of a leaf is read once per process (`reader.LeafReader`) and goes
+to every device of the target's sharding that holds it:
+
+* on accelerators with pinned host memory, read into a pinned buffer and
+  sent from there (`pinned.RestoreWindow`), at the link's speed;
+* on CPU devices, large shards are read straight into memory that the
+  runtime owns (made by a zeros program, then written in place through a
+  view), so that the first train step can donate the restored state;
+  small ones into host buffers that the runtime copies, with no program
+  compiled per shape;
+* elsewhere, into host buffers put on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import numpy as np
+
+from flax_ckpt_plugin.restore import casting
+from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.save import staging
+from flax_ckpt_plugin.restore.reader import host_buffer
+from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.format.records import Index
+from flax_ckpt_plugin.save.staging import bits_dtype
+from flax_ckpt_plugin.format.treepaths import normalize_index
+
+
+try:  # Builds an array from host pieces in one call (`_assemble`).
+  from jax._src.lib import xla_client as _xc  # pylint: disable=g-import-not-at-top
+  _BATCHED_PUT = _xc.batched_device_put
+except (AttributeError, ImportError):  # Another JAX: the public way.
+  _BATCHED_PUT = None
+try:  # Drops the host arrays that the runtime let go of (`_copied_from_file`).
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  _RELEASE_HOST_ARRAYS = _jax.collect_garbage
+except (AttributeError, ImportError):  # Another JAX: they go later.
+  _RELEASE_HOST_ARRAYS = None
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_on(device: Any) -> Any:
+  """A jitted `zeros(shape, dtype)` whose result is placed on `device`."""
+  # A constant zero (not a parameter) lets the compiler emit a memset.
+  return jax.jit(lambda shape, dtype: lax.full(shape, 0, dtype),
+                 static_argnums=(0, 1),
+                 out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_over(sharding: jax.sharding.Sharding) -> Any:
+  """A jitted `zeros(shape, dtype)` placed on `sharding` (fully addressable):
+  one program for all its devices."""
+  return jax.jit(lambda shape, dtype: lax.full(shape, 0, dtype),
+                 static_argnums=(0, 1), out_shardings=sharding)
+
+
+def _owns(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> bool:
+  """Whether a restored shard of `shape` on `device` goes into memory the
+  runtime owns (`_owned_cpu_buffer`): CPU devices, dtypes of whole bytes,
+  and shards of at least `REUSE_BYTES` (see `place_array`: no program
+  compiled per shape of a small shard)."""
+  return (device.platform == "cpu"
+          and (bits_dtype(dtype) is not None
+               or jax.numpy.issubdtype(dtype, jax.numpy.complexfloating))
+          and math.prod(shape) * dtype.itemsize >= staging.REUSE_BYTES)
+
+
+def _regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding
+             ) -> dict[Index, list[Any]]:
+  """The regions of a leaf of `shape` that this process's devices of
+  `sharding` hold, each with those devices."""
+  by_region: dict[Index, list[Any]] = {}
+  for device, index in sharding.addressable_devices_indices_map(
+      shape).items():
+    region = normalize_index(index, shape) if index is not None else tuple(
+        (0, d) for d in shape)
+    by_region.setdefault(region, []).append(device)
+  return by_region
+
+
+def _copied_from_file(lr: LeafReader | casting.CastReader,
+                      shape: tuple[int, ...], sharding: jax.sharding.Sharding
+                      ) -> jax.Array | None:
+  """The array on a sharding of this process's CPU devices, each shard
+  copied by the runtime into memory of its own straight from the data
+  file's pages (`LeafReader.mapped`, checked first); None where that does
+  not apply (nothing placed is kept then).
+
+  Each byte is then copied once, into memory the runtime owns (so the first
+  train step can donate it), and that memory is faulted in by the copy
+  itself: the other way (`_owned_cpu_array`) writes the new memory twice,
+  the zeros of the program that makes it and then the file's bytes, and
+  compiles a program per shape. Measured on 2 cores, the first restore of
+  the 0.98 GB benchmark state in a fresh process (files in the page
+  cache): 0.36-0.45 s against 0.45-0.55 s (docs/performance.md).
+  """
+  mapped = getattr(lr, "mapped", None)
+  if (_BATCHED_PUT is None or mapped is None
+      or not sharding.is_fully_addressable
+      or jax.dtypes.canonicalize_dtype(lr.dtype) != lr.dtype):
+    return None
+  by_region = _regions(shape, sharding)
+  if not all(_owns(tuple(hi - lo for lo, hi in region), lr.dtype, d)
+             for region, devices in by_region.items() for d in devices):
+    return None
+  placed: dict[Any, jax.Array] = {}
+  for region, devices in by_region.items():
+    with mapped(region) as host:
+      if host is None:
+        return None
+      aval = jax.core.ShapedArray(host.shape, host.dtype)
+      lo = host.ctypes.data
+      for device in devices:
+        try:  # The last argument: copy, never adopt the file's pages.
+          arr = _BATCHED_PUT(aval, jax.sharding.SingleDeviceSharding(device),
+                             [host], [device], True, True)
+        except (TypeError, ValueError):  # Its signature changed.
+          return None
+        arr.block_until_ready()  # Before the pages are unmapped.
+        if lo <= arr.unsafe_buffer_pointer() < lo + host.nbytes:
+          return None  # Adopted after all: the other way.
+        placed[device] = arr
+      # The runtime holds the host array it copied until it next drops
+      # such references; dropped now, the file's pages are unmapped when
+      # the context ends, not at some later call.
+      del host
+      if _RELEASE_HOST_ARRAYS is not None:
+        _RELEASE_HOST_ARRAYS()
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding,
+      [placed[d] for d in sharding.addressable_devices_indices_map(shape)])
+
+
+def _owned_cpu_array(lr: LeafReader | casting.CastReader,
+                     shape: tuple[int, ...], sharding: jax.sharding.Sharding
+                     ) -> jax.Array | None:
+  """The array on a sharding of this process's CPU devices, each shard
+  written in place as in `_owned_cpu_buffer`, with one program for every
+  device (one compile per shape and sharding, not per device); None where
+  that does not apply."""
+  dtype = lr.dtype
+  if not (sharding.is_fully_addressable
+          and all(_owns(sharding.shard_shape(shape), dtype, d)
+                  for d in sharding.device_set)):
+    return None
+  arr = _zeros_over(sharding)(shape, dtype)
+  arr.block_until_ready()
+  done: dict[Index, np.ndarray] = {}
+  for shard in arr.addressable_shards:
+    region = normalize_index(shard.index, shape)
+    view = staging.writable_view(shard.data)
+    if region in done:
+      np.copyto(view, done[region])
+    else:
+      done[region] = lr.read(region, out=view)
+  return arr
+
+
+def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
+                      ) -> tuple[jax.Array, np.ndarray] | None:
+  """A new CPU device array that the runtime owns, and a writable view of it.
+
+  Memory that `jax.device_put` adopts (aligned numpy memory, or the copy
+  that `may_alias=False` makes) cannot be donated: the first jitted step
+  that donates a restored state would then copy every input into new
+  memory, with both states alive at once (measured with a 0.98 GB state:
+  that step took 1.3 s instead of 0.47 s). So the array is made by
+  a jitted program (which fills it with zeros), and its bytes are then
+  written in place, through a view of its buffer: the array is new, ready,
+  and referenced by nothing else until it is returned. None where this
+  does not apply (other platforms, and dtypes whose elements are not whole
+  bytes, which the runtime may pack).
+  """
+  if not _owns(shape, dtype, device):
+    return None
+  arr = _zeros_on(device)(shape, dtype)
+  arr.block_until_ready()
+  return arr, staging.writable_view(arr)
+
+
+def _assemble(shape: tuple[int, ...], dtype: np.dtype,
+              sharding: jax.sharding.Sharding, devices: list[Any],
+              pieces: list[jax.Array | np.ndarray]) -> jax.Array:
+  """The global array from each device's piece (device arrays, or host
+  buffers that the runtime copies)."""
+  if _BATCHED_PUT is not None and all(
+      isinstance(p, np.ndarray) for p in pieces):
+    try:  # One call for the whole array: 25 us, a quarter of the public way.
+      return _BATCHED_PUT(jax.core.ShapedArray(shape, dtype), sharding,
+                          pieces, devices, True)
+    except (TypeError, ValueError):  # Its signature changed.
+      pass
+  arrays = [p if isinstance(p, jax.Array) else jax.device_put(p, d)
+            for p, d in zip(pieces, devices)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _through_pinned(lr: LeafReader | casting.CastReader,
+                    shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+                    window: pinned.RestoreWindow) -> jax.Array | None:
+  """The array, each region read into a pinned host buffer and sent from
+  there to every device that holds it (see `pinned`); None if the runtime
+  gives no pinned memory (before anything was read)."""
+  placed = {}
+  for region, devices in _regions(shape, sharding).items():
+    taken = window.take(tuple(hi - lo for lo, hi in region), lr.dtype,
+                        devices[0])
+    if taken is None:
+      return None
+    buf, view = taken
+    lr.read(region, out=view)
+    del view  # Before the buffer may be freed.
+    for device, arr in zip(devices, window.send(buf, [
+        pinned.sharding_on(d, sharding.memory_kind
+                           or d.default_memory().kind)
+        for d in devices])):
+      placed[device] = arr
+  devices = list(sharding.addressable_devices_indices_map(shape))
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding, [placed[d] for d in devices])
+
+
+def place_array(lr: LeafReader | casting.CastReader,
+                shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+                window: pinned.RestoreWindow | None = None) -> jax.Array:
+  """The leaf that `lr` reads, on `sharding`: each region this process
+  holds read once, and placed on every device of it that holds it.
+
+  With a `window`, regions for devices with pinned host memory travel
+  through it; CPU devices get memory the runtime owns, written in place
+  (large shards), or host buffers it copies (small ones).
+  """
+  indices = sharding.addressable_devices_indices_map(shape)
+  if window is not None and pinned.fits(lr.dtype) and all(
+      pinned.takes(d) for d in indices):
+    arr = _through_pinned(lr, shape, sharding, window)
+    if arr is not None:
+      return arr
+  for way in (_copied_from_file, _owned_cpu_array):
+    arr = way(lr, shape, sharding)
+    if arr is not None:
+      return arr
+  cache: dict[Index, np.ndarray] = {}
+  devices, pieces = list(indices), []
+  for device, index in indices.items():
+    region = normalize_index(index, shape) if index is not None else tuple(
+        (0, d) for d in shape)
+    region_shape = tuple(hi - lo for lo, hi in region)
+    host = cache.get(region)
+    owned = _owned_cpu_buffer(region_shape, lr.dtype, device)
+    if owned is not None:
+      arr, view = owned
+      if host is None:
+        cache[region] = lr.read(region, out=view)
+      else:
+        np.copyto(view, host)
+      pieces.append(arr)
+    elif device.platform == "cpu":
+      # The runtime adopts host memory on a 64-byte boundary instead of
+      # copying it, and adopted memory is not donated; bytes 16 past one
+      # it copies into memory of its own, once per device. For shards under
+      # `REUSE_BYTES` that copy costs less than the program per distinct
+      # shape that `_owned_cpu_buffer` compiles (restores of thousands of
+      # small leaves of hundreds of shapes).
+      if host is None:
+        host = cache[region] = lr.read(
+            region, out=host_buffer(region_shape, lr.dtype, offset=16))
+      pieces.append(host)
+    else:
+      # Read once, but never hand one host buffer to two devices: a backend
+      # may adopt the memory, and a jitted step that donates one replica
+      # could then write over the other.
+      if host is None:
+        host = cache[region] = lr.read(region)
+      else:
+        host = np.copy(host)
+      pieces.append(jax.device_put(host, device))
+  return _assemble(shape, lr.dtype, sharding, devices, pieces)

@@ -1,0 +1,330 @@
+"""Restore a step into a target pytree, on the target's devices and shardings.
+
+The target is a concrete pytree (e.g. a Flax `TrainState` as created at start)
+or an abstract one from `jax.eval_shape`, whose `jax.ShapeDtypeStruct` leaves
+may carry `sharding=`. The result has the target's tree type, so non-array
+parts of a `TrainState` (`apply_fn`, `tx`) come from the target. Each process
+reads only the byte ranges that its addressable target shards need, so a
+checkpoint written by any number of devices can be read by any other.
+Every leaf is matched against the target (paths, shapes, dtypes; see
+`matching`) before any data is read; `reader.LeafReader` then reads the
+regions (through a `casting.CastReader` where a restore with `cast=True`
+converts the dtype), and `placement` puts them on the devices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import os
+from typing import Any
+
+from etils import epath
+import jax
+import numpy as np
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.restore import casting
+from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.format.records import Index
+from flax_ckpt_plugin.format.records import is_python_scalar
+from flax_ckpt_plugin.format.records import LeafRecord
+from flax_ckpt_plugin.format.records import Manifest
+from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.reader import held_elements
+from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.restore.matching import check_key_impl
+from flax_ckpt_plugin.restore.matching import match_structure
+from flax_ckpt_plugin.format.treepaths import leaf_paths
+from flax_ckpt_plugin.format.treepaths import normalize_index
+
+# Leaves restored at once: reads and checksums release the GIL.
+_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _target_sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return sharding
+
+
+def on_context_mesh(path: str, leaf: Any) -> Any:
+  """`leaf`, with a sharding over an `AbstractMesh` put on the set mesh.
+
+  `nnx.eval_shape` (or `jax.eval_shape`) under `jax.set_mesh(mesh)` gives
+  `ShapeDtypeStruct`s whose `NamedSharding` names only an abstract mesh. The
+  devices are those of the mesh set by the caller, which only the caller's
+  thread sees (not the threads that restore leaves): so it is looked up here.
+  """
+  sharding = getattr(leaf, "sharding", None)
+  abstract = getattr(jax.sharding, "AbstractMesh", ())  # Not in older jax.
+  if not (isinstance(sharding, jax.sharding.NamedSharding)
+          and isinstance(sharding.mesh, abstract)):
+    return leaf
+  get_mesh = getattr(jax.sharding, "get_mesh", None)
+  mesh = get_mesh() if get_mesh else None
+  if (mesh is None or mesh.empty
+      or mesh.shape_tuple != sharding.mesh.shape_tuple):
+    found = ("no mesh is set" if mesh is None or mesh.empty
+             else f"the mesh set is {mesh}")
+    raise ValueError(
+        f"leaf {path!r}: the target's sharding is over an abstract mesh"
+        f" {sharding.mesh} and {found}. Restore inside `with"
+        " jax.set_mesh(mesh)` with the mesh of that shape, or give the target"
+        " shardings over a concrete `jax.sharding.Mesh` (for Flax NNX:"
+        " `nnx.get_named_sharding(abstract_state, mesh)`).")
+  return leaf.update(sharding=jax.sharding.NamedSharding(
+      mesh, sharding.spec, memory_kind=sharding.memory_kind))
+
+
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
+                 cast: bool = False,
+                 window: pinned.RestoreWindow | None = None) -> Any:
+  """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
+  a Python scalar, whose value is in the manifest). With `cast`, values
+  are converted to the target's dtype as they are read (`casting`). With a
+  `window`, regions for devices with pinned host memory travel through it.
+  """
+  if saved.is_scalar:  # `matching` checked that the target holds it.
+    value = saved.value
+    if is_python_scalar(target):
+      return type(target)(value)
+    host = np.asarray(value, dtype=target.dtype)
+    if isinstance(target, np.ndarray | np.generic):
+      return host if isinstance(target, np.ndarray) else host[()]
+    return _put(host, _target_sharding(target))
+  lr = LeafReader(leaf=saved, **lr_args)
+  if cast:
+    lr = casting.reader_for(lr, saved, target, lr_args["where"])
+  if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
+      or lr.dtype.byteorder == ">" or saved.key_impl is not None):
+    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
+  return placement.place_array(lr, lr.shape, _target_sharding(target),
+                               window)
+
+
+def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
+  """A leaf like `target` from all of `saved`'s values, on the host.
+
+  Every process that restores the leaf holds the same values (the step's
+  checksummed bytes, or a collective's result), so each places its own
+  shards (`_put`), and no leaf costs a collective.
+  """
+  if is_python_scalar(target):
+    return type(target)(host[()].item())
+  if isinstance(target, np.ndarray | np.generic):
+    if host.dtype != target.dtype:  # Byte order only (see `_same_dtype`).
+      host = host.astype(target.dtype)
+    return host if isinstance(target, np.ndarray) else host[()]
+  if host.dtype.byteorder == ">":  # Saved big-endian by an older version.
+    host = host.astype(host.dtype.newbyteorder("="))
+  sharding = _target_sharding(target)
+  if saved.key_impl is None:
+    return _put(host, sharding)
+  if not sharding.is_fully_addressable:
+    return jax.random.wrap_key_data(_put(host, sharding), impl=saved.key_impl)
+  return jax.device_put(jax.random.wrap_key_data(host, impl=saved.key_impl),
+                        sharding)
+
+
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`host`, the same on every process, on `sharding`. Over several
+  processes, `jax.device_put` would first check that every process holds
+  the same values, with a collective per leaf (about 10 ms each here, and
+  a wait for a process that restores alone or skipped the leaf); each
+  process places its own shards instead."""
+  if not sharding.is_fully_addressable:
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+  return jax.device_put(host, sharding)
+
+
+_BATCH_BYTES = 8 << 20  # Small leaves restored per task, in bytes.
+_BATCH_LEAVES = 128  # And in leaves: a task costs about 100 us to hand out.
+
+
+def _batches(targets: list[tuple[str, Any]], saved: dict[str, LeafRecord]
+             ) -> list[list[tuple[str, Any]]]:
+  """Consecutive leaves grouped into tasks of about `_BATCH_BYTES`."""
+  out: list[list[tuple[str, Any]]] = []
+  size = 0
+  for path, leaf in targets:
+    nbytes = saved[path].nbytes
+    if (not out or size + nbytes > _BATCH_BYTES
+        or len(out[-1]) >= _BATCH_LEAVES):
+      out.append([])
+      size = 0
+    out[-1].append((path, leaf))
+    size += nbytes
+  return out
+
+
+def _regions(saved: LeafRecord, target: Any) -> list[Index]:
+  """The regions of `saved` that this process restores for `target`."""
+  whole = tuple((0, d) for d in saved.shape)
+  if (saved.is_scalar or saved.key_impl is not None  # Keys: read whole.
+      or not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))):
+    return [whole]
+  indices = _target_sharding(target).addressable_devices_indices_map(
+      saved.shape).values()
+  return [whole if i is None else normalize_index(i, saved.shape)
+          for i in indices]
+
+
+def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
+                where: str) -> None:
+  """For a step of one process's shards (`Manifest.scope`): raises unless
+  it holds every region this process restores (same shardings as saved).
+
+  Raises:
+    CheckpointNotFoundError: names the first leaf and region not held.
+  """
+  for path, target in targets:
+    leaf = saved[path]
+    if leaf.is_scalar:
+      continue
+    for region in _regions(leaf, target):
+      if held_elements(leaf.shards, region) != math.prod(
+          hi - lo for lo, hi in region):
+        raise CheckpointNotFoundError(
+            f"{where}, leaf {path!r}: holds only this process's shards as"
+            f" saved, and not region {[list(r) for r in region]} that the"
+            " target places here (another sharding or process layout?)")
+
+
+def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
+                   cast: bool, window: pinned.RestoreWindow) -> list[Any]:
+  ranges = [] if len(batch) < 2 else [
+      r for saved, target in batch if not saved.is_scalar
+      for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
+          _regions(saved, target))]
+  with lr_args["reader"].coalesced(ranges):
+    return [restore_leaf(saved, target, lr_args, cast=cast, window=window)
+            for saved, target in batch]
+
+
+def plain_target(manifest: Manifest) -> Any:
+  """A target for restoring `manifest`'s step without one of the user's.
+
+  Nested dicts with string keys, as `flax.serialization.to_state_dict`
+  spells a tree (attribute names, list indices as '0', '1'...), so
+  `flax.serialization.from_state_dict(state, restored)` puts the result
+  into a `TrainState`. Array leaves come back as whole numpy arrays on the
+  host, Python scalars as themselves, typed PRNG keys as JAX key arrays on
+  the first local device. A tree that is one leaf is that leaf. Nodes
+  without leaves (an `optax.EmptyState`) have no entry.
+  """
+  root: dict[str, Any] = {}
+  for leaf in manifest.leaves:
+    if leaf.is_scalar:
+      placeholder = leaf.value
+    elif leaf.key_impl is not None:
+      placeholder = jax.eval_shape(
+          functools.partial(jax.random.wrap_key_data, impl=leaf.key_impl),
+          jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    else:  # Zero strides: shape and dtype, no memory.
+      placeholder = np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    if not leaf.keys:
+      return placeholder
+    node = root
+    names = [str(next(iter(k.values()))) for k in leaf.keys]
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = placeholder
+  return root
+
+
+def log_casts(where: str, saved: dict[str, LeafRecord],
+              targets: list[tuple[str, Any]]) -> list[str]:
+  """The one log line of a restore with `cast=True`: how many leaves it
+  converts. Returns their paths."""
+  cast = casting.cast_leaves(saved, targets)
+  log.info("%s: casting %d of %d leaves to the target's dtypes%s", where,
+           len(cast), len(targets), f" (first: {cast[0]!r})" if cast else "")
+  return cast
+
+
+def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
+                 verify: bool = True,
+                 backend: backend_lib.Backend | None = None,
+                 partial: bool = False, missing: str = "error",
+                 cast: bool = False) -> tuple[Any, int]:
+  """Builds a pytree like `target` from the step at `step_dir`.
+
+  Args:
+    step_dir: the finalized step directory.
+    manifest: its manifest, from `manifest.read`.
+    target: the concrete or abstract pytree to restore like.
+    verify: check the CRC-32C of every block of data read.
+    backend: the directory's storage (default: by the path's scheme).
+    partial: restore the target's leaves alone, reading no byte of the
+      checkpoint's other leaves.
+    missing: "keep": a target leaf that the checkpoint lacks keeps the
+      target's value (logged); "error" (default): a mismatch.
+    cast: convert leaves saved in another dtype than the target's, as
+      `casting` allows, while they are read (one log line counts them).
+
+  Returns:
+    The pytree, and the number of bytes this process read from data files.
+
+  Raises:
+    StructureMismatchError: leaf paths, shapes or dtypes differ; the message
+      names every such leaf and both sides. Raised before any data is read,
+      except for an integer that a narrower target cannot hold (`cast`).
+    CheckpointCorruptedError: data files are missing, short, inconsistent
+      or fail their checksums; the message names the file, step and leaf.
+    CheckpointNotFoundError: a step of one process's shards does not hold
+      what this process restores (raised before any data is read).
+  """
+  saved = manifest.leaf_by_path
+  targets, treedef = leaf_paths(target)
+  where = f"step {manifest.step} in {step_dir}"
+  kept = set(match_structure(saved, [(p, leaf) for p, _, leaf in targets],
+                             step_dir, partial=partial, missing=missing,
+                             cast=cast))
+  if kept:
+    log.warning("%s: %d target leaves are not in the checkpoint and keep"
+                " the target's values: %s", where, len(kept), sorted(kept))
+  order = [p for p, _, _ in targets]
+  given = {p: leaf for p, _, leaf in targets if p in kept}
+  for path, _, _ in targets:  # Now each impl is the target's, so known.
+    if path not in kept:
+      check_key_impl(saved[path], where)
+  targets = [(p, on_context_mesh(p, leaf)) for p, _, leaf in targets
+             if p not in kept]
+  if cast:
+    log_casts(where, saved, targets)
+  if manifest.scope is not None:
+    _check_held(saved, targets, where)
+  reader = ByteReader(step_dir, manifest.files, backend)
+  lr_args = {"reader": reader, "verify": verify,
+             "block": manifest.checksum_block_bytes,
+             "where": where}
+  window = pinned.RestoreWindow()
+  try:
+    with concurrent.futures.ThreadPoolExecutor(
+        _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
+      futures = [pool.submit(_restore_batch, [(saved[p], leaf)
+                                               for p, leaf in batch], lr_args,
+                             cast, window)
+                 for batch in _batches(targets, saved)]
+      try:
+        leaves = [leaf for f in futures for leaf in f.result()]
+      except BaseException:
+        for f in futures:
+          f.cancel()
+        raise
+    # The transfers out of pinned buffers: their error is the restore's,
+    # and their buffers go back to the pool.
+    window.wait()
+  finally:
+    reader.close()
+  if given:
+    read = iter(leaves)
+    leaves = [given[p] if p in given else next(read) for p in order]
+  return jax.tree_util.tree_unflatten(treedef, leaves), reader.bytes_read

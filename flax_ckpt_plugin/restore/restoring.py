@@ -1,0 +1,367 @@
+"""The restores of a `CheckpointManager`, and the steps they set aside.
+
+`restore` reads a step on one process alone; `restore_together` is the
+same, called on every process, with the reading of what several processes
+need split among them (`shared_read`); `restore_newest_valid` is the
+agreement of all processes on the newest step that restores on every one
+of them (`fallback`), which sets damaged steps aside. `Restoring` is a base
+class of `CheckpointManager`: the manager's `__init__` sets the attributes
+listed on it, and its save side keeps the step list that `set_aside` and
+`discard` take steps out of.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from typing import Any, Callable
+
+from etils import epath
+
+from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.restore import fallback
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.restore import read_plan
+from flax_ckpt_plugin.restore import shared_read
+from flax_ckpt_plugin.save.async_commit import AsyncCommitter
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.restore.restore import plain_target
+from flax_ckpt_plugin.restore.restore import restore_tree
+from flax_ckpt_plugin.save.staging import HostStaging
+from flax_ckpt_plugin.save.stats import RestoreStats
+from flax_ckpt_plugin.save.stats import step_metadata
+from flax_ckpt_plugin.save.stats import StepMetadata
+
+
+class Restoring:
+  """Lists and restores the steps of one directory; see `CheckpointManager`,
+  its one subclass."""
+
+  # Set by `CheckpointManager.__init__`.
+  directory: epath.Path
+  backend: backend_lib.Backend
+  coordinator: coordinator_lib.Coordinator
+  is_primary: bool
+  read_only: bool
+  share_reads: bool
+  scope: Any  # A local tier's managers: one process's own copy.
+  barrier_timeout_ms: int
+  last_restore_stats: RestoreStats | None
+  _base: str  # The prefix of the keys that restores meet at.
+  _committer: AsyncCommitter
+  _staging: HostStaging
+  _lock: threading.Lock
+  _steps: list[int]  # A writer's finalized steps.
+  _known_good: int  # The newest step known to restore (-1: none).
+
+  check_still_writer: Callable[..., None]  # Writers only.
+  # Whether `restore` said once that `restore_together` reads less.
+  _hinted_together = False
+
+  # -- queries ---------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Finalized steps, oldest first (unfinished ones are never listed).
+
+    A writer knows its own steps; a read-only manager lists the directory
+    anew at each call, so it sees what a training job finalized since.
+    """
+    if self.read_only:
+      return atomicity_lib.finalized_steps(self.directory)
+    with self._lock:
+      return list(self._steps)
+
+  def latest_step(self) -> int | None:
+    """The newest finalized step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
+
+  def _finalized_dir(self, step: int | None) -> tuple[int, epath.Path]:
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise CheckpointNotFoundError(
+            f"no finalized checkpoint in {self.directory}")
+    step = operator.index(step)
+    step_dir = self.directory / str(step)
+    if not atomicity_lib.is_finalized(step_dir):
+      raise CheckpointNotFoundError(
+          f"step {step} is not a finalized checkpoint in {self.directory}"
+          f" (finalized steps: {self.all_steps()})")
+    return step, step_dir
+
+  def _manifest(self, step: int | None
+                ) -> tuple[int, epath.Path, manifest_lib.Manifest]:
+    step, step_dir = self._finalized_dir(step)
+    return step, step_dir, manifest_lib.read(step_dir, step)
+
+  def metadata(self, step: int | None = None) -> StepMetadata:
+    """`extra`, metrics and timestamps of `step` (default: the newest).
+
+    Raises:
+      CheckpointNotFoundError: no such finalized step.
+      CheckpointCorruptedError: its manifest is missing or damaged.
+    """
+    self._check_open()
+    return step_metadata(self._manifest(step)[2])
+
+  def data_state(self, step: int | None = None) -> Any:
+    """This process's data state saved with `step` (default: the newest):
+    bytes or the JSON value it was saved as; None if it has none.
+
+    Raises:
+      CheckpointNotFoundError: no such finalized step.
+      DataStateMismatchError: the step was saved by another number of
+        processes (the message names both counts).
+      CheckpointCorruptedError: the state's file is missing or damaged.
+    """
+    self._check_open()
+    _, step_dir, manifest = self._manifest(step)
+    return datastate.of_step(step_dir, manifest, self.coordinator,
+                             self.backend)
+
+  # -- restore ---------------------------------------------------------------
+
+  def restore(self, target: Any, step: int | None = None, *,
+              verify: bool = True,
+              data_iterator: datastate.DataIterator | None = None,
+              partial: bool = False, missing: str = "error",
+              cast: bool = False) -> Any:
+    """Restores `step` (default: the newest finalized) like `target`.
+
+    Runs on this process alone (it meets no other process), so it may be
+    called on one process only, e.g. in a commit hook. Called on every
+    process with a target that several processes hold (replicated across
+    them), each reads all of it: `restore_together` (or
+    `restore_newest_valid`) reads each byte once, and the first such call
+    logs that.
+
+    Args:
+      target: a concrete pytree such as a `TrainState`, or an abstract one
+        from `jax.eval_shape` whose `ShapeDtypeStruct` leaves may carry
+        `sharding=`. Arrays come back with the target's shardings (or on the
+        first local device when a `ShapeDtypeStruct` has none); Python scalars
+        and numpy leaves keep their type; non-array fields come from target.
+        None: the step as saved, in plain nested dicts of numpy arrays (for
+        looking at it or converting it; see `restore.plain_target`).
+      step: which step; None for the newest.
+      verify: check the CRC-32C of every block read (a partial read of a
+        shard then reads the whole 4 MiB blocks around what it needs).
+      data_iterator: if given, gets this process's data state of the step
+        (`set_state`), once the tree restored (see `datastate`).
+      partial: restore only the leaves of `target` (e.g. `{"params":
+        params}` from a saved `TrainState`: key paths match whether a
+        level is a dict key or an attribute); no byte of the other leaves
+        is read.
+      missing: "keep": a leaf of `target` that the checkpoint lacks (a
+        new head for fine-tuning) keeps the target's value, and a log line
+        names them; "error" (default): a `StructureMismatchError`.
+      cast: where a leaf's target dtype differs from the saved one, convert
+        the values while they are read, piece by piece (never a second
+        full copy of the leaf): floating to floating of any width, integer
+        to integer (a narrower target is checked value by value). A log
+        line says how many leaves were cast. See `casting`.
+
+    Returns:
+      A pytree of the target's type.
+
+    Raises:
+      CheckpointNotFoundError: no such finalized step.
+      StructureMismatchError: the trees differ; names every mismatched leaf
+        by its key path (and, for dtypes that `cast=True` converts, says
+        so). With `cast`: a conversion it does not make (floating to
+        integer, complex to real, booleans, PRNG keys), or a saved integer
+        that the target's dtype cannot hold; names the leaf and both
+        dtypes.
+      CheckpointCorruptedError: the step's files are damaged.
+      DataStateMismatchError: see `data_state`.
+    """
+    self._check_open()
+    self._committer.check()
+    self._hint_together(target)
+    # A restore allocates a whole state of its own: free the save staging
+    # buffers first, so host memory peaks at one extra state, not two. (A
+    # running commit keeps its own references; the next save maps new ones.)
+    self._staging.clear()
+    t0 = time.perf_counter()
+    step, step_dir, manifest = self._manifest(step)
+    hand_over = None if data_iterator is None else datastate.prepare(
+        data_iterator, step_dir, manifest, self.coordinator, self.backend)
+    if target is None:
+      target = plain_target(manifest)
+    tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
+                                backend=self.backend, partial=partial,
+                                missing=missing, cast=cast)
+    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
+                                           nbytes)
+    if hand_over is not None:
+      hand_over()
+    return tree
+
+  def restore_together(self, target: Any, step: int | None = None, *,
+                       verify: bool = True,
+                       data_iterator: datastate.DataIterator | None = None,
+                       cast: bool = False) -> Any:
+    """`restore`, called on every process: storage serves each byte once.
+
+    Where the target has regions that several processes need (replicated
+    arrays), they split the reading and JAX collectives give every device
+    its whole region (see `shared_read`); otherwise the same as `restore`.
+    `step` None: the newest finalized step, as the primary host sees it
+    (every process restores that one).
+
+    Raises:
+      As `restore`, and `errors.Unsuitable` when another process found
+      the step damaged (see `restore_newest_valid`).
+    """
+    if (not self.share_reads or target is None
+        or self.coordinator.process_count < 2
+        or not read_plan.worth_it(target)):
+      return self.restore(target, step, verify=verify,
+                          data_iterator=data_iterator, cast=cast)
+    self._check_open()
+    self._committer.check()
+    self._staging.clear()
+    t0 = time.perf_counter()
+    key = f"{self._base}/shared"
+    key = f"{key}/{self.coordinator.next_round(key)}"
+    step = operator.index(step) if step is not None else self._agreed_newest(
+        f"{key}/newest")
+    step_dir = self.directory / str(step)
+
+    def read_manifest():  # On the primary only.
+      return manifest_lib.read_raw(self._finalized_dir(step)[1],
+                                   self.backend)
+
+    def before(manifest):
+      return None if data_iterator is None else datastate.prepare(
+          data_iterator, step_dir, manifest, self.coordinator, self.backend)
+
+    tree, nbytes, hand_over = shared_read.restore(
+        self.coordinator, key, step_dir, read_manifest, target, step=step,
+        reads_manifest=self.is_primary, backend=self.backend, verify=verify,
+        timeout_ms=self.barrier_timeout_ms, before=before, cast=cast)
+    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
+                                           nbytes)
+    if hand_over is not None:
+      hand_over()
+    return tree
+
+  def _agreed_newest(self, key: str) -> int:
+    """The newest finalized step as the primary host sees it, on every
+    process (a process that lists the directory a moment later could see
+    one more).
+
+    Raises:
+      CheckpointNotFoundError: the primary sees no finalized step.
+    """
+    if self.is_primary:
+      newest = self.latest_step()
+      self.coordinator.kv_set(key, "none" if newest is None else str(newest))
+    else:
+      said = self.coordinator.kv_get(key, timeout_ms=self.barrier_timeout_ms)
+      newest = None if said == "none" else int(said)
+    if newest is None:
+      raise CheckpointNotFoundError(
+          f"no finalized checkpoint in {self.directory}")
+    return newest
+
+  def _hint_together(self, target: Any) -> None:
+    """Logs once, where `restore` runs on several processes with a target
+    that several of them hold, that each reads all of it."""
+    if (self._hinted_together or not self.share_reads or target is None
+        or self.scope is not None or self.coordinator.process_count < 2
+        or not read_plan.worth_it(target)):
+      return
+    self._hinted_together = True
+    log.warning(
+        "restore() of %s: the target has arrays that several of the %d"
+        " processes hold, and restore() on each process reads all of them"
+        " from storage; restore_together(target) (or restore_newest_valid,"
+        " or a callback's restore_or_initialize), called on every process,"
+        " reads each byte once and shares it", self.directory,
+        self.coordinator.process_count)
+
+  def restore_newest_valid(self, target: Any, *, verify: bool = True,
+                           data_iterator: datastate.DataIterator | None = None,
+                           cast: bool = False) -> tuple[int, Any] | None:
+    """Restores the newest finalized step that restores on every process.
+
+    Called on every process; see `fallback`. A step whose files fail
+    verification or are missing on any process is skipped with a warning
+    naming it and why, and the next older one is tried. All processes
+    learn together how each try went, so they never restore different
+    steps and never wait for a timeout to hear of an error.
+
+    Args:
+      target: what to restore into, as for `restore`.
+      verify: check checksums, as for `restore`.
+      data_iterator: as for `restore`; a step without this process's data
+        state (but others') is skipped, and kept.
+      cast: convert dtypes, as for `restore`.
+
+    Returns:
+      (step, restored tree), or None when the directory has no finalized
+      step.
+
+    Raises:
+      CheckpointCorruptedError: every finalized step failed; names them.
+      StructureMismatchError: the target does not match (not skipped: an
+        older step would not match either).
+      RestoreFailedError: another process failed for another reason than
+        damage (that process raises its own error).
+    """
+    self._check_open()
+    self._committer.check()
+    key = f"{self._base}/restore"
+    key = f"{key}/{self.coordinator.next_round(key)}"
+    found, skipped = fallback.restore_newest(
+        self.coordinator, key, steps=self.all_steps,
+        restore=lambda step: self.restore_together(
+            target, step, verify=verify, data_iterator=data_iterator,
+            cast=cast),
+        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
+        where=str(self.directory))
+    if found is not None:  # Every process restored it.
+      with self._lock:
+        self._known_good = max(found[0], self._known_good)
+    if skipped and found is not None:
+      log.warning("restored step %d of %s after skipping damaged steps %s",
+                  found[0], self.directory, skipped)
+      self.set_aside(skipped)
+    return found
+
+  def discard(self, steps: list[int]) -> None:
+    """Deletes finalized steps, for a run that resumed before them and
+    will save those step numbers anew. Writers only; called on every
+    process (the primary deletes)."""
+    self._forget(steps, lambda: atomicity_lib.delete_steps(
+        self.directory, sorted(steps), self.check_still_writer, self.backend))
+
+  def set_aside(self, steps: list[int]) -> None:
+    """Takes damaged steps out of the list, so that training saves them anew.
+
+    Otherwise the resumed run would never save those step numbers again,
+    and a preemption at one would stop on the damaged copy. A read-only
+    manager changes nothing.
+    """
+    self._forget(steps, lambda: fallback.set_aside(self.directory, steps,
+                                                   self.backend))
+
+  def _forget(self, steps: list[int], remove: Callable[[], None]) -> None:
+    """Takes `steps` out of the list; the primary runs `remove`."""
+    if self.read_only or not steps:
+      return
+    with self._lock:
+      self._steps = [s for s in self._steps if s not in steps]
+    if self.is_primary:
+      remove()

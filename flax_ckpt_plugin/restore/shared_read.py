@@ -1,0 +1,414 @@
+"""A restore in which storage serves each byte once, whatever the replicas.
+
+When a target array is replicated over several processes (data
+parallelism; the replicas of HSDP), every process reading its own copy
+pulls the state from storage once per process: 64 hosts, 64 copies of the
+egress. Here the processes that need a region split it instead (the plan,
+`read_plan`): each reads a contiguous range of its rows, as the save cut
+it (checksums verified), and each of its devices holding the region
+contributes a slot of that range; small leaves replicated on every device
+travel packed, one slot per device. One jitted program per batch of leaves
+(`share_program`) gathers the slots, so that every device gets the whole
+region. No socket of our own. Only the primary reads the manifest; the others receive it
+through the coordinator. Leaves the plan does not take are read by each
+process as in `restore.restore_tree`.
+
+Three phases, each agreed on by every process: the primary shares the
+manifest; every process plans (nothing that can fail on one process alone
+is left after this); every process reads, starting each batch's program
+(JAX dispatches it and returns) as soon as the batch is read, so that one
+batch's collectives run while the next is read. Every process starts every
+program, whatever it meets: one whose file is damaged goes on with zeros
+and raises its error once its programs ran, and the agreement that follows
+tells all to drop the result (and try an older step), so none waits in a
+collective for another. Leaves read alone are placed without a collective
+(`restore.from_host`).
+
+Memory: a process holds, per shared region, about its range of the rows
+(each local device's slot, padded to the longest slot) besides the result;
+for a region read whole by one process, a block of its size per device.
+For a batch's packed leaves, every device holds all the slots (padded to
+the longest), until the batch's leaves are cut out, and the process one
+host copy of them meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.restore import matching
+from flax_ckpt_plugin.restore import replicas as replicas_lib
+from flax_ckpt_plugin.restore import read_plan
+from flax_ckpt_plugin.restore import restore as restore_lib
+from flax_ckpt_plugin.restore import share_program
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.errors import Unsuitable
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.format.treepaths import Index
+from flax_ckpt_plugin.format.treepaths import leaf_paths
+from flax_ckpt_plugin.format.treepaths import normalize_index
+
+
+def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
+            read_manifest: Any, target: Any, *, step: int,
+            reads_manifest: bool, backend: Any, verify: bool,
+            timeout_ms: int, before: Any = None, cast: bool = False
+            ) -> tuple[Any, int, Any]:
+  """Restores `step` from `step_dir` like `target`; see the module doc.
+
+  Called on every process with the same `key`, one no call used before.
+  The process with `reads_manifest` (one: the primary) calls
+  `read_manifest()` for the raw bytes of the step's manifest (checking
+  first that the step is finalized) and shares them through the
+  coordinator; the others read no manifest, so storage serves it once.
+  `before(manifest)` then runs on every process (the data state's checks).
+  Both run inside agreed phases, so that an error on one process is known
+  to all. With `cast`, leaves of another dtype than the target's are
+  converted (`casting`), each read by every process that needs it.
+
+  Returns:
+    The tree, the bytes this process read, and what `before` returned.
+
+  Raises:
+    CheckpointCorruptedError, FileNotFoundError: this process's files.
+    CheckpointNotFoundError: the step is not finalized (raised by all).
+    errors.Unsuitable: another process found the step damaged, or not
+      for it (skip it).
+    RestoreFailedError: another process failed otherwise.
+    StructureMismatchError: the target does not fit (raised by all).
+  """
+  with _no_collection():
+    return _restore(coord, key, step_dir, read_manifest, target, step=step,
+                    reads_manifest=reads_manifest, backend=backend,
+                    verify=verify, timeout_ms=timeout_ms, before=before,
+                    cast=cast)
+
+
+@contextlib.contextmanager
+def _no_collection():
+  """Python's cyclic garbage collector paused (if it ran): a full
+  collection (about 0.1 s with JAX loaded) in one process delays every
+  process at the next agreement or collective."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
+def _restore(coord, key, step_dir, read_manifest, target, *, step,
+             reads_manifest, backend, verify, timeout_ms, before, cast):
+  where = str(step_dir)
+  log.debug("%s: restoring together", where)
+  shared = f"{key}/manifest"
+  own: list[manifest_lib.Manifest] = []
+
+  def share():
+    if reads_manifest:
+      raw = read_manifest()
+      own.append(manifest_lib.of_step(raw, step_dir, step))  # Valid UTF-8.
+      groups.share_text(coord, shared, raw.decode("utf-8"))
+
+  _check(coordinator_lib.agree(coord, f"{key}/shared", share,
+                               timeout_ms=timeout_ms), where,
+         primary_reads=True)
+
+  def plan():
+    log.debug("%s: manifest shared", where)
+    manifest = own[0] if own else manifest_lib.of_step(
+        groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
+        step_dir, step)
+    return (manifest,) + _plan(step_dir, manifest, target, where, cast)
+
+  # Whatever can fail on one process alone before the programs start
+  # (fetching the manifest) fails in this phase, which starts none.
+  outcome = coordinator_lib.agree(coord, f"{key}/plan", plan,
+                                  timeout_ms=timeout_ms)
+  if reads_manifest:  # Every process has it now: free the service's copy.
+    try:
+      coord.kv_delete(shared)
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("could not delete the shared manifest %s: %s", shared, e)
+  _check(outcome, where)
+  manifest, treedef, leaves, batches, packs = outcome.result
+  outcome = coordinator_lib.agree(
+      coord, f"{key}/read", lambda: _read(
+          step_dir, manifest, backend, verify, where, leaves, batches, packs,
+          before, cast), timeout_ms=timeout_ms)
+  _check(outcome, where)
+  return _run(treedef, *outcome.result)
+
+
+def _check(outcome: coordinator_lib.Outcome, where: str,
+           primary_reads: bool = False) -> None:
+  """Raises what a phase's failures mean here (see `restore`);
+  `primary_reads`: the phase in which only the primary reads (a step it
+  finds unfinalized is so for all)."""
+  if outcome.error is not None:
+    raise outcome.error
+  if not outcome.failures:
+    return
+  text = coordinator_lib.describe_failures(outcome.failures)
+  kinds = {f[0] for f in outcome.failures.values()}
+  if primary_reads and kinds == {"CheckpointNotFoundError"}:
+    raise CheckpointNotFoundError(
+        "; ".join(m for _, m in outcome.failures.values()))
+  if kinds & {"CheckpointCorruptedError", "FileNotFoundError",
+              "CheckpointNotFoundError", "Unsuitable"}:
+    raise Unsuitable(f"{where} is damaged on other processes:"
+                              f" {text}")
+  raise RestoreFailedError(f"restoring {where} failed on other processes:"
+                           f" {text}")
+
+
+def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
+          where: str, cast: bool) -> tuple[Any, list, list, list]:
+  """Matches the target and plans every leaf (see `read_plan`): the same
+  on every process, and nothing read yet. A leaf cast to another dtype is
+  read alone (`restore.restore_leaf` converts it).
+
+  Returns:
+    The target's treedef; per leaf, (record, target, `read_plan.Split` or
+    None: read alone); the batches; their packs.
+  """
+  targets, treedef = leaf_paths(target)
+  saved = manifest.leaf_by_path
+  pairs = [(p, t) for p, _, t in targets]
+  matching.match_structure(saved, pairs, step_dir, cast=cast)
+  for path, _, _ in targets:
+    matching.check_key_impl(saved[path], where)
+  converted = set(restore_lib.log_casts(where, saved, pairs) if cast else ())
+  leaves, load = [], {}
+  for path, _, t in targets:
+    t = restore_lib.on_context_mesh(path, t)
+    leaf = saved[path]
+    # Read alone: bytes saved big-endian (by an older version), which need
+    # a swap on the host, and dtypes JAX holds narrower (int64 without
+    # jax_enable_x64), which the program cannot bitcast to. The manifest
+    # says so alike on every process.
+    split = None if (
+        leaf.dtype is None or leaf.dtype.byteorder == ">" or path in converted
+        or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
+            read_plan.split(t, load))
+    leaves.append((leaf, t, split))
+  batches = read_plan.batches(leaves)
+  return treedef, leaves, batches, [read_plan.pack(leaves, batch)
+                                    for batch in batches]
+
+
+def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
+          verify: bool, where: str, leaves: list, batches: list[list[int]],
+          packs: list[read_plan.Pack | None], before: Any, cast: bool
+          ) -> tuple[list, list, int, Any]:
+  """Runs `before(manifest)`, reads this process's leaves and its parts
+  of the shared ones, and starts each batch's program once its parts are
+  read, while the next batch is read. The programs are traced and
+  compiled on a thread meanwhile, with the caller's `jax_enable_x64` (a
+  per-thread setting, as under `jax.enable_x64`).
+
+  Every process starts every program, whatever happens here: a process
+  that fails (a damaged file) goes on with zeros in its slots and raises
+  its error once all programs ran, so that no other process waits in a
+  collective for it; the agreement (`restore`) then tells all to drop the
+  result. Leaves it reads alone are placed without a collective (see
+  `restore.from_host`), so skipping them after an error costs no one.
+
+  Returns:
+    Per leaf, ("own", its value), ("shared", (batch, position among the
+    program's outputs)) or ("packed", (batch, target, record, pieces));
+    the programs' outputs; the bytes read; what `before` returned.
+  """
+  x64 = jax.config.jax_enable_x64
+  pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="flax_ckpt_plugin-compile")
+  compiling = [pool.submit(share_program.compile_batch, leaves, batch, pack,
+                             x64)  # In order.
+               for batch, pack in zip(batches, packs)]
+  pool.shutdown(wait=False)
+  reader = ByteReader(step_dir, manifest.files, backend)
+  lr_args = {"reader": reader, "verify": verify,
+             "block": manifest.checksum_block_bytes, "where": where}
+  batch_of = {i: (b, k) for b, batch in enumerate(batches)
+              for k, i in enumerate(batch)}
+  slots: dict[int, jax.Array] = {}
+  flats: dict[int, dict[Any, np.ndarray]] = {}  # Per batch: packed slots.
+  own_outputs: dict[int, int] = {}  # Per batch: its program's outputs.
+  outputs: list[Any] = []
+  plans: list[Any] = []
+  error = extra = None
+  t0 = time.perf_counter()
+  try:
+    try:
+      extra = None if before is None else before(manifest)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    for i, (leaf, t, split) in enumerate(leaves):
+      if split is None:
+        if error is None:
+          try:
+            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args,
+                                                          cast=cast)))
+            continue
+          except Exception as e:  # pylint: disable=broad-except
+            error = e
+        plans.append(("own", None))
+        continue
+      b, k = batch_of[i]
+      pack = packs[b]
+      if pack is not None and pack.pieces and b not in flats:
+        flats[b] = {d: np.zeros((1, pack.length), np.uint8)
+                    for d in pack.devices
+                    if d.process_index == jax.process_index()}
+      try:
+        if pack is not None and i in pack.pieces:
+          if error is None:
+            _fill(flats[b], leaf, pack.pieces[i], lr_args)
+        else:
+          slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e  # `_inputs` gives the leaf zeros.
+      if pack is not None and i in pack.pieces:
+        plans.append(("packed", (b, t, leaf, pack.pieces[i])))
+      else:  # Its place among the program's own outputs.
+        plans.append(("shared", (b, own_outputs.get(b, 0))))
+        own_outputs[b] = own_outputs.get(b, 0) + 1
+      if k == len(batches[b]) - 1:  # The batch is read: share it.
+        program = compiling[b].result()
+        try:
+          inputs = _inputs(leaves, batches[b], pack, flats.pop(b, None),
+                           slots, lr_args, zeros=False)
+        except Exception as e:  # pylint: disable=broad-except
+          error = error or e
+          inputs = _inputs(leaves, batches[b], pack, None, slots, lr_args,
+                           zeros=True)
+        outputs.append(program(*inputs))
+        del inputs
+  finally:
+    reader.close()
+  log.debug("%s: read %d bytes in %.2f s (%d batches shared)", where,
+            reader.bytes_read, time.perf_counter() - t0, len(batches))
+  if error is not None:
+    jax.block_until_ready(outputs)  # Every process ran them: none waits.
+    raise error
+  return plans, outputs, reader.bytes_read, extra
+
+
+def _inputs(leaves: list, batch: list[int], pack: read_plan.Pack | None,
+            flats: dict[Any, np.ndarray] | None, slots: dict[int, jax.Array],
+            lr_args: dict, *, zeros: bool) -> tuple[Any, list[jax.Array]]:
+  """A batch's program inputs: the packed slots and each other leaf's
+  slots (taken out of `slots`); all zeros if `zeros`."""
+  flat = None
+  if pack is not None:
+    if zeros or flats is None:
+      flats = {d: np.zeros((1, pack.length), np.uint8) for d in pack.devices
+               if d.process_index == jax.process_index()}
+    flat = jax.make_array_from_single_device_arrays(
+        (len(pack.devices), pack.length), pack.sharding,
+        [jax.device_put(x, d) for d, x in flats.items()], dtype=np.uint8)
+  arrays = []
+  for i in batch:
+    if pack is not None and i in pack.pieces:
+      continue
+    leaf, t, split = leaves[i]
+    slot = slots.pop(i, None)
+    arrays.append(slot if slot is not None and not zeros else _slots(
+        leaf, t, split, lr_args, read=False))
+  return flat, arrays
+
+
+def _fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
+          lr_args: dict) -> None:
+  """Reads this process's rows of a packed leaf into its devices' slots."""
+  lr = LeafReader(leaf=leaf, **lr_args)
+  rest = tuple((0, n) for n in leaf.shape[1:])
+  mine = [p for p in pieces if p[3] in flats]
+  if not mine:
+    return
+  lo, hi = min(p[4] for p in mine), max(p[5] for p in mine)
+  data = replicas_lib.as_bytes(lr.read(((lo, hi),) + rest)).reshape(hi - lo, -1)
+  for _, offset, n, device, a, b in mine:  # Each read once.
+    flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
+
+
+def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
+           read: bool
+           ) -> jax.Array:
+  """This process's slots of a shared leaf (zeros unless `read`), of
+  `read_plan.carrier`'s dtype."""
+  local = {d: normalize_index(i, leaf.shape) for d, i in
+           t.sharding.addressable_devices_indices_map(leaf.shape).items()}
+  ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
+  for device, region in local.items():
+    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+    if hi > lo:
+      a, b = ranges.get(region, (lo, hi))
+      ranges[region] = (min(a, lo), max(b, hi))
+  carrier = read_plan.carrier(leaf.dtype)
+  got = {}
+  if read:
+    lr = LeafReader(leaf=leaf, **lr_args)
+    got = {region: (lo, replicas_lib.as_bytes(lr.read(((lo, hi),) + region[1:]))
+                    .view(carrier))
+           for region, (lo, hi) in ranges.items()}  # Each read once.
+  blocks = []
+  for device, region in local.items():
+    dims = tuple(hi - lo for lo, hi in region[1:]) + split.shape[-1:]
+    block = np.zeros((1, split.rows) + dims, carrier)
+    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
+    if hi > lo and read:
+      first, data = got[region]
+      block[0, :hi - lo] = data[lo - first:hi - first]
+    blocks.append(jax.device_put(block, device))
+  return jax.make_array_from_single_device_arrays(split.shape, split.stacked,
+                                                  blocks, dtype=carrier)
+
+
+def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any
+         ) -> tuple[Any, int, Any]:
+  """Waits for the programs that `_read` started; the tree. The packed
+  leaves are cut out of each batch's gathered slots on the host, one batch
+  at a time, and placed without a collective (`restore.from_host`)."""
+  t = time.perf_counter()
+  outputs = jax.block_until_ready(outputs)
+  log.debug("shared %d batches in %.2f s after the reads", len(outputs),
+            time.perf_counter() - t)
+  last = {value[0]: n for n, (kind, value) in enumerate(kinds)
+          if kind == "packed"}  # Where each batch's packed slots are done.
+  host, leaves = None, []
+  for n, (kind, value) in enumerate(kinds):
+    if kind == "own":
+      leaves.append(value)
+    elif kind == "shared":
+      leaves.append(outputs[value[0]][0][value[1]])
+    else:  # Cut out of the gathered slots, on the host.
+      b, target, leaf, pieces = value
+      if host is None or host[0] != b:
+        flat = outputs[b][1]
+        host = (b, np.asarray(flat.addressable_shards[0].data)
+                if flat.addressable_shards else None)
+      if host[1] is None:  # No device of this process in the mesh.
+        data = np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+      else:
+        data = np.concatenate([host[1][k, offset:offset + size]
+                               for k, offset, size, *_ in pieces]).view(
+                                   leaf.dtype).reshape(leaf.shape)
+      leaves.append(restore_lib.from_host(leaf, target, data))
+      if last[b] == n:  # Free the batch's slots, here and on the devices.
+        host, outputs[b] = None, (outputs[b][0], None)
+  return jax.tree_util.tree_unflatten(treedef, leaves), nbytes, extra

@@ -1,0 +1,295 @@
+"""The writer's protocol, on every process: opening, and each save.
+
+`open_for_writing` claims the directory once. The background part of each
+save:
+
+    every process                          primary host only
+    prepared:  agree                       make the step's working directory
+    written:   write own shards + fsync,
+               agree
+    committed: agree                       check the merged manifest as the
+                                           reader would; write it, fsync,
+                                           finalize
+    hooks:     agree                       run the commit hooks
+
+Each phase is a `coordinator.agree`: a process whose part failed records it
+before the phase's barrier, so every process learns of it right after the
+barrier and all raise together, instead of the others waiting for a timeout
+at the next one. `commit` takes everything it needs as a `CommitInputs` and
+returns the `SaveStats`; the manager keeps its list of steps and applies
+retention with the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+from etils import epath
+import numpy as np
+
+from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import CommitHookError
+from flax_ckpt_plugin.errors import SaveFailedError
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.save.snapshot import LeafSnapshot
+from flax_ckpt_plugin.save.stats import SaveStats
+
+
+CommitHook = Callable[[SaveStats], None]
+
+
+class CommitInputs(NamedTuple):
+  """Everything one background commit reads; it touches nothing else."""
+  coordinator: coordinator_lib.Coordinator
+  directory: epath.Path  # The checkpoint directory.
+  backend: backend_lib.Backend  # Its storage.
+  step: int
+  key: str  # Unique prefix of this save's barrier and key-value keys.
+  tmp: atomicity_lib.TemporaryPath  # Where the step is written.
+  leaves: list[LeafSnapshot]  # This process's snapshot.
+  extra: Any  # JSON-ready `extra` and `metrics`.
+  metrics: dict[str, Any] | None
+  blocking_secs: float
+  is_primary: bool
+  timeout_ms: int
+  # Raises ConcurrentWriterError (with the given consequence) when another
+  # job claimed the directory since this one opened it.
+  check_still_writer: Callable[[str], None]
+  scope: storage.Scope | None = None  # One process's shards (local tier).
+  writers: Sequence[int] | None = None  # Who writes; None: every process.
+  data_state: datastate.Encoded | None = None  # This process's, if any.
+  retention: dict[str, Any] | None = None  # The policy, for the manifest.
+
+
+def open_for_writing(coord: coordinator_lib.Coordinator,
+                     directory: epath.Path, backend: backend_lib.Backend,
+                     base: str, *, is_primary: bool, timeout_ms: int
+                     ) -> tuple[str, list[int]]:
+  """Primary: claims `directory` and lists it; all: learn both.
+
+  The token names every later key of the writer, so that keys do not depend
+  on how many managers a process opened (`base` is the manager's prefix).
+  Only the primary lists the directory (its finalized steps, after removing
+  the unfinished ones): the others receive the list, so that opening costs
+  the store as many list requests with 1000 processes as with one.
+
+  Returns:
+    The writer's token, and the finalized steps, oldest first.
+  """
+  token = steps = None
+  multi = coord.process_count > 1
+  if is_primary:
+    directory.mkdir(parents=True, exist_ok=True)
+    previous = atomicity_lib.current_writer(directory)
+    token = atomicity_lib.claim_directory(directory, coord.process_count,
+                                          backend)
+    if previous:
+      log.info("took over %s from its previous writer %s", directory,
+               previous)
+    for entry in atomicity_lib.remove_unfinished(directory, backend):
+      log.warning("removed unfinished checkpoint %s", entry)
+    steps = atomicity_lib.finalized_steps(directory)
+    if multi:
+      coord.kv_set(f"{base}/writer", token)
+      groups.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
+  # Reused by every opening of this directory: a barrier key may be used
+  # again once all passed it, and the primary set the token before it.
+  coord.barrier(f"{base}/open", timeout_ms=timeout_ms)
+  if not is_primary:
+    token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
+    steps = json.loads(groups.fetch_text(coord, f"{base}/steps/{token}",
+                                         timeout_ms))
+  return token, steps
+
+
+def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:
+  """Bytes of every array leaf of the whole (global) state."""
+  return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+             for leaf in leaves if leaf.dtype is not None)
+
+
+def _phase(inputs: CommitInputs, name: str, fn: Callable[[], Any]) -> Any:
+  """Runs `fn` on every process; all raise together if any failed.
+
+  The primary host removes the unfinished step when a phase failed or timed
+  out anywhere.
+  """
+  coord, tmp = inputs.coordinator, inputs.tmp
+  abandon = tmp.abandon if inputs.is_primary else None
+  outcome = coordinator_lib.agree(coord, f"{inputs.key}/{name}", fn,
+                                  timeout_ms=inputs.timeout_ms,
+                                  on_timeout=abandon)
+  if outcome.failures:
+    if abandon is not None:
+      abandon()
+    if outcome.error is not None:
+      raise outcome.error
+    raise SaveFailedError(
+        f"save of step {inputs.step} to {inputs.directory} failed on other"
+        f" processes: {coordinator_lib.describe_failures(outcome.failures)}")
+  return outcome.result
+
+
+def commit(inputs: CommitInputs) -> SaveStats:
+  """Writes and finalizes one snapshot; the commit thread's body.
+
+  Called on every process; only the primary host makes and finalizes the
+  step directory.
+  """
+  coord, tmp, step, key = (inputs.coordinator, inputs.tmp, inputs.step,
+                           inputs.key)
+  t0 = time.perf_counter()
+  pid, count = coord.process_index, coord.process_count
+
+  def prepare():
+    if inputs.is_primary:
+      tmp.prepare()
+      if count > 1:  # Others check that they write where it made.
+        coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
+
+  _phase(inputs, "prepared", prepare)
+  identity = tmp.identity
+  if count > 1 and not inputs.is_primary:
+    identity = json.loads(coord.kv_get(f"{key}/identity",
+                                       timeout_ms=inputs.timeout_ms))
+  nbytes = _phase(
+      inputs, "written",
+      lambda: storage.write_process_files(tmp.path, inputs.leaves, pid,
+                                          identity=identity,
+                                          backend=inputs.backend,
+                                          data_state=inputs.data_state))
+
+  def finalize():
+    if inputs.is_primary:
+      inputs.check_still_writer(f"step {step} was not finalized")
+      merged, origins = storage.merge_tables(
+          tmp.path, step=step, leaves=inputs.leaves, process_count=count,
+          primary=pid, extra=inputs.extra, metrics=inputs.metrics,
+          backend=inputs.backend, scope=inputs.scope, writers=inputs.writers,
+          retention=inputs.retention)
+      text = checked_text(
+          merged, origins, f"step {step} in {inputs.directory}")
+      storage.write_manifest(tmp.path, text=text, process_count=count,
+                             backend=inputs.backend, writers=inputs.writers)
+      tmp.finalize()
+
+  _phase(inputs, "committed", finalize)
+  secs = time.perf_counter() - t0
+  log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
+           " written by this process", step, inputs.directory,
+           inputs.blocking_secs, secs, nbytes)
+  return SaveStats(step, inputs.blocking_secs, secs, nbytes,
+                   total_bytes=checkpoint_bytes(inputs.leaves),
+                   path=inputs.directory / str(step),
+                   finalized_at=time.time())
+
+
+def checked_text(manifest: dict[str, Any],
+                 origins: dict[str, dict[int, list[list[list[int]]]]],
+                 where: str) -> str:
+  """The JSON of a merged manifest, once the reader (`manifest.parse`)
+  accepts it: a step is finalized only if it would restore.
+
+  Args:
+    manifest: the merged manifest (see `storage.merge_tables`).
+    origins: per leaf path, the shard indices each process wrote.
+    where: the step, for messages.
+
+  Raises:
+    SaveFailedError: the reader would refuse it; names the leaf and every
+      process's shards of it.
+  """
+  text = json.dumps(manifest)  # indent= would take the slow Python encoder.
+  if len(text) > manifest_lib.MAX_MANIFEST_BYTES:  # `read` would refuse it.
+    raise SaveFailedError(
+        f"{where}: its manifest would have {len(text)} bytes, over the"
+        f" {manifest_lib.MAX_MANIFEST_BYTES} that a restore reads. Not"
+        " finalized.")
+  try:
+    manifest_lib.parse(text.encode(), where)
+  except CheckpointCorruptedError as e:
+    views = origins.get(getattr(e, "leaf_path", None), {})
+    shards = "; ".join(
+        f"process {p}: {idx[:8]}" + (" ..." if len(idx) > 8 else "")
+        for p, idx in sorted(views.items()))
+    raise SaveFailedError(
+        f"{e}; the shards each process wrote: {shards or 'none'}. Not"
+        " finalized: the step would not restore. Do all processes save the"
+        " same state, with the same shardings?") from None
+  return text
+
+
+def step_state(directory: epath.Path, step: int) -> str:
+  """Whether a failed save's step is finalized, as a note for its error."""
+  try:
+    done = atomicity_lib.is_finalized(directory / str(step))
+  except Exception as e:  # pylint: disable=broad-except  # A note, no more.
+    return f"Whether step {step} was finalized is unknown: {e}."
+  if done:
+    return f"Step {step} is finalized in {directory}."
+  return f"Step {step} was not finalized."
+
+
+def run_retention(coord: coordinator_lib.Coordinator, key: str,
+                  stats: SaveStats, *, delete: Callable[[], Any],
+                  timeout_ms: int) -> None:
+  """All: `delete` (the primary deletes), then learn together how it went.
+
+  Raises:
+    Exception: this process's own error; or RuntimeError naming the process
+      that failed (the step itself is finalized either way).
+  """
+  outcome = coordinator_lib.agree(coord, f"{key}/retention", delete,
+                                  timeout_ms=timeout_ms)
+  if outcome.error is not None:
+    raise outcome.error
+  if outcome.failures:
+    raise RuntimeError(
+        f"retention after step {stats.step} failed on another process (the"
+        " step is finalized; older steps may be left):"
+        f" {coordinator_lib.describe_failures(outcome.failures)}")
+
+
+def run_hooks(coord: coordinator_lib.Coordinator, key: str,
+              hooks: Sequence[CommitHook], stats: SaveStats, *,
+              is_primary: bool, timeout_ms: int) -> None:
+  """Primary: runs the hooks; all: learn together whether one failed.
+
+  Every process meets here, so that a failed hook is raised by all of them,
+  not only by the primary (the others would otherwise wait for it at the
+  next save's barriers until they time out).
+
+  Raises:
+    CommitHookError: a hook raised (on every process).
+  """
+  def run():
+    if not is_primary:
+      return
+    for hook in hooks:
+      try:
+        hook(stats)
+      except Exception as e:  # pylint: disable=broad-except
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        error = CommitHookError(
+            f"commit hook {name} failed after step {stats.step} was"
+            f" finalized in {stats.path.parent if stats.path else '?'} (the"
+            f" step is durable; retention was skipped for this save):"
+            f" {type(e).__name__}: {e}")
+        raise error from e
+
+  outcome = coordinator_lib.agree(coord, f"{key}/hooks", run,
+                                  timeout_ms=timeout_ms)
+  if outcome.error is not None:
+    raise outcome.error
+  for _, message in outcome.failures.values():
+    raise CommitHookError(message)

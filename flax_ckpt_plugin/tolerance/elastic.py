@@ -1,0 +1,481 @@
+"""Going on without a lost process, and taking its replacement back.
+
+Without it, a lost process ends the job (`rescue`: the survivors save what
+it cannot, then exit for a relaunch of every process). A callback made with
+`elastic=True` keeps a `Peers` that does better, in the same processes.
+
+**Recover in place.** The loop catches the loss (`PeerLostError`, or the
+runtime's error of a collective with the dead process) and calls
+`CheckpointCallback.recover(make_target)`; every survivor then:
+
+1. learns who is lost from the watcher (`liveness`), waiting for it if the
+   collective failed first; a failure that no lost peer explains is raised
+   again, as it was;
+2. waits for its local tier's last save (it meets nobody), and the
+   survivors agree on the newest local step that all of them hold (one
+   barrier of the survivors, `groups.Survivors`);
+3. asks `make_target(devices)` for the abstract state on the live devices
+   (shapes, dtypes, shardings on a mesh of those devices) and restores that
+   step from its own local tier into it: each reads the shards its devices
+   need, and places them without a collective (in data parallelism every
+   survivor holds a replica of every shard); all agree that each succeeded;
+4. from then on meets the survivors only: the persistent tier's saves are
+   written by them (`CheckpointManager.regroup`), and a new watcher watches
+   them, so that a second loss is recovered from the same way.
+
+If the survivors hold no common local step, or one of them lacks a shard it
+needs, `recover` raises the loop's error again, with a note saying why, and
+the issue-17 path follows when the program exits: the survivors save what
+they hold to the persistent tier and exit with `PREEMPTED_EXIT_CODE`.
+
+**Rejoin.** The group records itself in the key-value store (`Group`: its
+members, a generation that counts its changes, its primary). A process
+relaunched with the same id finds that it is not a member: its callback
+opens its tiers by itself (it meets nobody yet), starts no watcher, and its
+`restore_or_initialize` asks to join and waits. The survivors' watcher
+reads the request after a poll; at the next calls of the callback they
+agree on a step (`_Vote`), save it to their local tiers, and set
+`should_rebuild`; the loop calls `recover(make_target)`, and then every
+process, the newcomer too, restores that step from the survivors' local
+tiers over JAX collectives (`peer`) onto a mesh of all the live devices in
+a new order (`groups.choose_order`: a device list that took part in a
+collective with the dead process is broken for good, so no group of
+devices a collective may use repeats a list of an earlier generation),
+regroups the persistent
+tier, and starts a new watcher over all of them. The newcomer reads no
+byte of the persistent tier; the survivors lose no step.
+
+What the loop keeps: the devices of the lost process are gone from every
+mesh; the loop rebuilds its jitted step for the new mesh (jit does so from
+the restored state's shardings) and keeps its global batch by splitting it
+over the live devices (see docs/fault_tolerance.md). Process 0 hosts JAX's
+coordination service: when it dies, JAX ends every process and the job is
+relaunched (the local tiers serve the restart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
+from flax_ckpt_plugin.tolerance import peer
+from flax_ckpt_plugin.tolerance import rescue as rescue_lib
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.manager.manager import CheckpointManager
+
+# How long `recover` waits for the watcher to report a loss, when the loop's
+# error (a runtime, timeout or connection error) came first: a collective
+# with a dead peer can fail before the peer misses its heartbeats. One
+# heartbeat timeout is enough; JAX's default is 100 s. Other errors are
+# raised again at once.
+SETTLE_SECS = 120.0
+
+
+# How long a relaunched process waits for its one poll with the survivors.
+RESTART_POLL_SECS = 30.0
+
+
+class Recovered(NamedTuple):
+  """What `Peers.recover` and `Peers.rejoin` give the callback."""
+  state: Any
+  step: int
+  extra: Any  # The step's `extra`.
+  members: list[int]  # The group from now on.
+  lost: dict[int, str]  # Empty after a rejoin.
+  joined: list[int]  # The processes that rejoined (empty after a loss).
+  secs: float  # From the call to the restored state.
+
+
+class Peers:
+  """A callback's watch over its peers, and what it does when one is lost
+  or comes back; see the module doc. Made on every process at the same
+  point (the callback's creation).
+
+  Args:
+    manager: the persistent tier.
+    local: this process's local tier (None: nothing to recover from).
+    directory: the persistent directory (names the group's keys).
+    poll_secs: the watcher's period.
+    exit_code: the survivors' status after a loss they do not recover from.
+    elastic_secs: None: a loss ends the job (`rescue`); else how long the
+      survivors wait for the loop's `recover` before they save and leave.
+    primary_host: the primary the user asked for (kept when a member).
+    group: the running group this process rejoins (`joining`), or None.
+    metric_writer: the callback's, for `announce`.
+  """
+
+  def __init__(self, manager: CheckpointManager,
+               local: local_tier_lib.LocalTier | None, directory: Any, *,
+               poll_secs: float, exit_code: int, elastic_secs: float | None,
+               primary_host: int, group: groups.Group | None = None,
+               metric_writer: Any = None):
+    self._manager, self._local = manager, local
+    self._key = groups.group_key(
+        local_tier_lib.job_name(os.fspath(directory)))
+    self._poll_secs, self._exit_code = poll_secs, exit_code
+    self._elastic_secs, self._primary_host = elastic_secs, primary_host
+    self._metric_writer = metric_writer
+    count = manager.coordinator.process_count
+    self.rejoining = group is not None
+    self.group = group or groups.Group(tuple(range(count)), 0, primary_host)
+    self.watcher = self.rescue = None
+    # The device lists of the job's first meshes (`first_state`), and those
+    # of this group's generation, which its first member records.
+    self._first_lists: set[str] = set()
+    self._lists: set[str] | None = None
+    if not self.rejoining:
+      groups.mark_opened(self._key)
+      self._watch()
+      if elastic_secs is not None:
+        self._record()
+    elif manager.coordinator.process_index in group.members:
+      self._show_restart()
+    self._proposed: int | None = None  # This survivor's vote.
+    self._rebuild: tuple[int, list[int]] | None = None  # Agreed: at, who.
+    self._joins_refused = False  # A rejoin into this group failed.
+    self.kept: Any = None  # The survivors' state at the rebuild's step.
+
+  def _watch(self) -> None:
+    members = list(self.group.members)
+    degraded = len(members) < self._manager.coordinator.process_count
+    elastic = self._elastic_secs is not None
+    self.watcher, self.rescue = rescue_lib.watch(
+        self._manager, self._local, poll_secs=self._poll_secs,
+        exit_code=self._exit_code, elastic_secs=self._elastic_secs,
+        members=members, join_key=(
+            f"{self._key}/{self.group.gen}/join"
+            if degraded and elastic else None),
+        lost_key=f"{self._key}/{self.group.gen}/lost" if elastic else None)
+
+  def first_state(self, state: Any) -> None:
+    """The state the job starts from (`restore_or_initialize`): no later
+    generation reuses a device list of its meshes (`groups.mesh_lists`).
+    Its group's first member records them (a relaunched process reads them
+    there)."""
+    if self.rejoining or self.group.gen or self._first_lists:
+      return
+    self._first_lists = groups.mesh_lists(state)
+    coord = self._manager.coordinator
+    key = groups.lists_key(self._key, 0)
+    if (self._elastic_secs is not None and self._first_lists
+        and coord.process_index == self.group.members[0]
+        and key not in coord.kv_dir(f"{self._key}/lists")):
+      coord.kv_set(key, json.dumps(sorted(self._first_lists)))
+
+  def _choose(self, group: groups.Survivors, gen: int,
+              build: Callable[[list[Any]], Any]
+              ) -> tuple[list[Any], Any]:
+    """The devices of generation `gen` in the order its meshes take (see
+    `groups.choose_order`), and the target `build` makes on them; every
+    member chooses the same. Lists used before: those recorded, the first
+    state's, and those of `build` on the job's devices in their first
+    order (the meshes a job that did not hand its first state would
+    have)."""
+    used = (groups.used_lists(group, self._key, gen) | self._first_lists
+            | groups.mesh_lists(build(jax.devices())))
+    devices, target, self._lists = groups.choose_order(group.members, gen,
+                                                       build, used)
+    return devices, target
+
+  def _record(self) -> None:
+    """The group's first member records it (see `Group`), after the device
+    lists of its meshes, so that whoever sees the group sees them."""
+    coord = self._manager.coordinator
+    if coord.process_index == self.group.members[0]:
+      if self._lists:
+        coord.kv_set(groups.lists_key(self._key, self.group.gen),
+                     json.dumps(sorted(self._lists)))
+      text = json.dumps(list(self.group))
+      coord.kv_set(f"{self._key}/groups/{self.group.gen}", text)
+      coord.kv_set(f"{self._key}/group", text)
+
+  def _show_restart(self) -> None:
+    """A process relaunched before the survivors dropped it: their watcher
+    polls the live processes with it among them, and each poll waits for
+    every live one of them (`liveness`), this new process too. One poll
+    with them shows them its new incarnation (they then recover without
+    it, see `_await_survivors`); unless their watcher reported the loss
+    already (they no longer poll that way, and a poll would wait for
+    nobody)."""
+    coord = self._manager.coordinator
+    if f"{self._key}/{self.group.gen}/lost" in coord.kv_dir(
+        f"{self._key}/{self.group.gen}"):
+      return
+    try:
+      coord.live_processes(list(self.group.members),
+                           timeout_secs=RESTART_POLL_SECS)
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("process %d: the survivors did not poll with it (%r)",
+                  coord.process_index, e)
+
+  def _await_survivors(self) -> None:
+    """A relaunched process that is still a member of the recorded group:
+    waits until the survivors recovered without it (the next group)."""
+    coord = self._manager.coordinator
+    while coord.process_index in self.group.members:
+      members, gen, primary = json.loads(coord.kv_get(
+          f"{self._key}/groups/{self.group.gen + 1}",
+          timeout_ms=self._manager.barrier_timeout_ms))
+      self.group = groups.Group(tuple(members), gen, primary)
+
+  def check(self) -> None:
+    """Raises `PeerLostError` once a peer was lost."""
+    if self.watcher is not None:
+      self.watcher.check()
+
+  def raise_instead(self, error: Exception) -> None:
+    if self.watcher is not None:
+      self.watcher.raise_instead(error)
+
+  def close(self) -> None:
+    if self.watcher is not None:
+      self.watcher.close()
+
+  def _regroup(self, members: list[int], gen: int) -> groups.Survivors:
+    """Every member: the persistent tier meets `members` from now on, under
+    generation `gen`; the lowest member records the group."""
+    manager = self._manager
+    group = groups.Survivors(manager.coordinator, members)
+    primary = (self._primary_host if self._primary_host in members
+               else members[0])
+    manager.regroup(group, manager.barrier_timeout_ms / 1000,
+                    tag=f"g{gen}-{'-'.join(map(str, members))}",
+                    primary_host=primary)
+    self.group = groups.Group(tuple(members), gen, primary)
+    self._record()
+    return group
+
+  def recover(self, make_target: Callable[[list[Any]], Any],
+              error: BaseException, data_iterator: Any) -> Recovered:
+    """Restores the newest local step on the live devices; see the module
+    doc. Called by every survivor, from the loop's handler of `error`.
+
+    Raises:
+      `error`: no peer was lost, or the survivors cannot restore a step
+        together (a note on it says why).
+    """
+    t0 = time.monotonic()
+    watcher, rescue, local = self.watcher, self.rescue, self._local
+    if watcher is None or local is None or self._elastic_secs is None:
+      error.add_note("recover() needs a callback made with elastic=True,"
+                     " local_directory= and several processes")
+      raise error
+    if not watcher.lost and isinstance(
+        error, (RuntimeError, TimeoutError, ConnectionError)):
+      # A collective or a barrier with a dead peer can fail before the
+      # coordination service declares it dead (one heartbeat timeout).
+      end = time.monotonic() + SETTLE_SECS
+      while not watcher.lost and time.monotonic() < end and watcher.watching:
+        time.sleep(0.05)
+    lost = watcher.lost
+    if not lost:
+      error.add_note("recover(): no process was lost; the error is the"
+                     " loop's")
+      raise error
+    if not rescue.claim():
+      error.add_note("recover(): too late, the survivors' save for a"
+                     f" relaunch had started ({self._elastic_secs:.0f}s"
+                     " after the loss)")
+      raise error
+    manager = self._manager
+    members = sorted(set(watcher.members) - set(lost))
+    gen = self.group.gen + 1
+    group = groups.Survivors(manager.coordinator, members)
+    timeout_ms = manager.barrier_timeout_ms
+    key = f"{self._key}/{gen}/recover"
+
+    def restore() -> Any:
+      _, target = self._choose(group, gen, make_target)
+      return (local.manager.restore(target, step,
+                                    data_iterator=data_iterator),
+              local.manager.metadata(step).extra)
+
+    try:
+      local.quietly("save", lambda m: m.wait_until_finished())
+      step, _ = rescue_lib.common_step(group, key, local, manager, timeout_ms)
+      if step is None:
+        raise RuntimeError("the survivors hold no common step in their local"
+                           f" tiers ({local.directory})")
+      outcome = coordinator_lib.agree(group, f"{key}/restore", restore,
+                                      timeout_ms=timeout_ms)
+      if outcome.failures:
+        raise RuntimeError(
+            f"restoring local step {step} on the live devices failed:"
+            f" {coordinator_lib.describe_failures(outcome.failures)}")
+      self._regroup(members, gen)
+      self._watch()
+    except Exception as e:  # pylint: disable=broad-except
+      rescue.give_up()
+      error.add_note(f"recover() could not go on without {sorted(lost)}:"
+                     f" {e}")
+      raise error from (e if e is not error else None)
+    rescue.recovered()
+    self._rebuild = self._proposed = None
+    self._joins_refused = False
+    state, extra = outcome.result
+    return self._done(Recovered(state, step, extra, members, lost, [],
+                                time.monotonic() - t0))
+
+  def _done(self, done: Recovered) -> Recovered:
+    # Newer local steps belong to the timeline the loss ended: the loop
+    # computes those steps anew, and saves them anew.
+    self._local.discard_newer(done.step)
+    announce(done, self._metric_writer if self._manager.is_primary
+             else None)
+    return done
+
+  def rebuild_due(self, step: int, state: Any) -> bool:
+    """Survivors, at every call of the callback: whether the group takes
+    back the processes that asked to join (see `liveness.Watcher.joining`)
+    at this step. Every survivor answers True at the same step.
+
+    Each survivor that saw a request votes for the step after its own; the
+    group rebuilds at the highest vote, once every survivor voted. A
+    survivor reads the votes only after its step's computation finished,
+    which needs every survivor to have started that step (its collectives
+    meet them all): so a vote for step `s` is always read by step `s`, and
+    no survivor passes the agreed step unaware.
+    """
+    watcher = self.watcher
+    if (self._elastic_secs is None or watcher is None or self._rebuild
+        or self._joins_refused
+        or (not watcher.joining and self._proposed is None)):
+      return False
+    jax.block_until_ready(state)
+    coord = self._manager.coordinator
+    key = f"{self._key}/{self.group.gen}/votes"
+    if self._proposed is None:
+      self._proposed = step + 1
+      coord.kv_set(f"{key}/{coord.process_index}",
+                   json.dumps([step + 1, sorted(watcher.joining)]))
+    votes = [json.loads(v) for v in coord.kv_dir(key).values()]
+    if len(votes) < len(self.group.members):
+      return False
+    at = max(v[0] for v in votes)
+    if step < at:
+      return False
+    if step > at:
+      raise RuntimeError(f"the survivors agreed to take processes back at"
+                         f" step {at}, but this one is at step {step}: the"
+                         " loop must call the callback at every step")
+    self._rebuild = (at, sorted(set().union(*(v[1] for v in votes))))
+    self.kept = state
+    return True
+
+  def rejoin(self, make_target: Callable[[list[Any]], Any] | None,
+             target: Any, data_iterator: Any) -> Recovered | None:
+    """Every process of the new group: the survivors once `rebuild_due`
+    (from `recover`), and each newcomer (from `restore_or_initialize`,
+    with the state it would start from as `target`). Returns the agreed
+    step's state on a mesh of every member's devices; on a survivor, None
+    if the state did not pass (on any process; logged): the survivors go
+    on as they were (`kept`), watched as before, and take no process back
+    until their group changes again.
+
+    Raises:
+      Exception: (a newcomer) the survivors did not take it back within
+        the barrier timeout, or the state did not pass.
+    """
+    t0 = time.monotonic()
+    manager, local = self._manager, self._local
+    coord, me = manager.coordinator, manager.coordinator.process_index
+    timeout_ms = manager.barrier_timeout_ms
+    key = f"{self._key}/{self.group.gen}"
+    if local is None:
+      raise RuntimeError("rejoining needs a local tier (local_directory=)")
+    if self.rejoining:
+      self._await_survivors()
+      key = f"{self._key}/{self.group.gen}"
+      coord.kv_set(f"{key}/join/{me}", "1")
+      step, survivors, members = json.loads(coord.kv_get(
+          f"{key}/plan", timeout_ms=timeout_ms))
+      if me not in members:
+        raise RuntimeError(f"process {me}: the group of {survivors} took"
+                           f" back {members} without this process")
+    else:
+      step, joined = self._rebuild
+      survivors = list(self.group.members)
+      members = sorted(set(survivors) | set(joined))
+      if me == survivors[0]:
+        coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
+    gen = self.group.gen + 1
+    group = groups.Survivors(coord, members)
+    build = make_target or (lambda devices: groups.on_devices(target,
+                                                               devices))
+    try:
+      outcome = coordinator_lib.agree(
+          group, f"{key}/target", lambda: self._choose(group, gen, build),
+          timeout_ms=timeout_ms)
+      if outcome.failures:
+        raise RuntimeError(
+            "building the target on the group's devices failed:"
+            f" {coordinator_lib.describe_failures(outcome.failures)}")
+      devices, built = outcome.result
+      state, extra = peer.restore(
+          group, f"{key}/peer", step, survivors, local.directory,
+          built, timeout_ms=timeout_ms, devices=devices)
+    except Exception as e:  # pylint: disable=broad-except
+      self._rebuild = self._proposed = None
+      if self.rejoining:
+        coord.kv_delete(f"{key}/join/{me}")
+        raise
+      self._joins_refused = True
+      log.error("taking back processes %s at step %d failed (%r); going on"
+                " with processes %s", sorted(set(members) - set(survivors)),
+                step, e, survivors)
+      return None
+    if self.rejoining:  # A step that every member holds locally.
+      # Its own steps from `step` on were computed in another timeline
+      # (before its loss, on other devices): never to be restored.
+      local.discard_newer(step - 1)
+      local.quietly("save", lambda m: m.save(step, state, extra=extra))
+      if data_iterator is not None:
+        log.warning("process %d rejoined without its data iterator's"
+                    " state: it was lost with the process", me)
+    if not self.rejoining:  # Every survivor is here: stop watching them.
+      self.watcher.close()
+      self.rescue.recovered()
+    self._regroup(members, gen)
+    self._watch()
+    groups.mark_opened(self._key)
+    self.rejoining, self._rebuild, self._proposed = False, None, None
+    return self._done(Recovered(state, step, extra, members, {},
+                                sorted(set(members) - set(survivors)),
+                                time.monotonic() - t0))
+
+
+def announce(done: Recovered, metric_writer: Any) -> None:
+  """The log line of a recovery or a rejoin, and its metrics
+  (`metric_writer`: the callback's, on the primary; else None)."""
+  devices = sum(d.process_index in done.members for d in jax.devices())
+  if done.joined:
+    log.warning("process(es) %s rejoined at step %d in %.2fs: processes %s"
+                " (%d devices)", done.joined, done.step, done.secs,
+                done.members, devices)
+  else:
+    log.warning("lost process(es) %s; recovered in place at step %d in"
+                " %.2fs on processes %s (%d devices)", sorted(done.lost),
+                done.step, done.secs, done.members, devices)
+  if metric_writer is not None:
+    metric_writer.write_scalars(done.step, {
+        ("elastic/rejoin_secs" if done.joined else "elastic/recover_secs"):
+            done.secs,
+        "elastic/live_processes": len(done.members)})
+
+
+def caught_error() -> BaseException:
+  """The exception being handled (`recover` is called from a handler)."""
+  error = sys.exc_info()[1]
+  if error is None:
+    raise RuntimeError("recover() is called from the loop's `except` block"
+                       " for PeerLostError or the runtime's error, or when"
+                       " should_rebuild is set")
+  return error

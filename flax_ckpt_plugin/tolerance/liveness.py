@@ -1,0 +1,293 @@
+"""Which peers are alive: a watcher thread that notices a lost process.
+
+With `jax.config.update("jax_enable_recoverability", True)` set before
+`jax.distributed.initialize`, the coordination service keeps the survivors
+of a dead process running, and answers `get_live_nodes` with the live
+processes and an incarnation id for each (a new one when a process
+restarts). `Watcher` asks it on a daemon thread of every process, every
+`poll_secs`. A peer that is missing from the answer, or back with a new
+incarnation, is lost: from then on `check` raises `PeerLostError` naming
+it, and every coordination call of this process (the barriers and waits of
+saves, restores and `close`) returns with that error at once instead of
+waiting out its timeout for a process that will never come.
+
+How fast: the service declares a process dead once it has missed
+heartbeats for `heartbeat_timeout_seconds` (an argument of
+`jax.distributed.initialize`, 100 s by default); the watcher learns of it
+then, plus at most one poll.
+
+Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
+barrier over the live processes, with no timeout, so every process polls
+with the same period from the same point of the program (the callback's
+creation); until the first answer (every process polling) a poll that
+times out is tried again, since processes reach that point at different
+times, and after it a poll that times out is tried again too (a dead
+peer is only declared dead after the heartbeat timeout, which may be
+longer than a call's deadline); a poll that other processes stopped
+answering (they closed) is abandoned, never waited for. And a process that ends normally looks
+dead to the others once it is gone: before stopping its watcher, a process
+records under the watcher's key that it closed, and a peer that closed is
+not reported lost.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.errors import PeerLostError
+from flax_ckpt_plugin.logs import log
+
+
+def recoverability_enabled() -> bool:
+  """Whether JAX keeps survivors alive when a peer dies (and polls work)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return bool(getattr(jax.config, "jax_enable_recoverability", False))
+
+
+# How long `Watcher.close` waits for the last poll of every process.
+CLOSE_SECS = 10.0
+
+
+class Watcher:
+  """Polls the live processes on a daemon thread; see the module doc.
+
+  Args:
+    coord: the processes' coordinator (`Coordinator.live_processes`).
+    key: a key-value prefix unique to this watcher (the same on every
+      process), under which processes record that they closed.
+    poll_secs: the period of the polls.
+    on_lost: called on the watcher's thread with the lost processes, once
+      they are reported (see `rescue`).
+    members: the processes watched (all by default; the survivors of an
+      earlier loss, see `elastic`).
+    join_key: with survivors, the key-value directory where a replacement
+      process says it wants to join (see `elastic`), read after each poll.
+    lost_key: set to the lost processes once they are reported (for a
+      replacement process, see `elastic`).
+  """
+
+  def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
+               poll_secs: float = 0.5,
+               on_lost: Callable[[dict[int, str]], None] | None = None,
+               members: Any = None, join_key: str | None = None,
+               lost_key: str | None = None):
+    self._coord = coord
+    self._lost_key = lost_key
+    self._join_key = join_key
+    self._joining: frozenset[int] = frozenset()
+    self.members = sorted(range(coord.process_count) if members is None
+                          else members)
+    self._on_lost = on_lost
+    self.rounds = 0  # Polls answered so far.
+    self._key = key
+    self._poll_secs = poll_secs
+    self._stop = threading.Event()
+    self._lock = threading.Lock()
+    self._lost: dict[int, str] = {}
+    self.lost_at: float | None = None  # time.monotonic() when noticed.
+    self._thread = threading.Thread(target=self._run, daemon=True,
+                                    name="flax_ckpt_plugin-liveness")
+
+  def start(self) -> "Watcher":
+    self._thread.start()
+    return self
+
+  @property
+  def lost(self) -> dict[int, str]:
+    """The lost processes and how each was lost (empty while all live)."""
+    with self._lock:
+      return dict(self._lost)
+
+  def error(self) -> PeerLostError | None:
+    lost = self.lost
+    if not lost:
+      return None
+    return PeerLostError(lost, self._coord.process_index,
+                         self._coord.process_count)
+
+  @property
+  def joining(self) -> frozenset[int]:
+    """The processes that asked to join the watched ones (see `join_key`)."""
+    with self._lock:
+      return self._joining
+
+  @property
+  def closed(self) -> bool:
+    return self._stop.is_set()
+
+  @property
+  def watching(self) -> bool:
+    """Whether it still polls (not closed, and its thread runs)."""
+    return not self.closed and self._thread.is_alive()
+
+  def settle(self, timeout: float) -> bool:
+    """Waits until a peer is lost, the watch ends, or two polls that began
+    after this call found everyone alive; True if a peer was lost.
+
+    A poll waits while a peer is gone but not yet declared dead (it is a
+    barrier over the live processes), so a process that ends because of a
+    peer's death (a failed collective) learns of it here.
+    """
+    end, start = time.monotonic() + timeout, self.rounds
+    while (not self.lost and not self.closed and self._thread.is_alive()
+           and self.rounds < start + 2 and time.monotonic() < end):
+      time.sleep(0.05)
+    return bool(self.lost)
+
+  def check(self) -> None:
+    """Raises `PeerLostError` once a peer was lost."""
+    error = self.error()
+    if error is not None:
+      raise error
+
+  def raise_instead(self, error: Exception) -> None:
+    """Raises `PeerLostError` in place of `error` if a peer was lost: a
+    wait that a lost peer ended fails with whatever error it got."""
+    lost = self.error()
+    if lost is not None and not isinstance(error, type(lost)):
+      raise lost from error
+
+  def close(self) -> None:
+    """Records that this process closes, then stops polling.
+
+    Every process stops after the same poll (see `_run`), waited for at
+    most `CLOSE_SECS`: a poll left waiting for a process that stopped
+    polling would still be inside JAX's client when the process exits,
+    which aborts it. Unless a peer was lost, the coordinator's calls stop
+    obeying `check`.
+    """
+    if self._stop.is_set():
+      return
+    try:
+      self._coord.kv_set(f"{self._key}/closed/{self._coord.process_index}",
+                         str(self.rounds + 2))
+    except Exception:  # pylint: disable=broad-except
+      pass  # The peers may then report this process lost: harmless now.
+    if self._thread.is_alive() and self._thread is not threading.current_thread():
+      self._thread.join(CLOSE_SECS)
+    self._stop.set()
+    set_abort: Any = getattr(self._coord, "abort_when", None)
+    if set_abort is not None and not self.lost:
+      set_abort(None, replacing=self.check)
+
+  def _closed_peers(self) -> dict[int, int]:
+    """The processes that close: each one's last poll (see `_run`)."""
+    try:
+      return {int(k.rsplit("/", 1)[1]): int(v)
+              for k, v in self._coord.kv_dir(f"{self._key}/closed").items()}
+    except Exception:  # pylint: disable=broad-except
+      return {}
+
+  def _run(self) -> None:
+    first: dict[int, int] | None = None
+    me = self._coord.process_index
+    everyone = set(self.members)
+    while not self._stop.is_set():
+      try:
+        live = self._coord.live_processes(self.members)
+      except PeerLostError:
+        return
+      except Exception:  # pylint: disable=broad-except
+        if self._stop.is_set() or self._closed_peers():
+          return  # A peer closed and stopped polling: nothing to watch.
+        # No answer within the call's deadline. Before the first answer,
+        # every process has not started polling yet; after it, a peer is
+        # gone but not yet declared dead (the poll waits for that, up to
+        # JAX's heartbeat timeout, 100 s by default). Either way: ask again.
+        # (Were the service itself gone, JAX would end this process.)
+        continue
+      if self._stop.is_set():
+        return
+      if first is None:
+        first = dict(live)
+      lost = {p: "is gone (it stopped sending heartbeats)"
+              for p in everyone - set(live) - {me}}
+      lost.update({p: "restarted (it has a new incarnation)"
+                   for p, inc in live.items()
+                   if p != me and p in first and inc != first[p]})
+      if lost:
+        closed = set(self._closed_peers())
+        lost = {p: why for p, why in lost.items() if p not in closed}
+        everyone -= closed
+      if lost:
+        self._report(lost)
+        if self._on_lost is not None:
+          self._on_lost(lost)
+        return
+      self.rounds += 1
+      self._read_joining(everyone)
+      # A poll is a barrier, so every process counts the same rounds. One
+      # that closes after round R-2 (or during R-1) stops after round R;
+      # its mark is visible to all once round R is done, so all stop there
+      # too, and none starts a poll that the others never join.
+      closing = self._closed_peers()
+      if closing and self.rounds >= min(closing.values()):
+        return
+      self._stop.wait(self._poll_secs)
+
+  def _read_joining(self, members: set[int]) -> None:
+    if self._join_key is None:
+      return
+    try:
+      asked = {int(k.rsplit("/", 1)[1]) for k in self._coord.kv_dir(
+          self._join_key)}
+    except Exception:  # pylint: disable=broad-except
+      return  # Read again after the next poll.
+    with self._lock:
+      self._joining = frozenset(asked - members)
+
+  def _report(self, lost: dict[int, str]) -> None:
+    with self._lock:
+      self._lost.update(lost)
+      self.lost_at = time.monotonic()
+    log.error("%s", self.error())
+    if self._lost_key is not None:
+      try:
+        self._coord.kv_set(self._lost_key, json.dumps(sorted(lost)))
+      except Exception:  # pylint: disable=broad-except
+        pass  # Only a replacement process reads it, to learn it is late.
+
+
+def watch(coord: coordinator_lib.Coordinator, name: str, *,
+          poll_secs: float = 0.5,
+          on_lost: Callable[[dict[int, str]], None] | None = None,
+          members: Any = None, join_key: str | None = None,
+          lost_key: str | None = None) -> Watcher:
+  """A started watcher, which every coordination call of `coord` obeys."""
+  n = coord.next_round(f"liveness/{name}")
+  key = f"flax_ckpt_plugin/liveness/{name}/{n}"
+  watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
+                    members=members, join_key=join_key,
+                    lost_key=lost_key).start()
+  set_abort: Any = getattr(coord, "abort_when", None)
+  if set_abort is not None:
+    set_abort(watcher.check)
+  return watcher
+
+
+def outlive(coord: coordinator_lib.Coordinator, members: Any,
+            timeout_secs: float) -> None:
+  """Process 0, at its exit: waits (at most `timeout_secs`) until every
+  other member has left the coordination service, which process 0 hosts.
+
+  With recoverability on, JAX's shutdown does not wait for the other
+  processes, and one still shutting down when process 0 is gone is
+  aborted (status -6). A poll of the live processes among (0, p) is a
+  barrier over the live ones, so it returns once p is gone.
+  """
+  me = coord.process_index
+  end = time.monotonic() + timeout_secs
+  for p in members:
+    while p != me and time.monotonic() < end:
+      try:
+        if p not in coord.live_processes([me, p], timeout_secs=2.0):
+          break
+      except Exception:  # pylint: disable=broad-except
+        pass  # Still there: ask again.
+  if time.monotonic() >= end:
+    log.warning("process %d leaves before the others did (%.0fs)", me,
+                timeout_secs)

@@ -1,0 +1,286 @@
+"""The local tier: each process's own copy of its shards, on a per-host path.
+
+A checkpoint in the persistent tier (a shared file system or a bucket)
+holds every byte once and is written by all processes together. The local
+tier is the fast one under it: every `every_steps`, each process saves every
+distinct shard it holds (replicas included: what it needs to restore
+itself) under `<local_directory>/<job>/process_NNNNN/`, in the same format
+(checksummed, a step made visible by an atomic rename, see
+`storage.Scope`), through a `CheckpointManager` of its own that meets no
+other process. On a file system in memory (`/dev/shm`) nothing is fsynced
+(`backend.MemoryBackend`). The newest `keep` steps are kept.
+
+At start, `restore_newest` has every process list what it holds; all then
+try, in the same order, the newest step first: from every process's local
+tier when all hold it, from peers (`peer`) when some lack it but the others
+hold replicas of what they need, from the persistent tier. A try that is
+damaged or missing anywhere falls through to the next, as in `fallback`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable, NamedTuple
+
+from etils import epath
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.restore import fallback
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import peer
+from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.manager.manager import CheckpointManager
+
+LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
+TIERS = (LOCAL, PEER, PERSISTENT)
+
+
+def job_name(directory: str) -> str:
+  """The local tier's name for the job of a persistent `directory`: two jobs
+  that share a local path never read each other's steps."""
+  return hashlib.sha1(directory.encode()).hexdigest()[:12]
+
+
+class LocalTier:
+  """This process's steps in the local tier. Made on every process.
+
+  Args:
+    directory: the per-host path (a local SSD, or `/dev/shm`).
+    job: a name for the job (see `job_name`).
+    coordinator: the job's coordinator (names this process).
+    keep: how many of the newest steps to keep.
+    pinned_host_bytes: see `CheckpointManager`.
+  """
+
+  def __init__(self, directory: epath.PathLike, job: str, *,
+               coordinator: coordinator_lib.Coordinator, keep: int = 2,
+               pinned_host_bytes: int | None = None):
+    pid = coordinator.process_index
+    path = epath.Path(os.path.abspath(os.fspath(directory)))
+    path = path / job / f"process_{pid:05d}"
+    self.manager = CheckpointManager(
+        path, max_to_keep=keep, coordinator=groups.SoloCoordinator(),
+        backend=backend_lib.for_local_path(path), name=f"local/{job}/{pid}",
+        scope=storage.Scope(pid, coordinator.process_count),
+        pinned_host_bytes=pinned_host_bytes)
+
+  @property
+  def directory(self) -> epath.Path:
+    return self.manager.directory
+
+  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+              ) -> None:
+    """`fn(self.manager)`; an error is logged, never raised: the local
+    tier is this process's alone, and a loop that stopped on one process
+    would leave the others waiting for it in the next collective. A step
+    it failed to save is simply missing there (restores fall through)."""
+    try:
+      fn(self.manager)
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("the local tier's %s in %s failed (training goes on; the"
+                " persistent tier is unaffected): %r", what, self.directory,
+                e)
+
+  def discard_newer(self, step: int | None) -> None:
+    """Drops the local steps newer than `step` (every one, with None): a
+    restore or a loss ended the timeline they belong to, and the loop
+    computes those steps anew."""
+    newer = [s for s in self.manager.all_steps() if step is None or s > step]
+    self.quietly("discard", lambda m: m.discard(newer))
+
+
+def open_tier(directory: epath.PathLike, job: str, *,
+              coordinator: coordinator_lib.Coordinator, timeout_ms: int,
+              pinned_host_bytes: int | None = None) -> LocalTier | None:
+  """Every process opens its local tier; None on all if any failed.
+
+  All processes must take the same path through a restore (see
+  `restore_newest`), so a tier that cannot open on one process (a path
+  not writable there) is off everywhere, with an error in the log.
+  """
+  outcome = coordinator_lib.agree(
+      coordinator, f"flax_ckpt_plugin/local/{job}/open/"
+      f"{coordinator.next_round(f'local/{job}/open')}",
+      lambda: LocalTier(directory, job, coordinator=coordinator,
+                        pinned_host_bytes=pinned_host_bytes),
+      timeout_ms=timeout_ms)
+  if not outcome.failures:
+    return outcome.result
+  if outcome.result is not None:
+    outcome.result.manager.close()
+  log.error("the local tier in %s is off: it failed to open on %s",
+            directory, coordinator_lib.describe_failures(outcome.failures))
+  return None
+
+
+class Plan(NamedTuple):
+  """What every process learned before restoring: who holds which steps."""
+  local: dict[int, list[int]]  # Per process, its local steps.
+  persistent: list[int]  # The primary's list of the persistent tier.
+
+  def holders(self, step: int) -> list[int]:
+    """The processes whose local tier holds `step`."""
+    return sorted(p for p, steps in self.local.items() if step in steps)
+
+
+def _inventory(coord: coordinator_lib.Coordinator, key: str,
+               local: LocalTier | None, persistent: CheckpointManager,
+               timeout_ms: int) -> Plan:
+  """Every process publishes its local steps, the primary the persistent
+  ones; all read everyone's."""
+  mine = local.manager.all_steps() if local is not None else []
+  if coord.process_count == 1:
+    return Plan({0: mine}, persistent.all_steps())
+
+  def publish() -> None:
+    coord.kv_set(f"{key}/local/{coord.process_index}", json.dumps(mine))
+    if persistent.is_primary:
+      coord.kv_set(f"{key}/persistent", json.dumps(persistent.all_steps()))
+
+  outcome = coordinator_lib.agree(coord, f"{key}/listed", publish,
+                                  timeout_ms=timeout_ms)
+  if outcome.error is not None:
+    raise outcome.error
+  if outcome.failures:  # All stop, rather than wait for a list never set.
+    raise RestoreFailedError(
+        "listing the steps of each tier failed on other processes:"
+        f" {coordinator_lib.describe_failures(outcome.failures)}")
+  local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
+                 for k, v in coord.kv_dir(f"{key}/local").items()}
+  listed = json.loads(coord.kv_get(f"{key}/persistent",
+                                   timeout_ms=timeout_ms))
+  return Plan(local_steps, listed)
+
+
+def candidates(plan: Plan, process_count: int, *, peers: bool
+               ) -> list[tuple[int, str]]:
+  """(step, tier) to try, best first: newer steps first, and for one step
+  the local tier, then peers (if `peers` and some process holds it), then
+  the persistent tier."""
+  held = [set(plan.local.get(p, ())) for p in range(process_count)]
+  steps = set(plan.persistent).union(*held)
+  out = []
+  for step in sorted(steps, reverse=True):
+    holders = sum(step in h for h in held)
+    if holders == process_count:
+      out.append((step, LOCAL))
+    elif holders and peers:
+      out.append((step, PEER))
+    if step in plan.persistent:
+      out.append((step, PERSISTENT))
+  return out
+
+
+def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
+                   local: LocalTier | None, persistent: CheckpointManager,
+                   restore: dict[str, Callable[[int, list[int]], Any]],
+                   timeout_ms: int) -> tuple[int, str, Any] | None:
+  """Restores the newest step from the fastest tier that has it whole.
+
+  Called on every process; see the module doc.
+
+  Args:
+    coord: the job's coordinator.
+    key: a prefix of keys no earlier call used (same on every process).
+    local: this process's local tier, or None.
+    persistent: the persistent tier's manager.
+    restore: per tier, restores a step on this process, given the
+      processes whose local tier holds it; returns what it restored (the
+      tree and the step's `extra`); a tier without an entry is not tried.
+    timeout_ms: how long to wait for the others at each try.
+
+  Returns:
+    (step, tier, what `restore` returned), or None when no tier has a step.
+
+  Raises:
+    CheckpointCorruptedError: every step failed in every tier; names them.
+    StructureMismatchError, RestoreFailedError: see `fallback`.
+  """
+  plan = _inventory(coord, key, local, persistent, timeout_ms)
+  tries = [c for c in candidates(plan, coord.process_count,
+                                 peers=PEER in restore)
+           if c[1] in restore]
+  where = str(persistent.directory)
+  if local is not None:
+    where += f" and local tier {local.directory.parent.parent}"
+  found, skipped = fallback.try_in_turn(
+      coord, f"{key}/tries", tries,
+      lambda c: restore[c[1]](c[0], plan.holders(c[0])),
+      timeout_ms=timeout_ms, where=where,
+      describe=lambda c: f"step {c[0]} from the {c[1]} tier")
+  if found is None:
+    return None
+  (step, tier), tree = found
+  for s, t in skipped:
+    log.warning("skipped step %d of the %s tier", s, t)
+  damaged = sorted({s for s, t in skipped if t == PERSISTENT})
+  if damaged:
+    persistent.set_aside(damaged)
+  return step, tier, tree
+
+
+def restore_into(state: Any, local: LocalTier,
+                 persistent: CheckpointManager, *,
+                 data_iterator: datastate.DataIterator | None = None,
+                 cast: bool = False
+                 ) -> tuple[int, str, Any] | None:
+  """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
+
+  Called on every process, like `state`; see `restore_newest`. With a
+  `data_iterator`, each process also restores its data state, and peers
+  are not tried: a process that lacks the local step lacks its data state
+  too (it was lost with its disk). Nor with `cast` (dtypes converted as
+  `CheckpointManager.restore` does), which the peers' exchange of saved
+  bytes does not make.
+  """
+  coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
+  key = f"{persistent.name}/tiers"
+  key = f"{key}/{coord.next_round(key)}"
+
+  def from_manager(manager):
+    return lambda step, _: (
+        manager.restore(state, step, data_iterator=data_iterator,
+                        cast=cast),
+        manager.metadata(step).extra)
+
+  tiers = {
+      LOCAL: from_manager(local.manager),
+      PEER: lambda step, holders: peer.restore(
+          coord, f"{key}/peer{step}", step, holders, local.directory,
+          state, timeout_ms=timeout_ms),
+      # Every process restores the persistent step together: storage
+      # serves each byte once (`shared_read`).
+      PERSISTENT: lambda step, _: (
+          persistent.restore_together(state, step,
+                                      data_iterator=data_iterator, cast=cast),
+          persistent.metadata(step).extra)}
+  if data_iterator is not None or cast:
+    del tiers[PEER]
+  return restore_newest(coord, key, local=local, persistent=persistent,
+                        restore=tiers, timeout_ms=timeout_ms)
+
+
+def restore_for_callback(state: Any, local: LocalTier | None,
+                         persistent: CheckpointManager, *,
+                         data_iterator: datastate.DataIterator | None,
+                         cast: bool = False
+                         ) -> tuple[int, str, Any] | None:
+  """`CheckpointCallback.restore_or_initialize`'s restore: (step, tier,
+  (tree, extra)) from the fastest tier that has the newest good step, or
+  None; newer local steps are dropped. `cast`: see
+  `CheckpointManager.restore`."""
+  if local is None:
+    found = persistent.restore_newest_valid(
+        state, data_iterator=data_iterator, cast=cast)
+    return None if found is None else (found[0], PERSISTENT, (
+        found[1], persistent.metadata(found[0]).extra))
+  found = restore_into(state, local, persistent, data_iterator=data_iterator,
+                       cast=cast)
+  local.discard_newer(None if found is None else found[0])
+  return found
