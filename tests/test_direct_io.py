@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import pathlib
+import time
 
 from etils import epath
 import hypothesis
@@ -23,6 +24,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
@@ -228,25 +230,98 @@ def _resident(path: pathlib.Path) -> float:
   return sum(v & 1 for v in vec) / pages
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_direct_io_can_be_turned_off_to_keep_a_step_in_the_page_cache(
-    direct_dir, monkeypatch, direct_io, assert_trees_equal, host_copy):
-  """LocalBackend(direct_io=False): every byte goes through the page cache,
-  where a restart on the same machine finds it; by default the large
-  shards' bytes go straight to the disk and are not in the page cache."""
+@pytest.mark.parametrize("direct_io,cache_saved",
+                         [(True, True), (True, False), (False, True)])
+def test_a_saved_step_is_in_the_page_cache_unless_turned_off(
+    direct_dir, monkeypatch, direct_io, cache_saved, assert_trees_equal,
+    host_copy):
+  """A job restarting on the machine that saved restores from memory.
+
+  By default the large shards go straight to the disk, and once the step is
+  final the kernel reads its data file back into the page cache in the
+  background. LocalBackend(cache_saved=False) leaves it on the disk only;
+  LocalBackend(direct_io=False) writes every byte through the page cache.
+  """
   calls = _spy_direct(monkeypatch)
   tree = {"w": jnp.asarray(np.random.default_rng(3).standard_normal(
       (2048, 1024), np.float32)), "step": np.int64(3)}
   expected = host_copy(tree)
-  backend = backend_lib.LocalBackend(direct_io=direct_io)
+  backend = backend_lib.LocalBackend(direct_io=direct_io,
+                                     cache_saved=cache_saved)
   with CheckpointManager(direct_dir / "ckpt", backend=backend) as manager:
     manager.save(1, tree)
     manager.wait_until_finished()
     (data,) = (direct_dir / "ckpt" / "1").rglob("*.bin")
     resident = _resident(data)
+    if direct_io and cache_saved:  # The kernel reads it back on its own.
+      deadline = time.monotonic() + 30
+      while resident < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        resident = _resident(data)
+    else:  # Nothing will: a second look finds it as the save left it.
+      time.sleep(0.5)
+      assert _resident(data) == resident
     assert_trees_equal(manager.restore(tree), expected)
   assert calls and all(d == direct_io for _, d in calls)
-  if direct_io:
+  if direct_io and not cache_saved:
     assert resident < 0.1, resident
   else:
     assert resident == 1.0, resident
+
+
+def test_reading_back_stops_at_the_piece_after_it_is_told(direct_dir):
+  """`read_ahead` asks for no more pieces once `stopped()` is true."""
+  piece = handles._read_ahead_bytes(os.stat(direct_dir).st_dev)  # pylint: disable=protected-access
+  path = _dropped_file(direct_dir, 16 * piece)
+  asked = []
+
+  def stopped():
+    asked.append(None)
+    return len(asked) > 2  # After two pieces.
+
+  handles.read_ahead(os.fspath(path), stopped)
+  time.sleep(0.5)
+  assert len(asked) == 3
+  assert 0 < _resident(path) <= 4 / 16
+
+
+def _dropped_file(directory: pathlib.Path, nbytes: int) -> pathlib.Path:
+  """A file of `nbytes` on the disk, none of it in the page cache."""
+  path = directory / "data.bin"
+  path.write_bytes(np.random.default_rng(0).integers(
+      0, 256, nbytes, np.uint8).tobytes())
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+  assert _resident(path) < 0.1
+  return path
+
+
+def test_a_save_beginning_drops_the_reading_back_of_an_older_step(
+    direct_dir):
+  """Saves that follow each other closely are not slowed by reading back
+  steps they make stale: the read waits for a quiet spell, and a save that
+  begins meanwhile (its writer opened) drops it."""
+  path = _dropped_file(direct_dir, 32 * MIB)
+  backend = backend_lib.LocalBackend()
+  backend.prefetch(epath.Path(path), quiet_secs=30)
+  (direct_dir / "2").mkdir()
+  backend.step_writer(epath.Path(direct_dir / "2"), None, "d").close()
+  backend.close_directory(epath.Path(direct_dir))  # Nothing left to read.
+  time.sleep(0.5)
+  assert _resident(path) < 0.1
+
+
+def test_a_closing_manager_has_its_newest_step_read_back_at_once(direct_dir):
+  path = _dropped_file(direct_dir, 32 * MIB)
+  backend = backend_lib.LocalBackend()
+  backend.prefetch(epath.Path(path), quiet_secs=300)
+  start = time.monotonic()
+  backend.close_directory(epath.Path(direct_dir))
+  while _resident(path) < 1.0 and time.monotonic() - start < 30:
+    time.sleep(0.05)
+  assert _resident(path) == 1.0
+  assert time.monotonic() - start < 30  # Not after the quiet spell of 300.

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 import os
+import threading
+import time
 import uuid
 from typing import BinaryIO
 
@@ -24,6 +26,7 @@ from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.backends import memfile
 from flax_ckpt_plugin.backends import object_store
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.logs import log
 
 Identity = handles.Identity
 RangedFile = handles.RangedFile
@@ -31,6 +34,9 @@ StepWriter = handles.StepWriter
 # The most bytes `read_small` takes of a commit marker, `_WRITER` or
 # `_ATTEMPT` (each holds a line of JSON or a token).
 MAX_MARKER_BYTES = 64 << 10
+# The longest a closing manager waits for its newest step's reading back
+# into the page cache to be asked for (`LocalBackend(cache_saved=True)`).
+READ_BACK_WAIT_SECS = 10.0
 
 
 class Backend(abc.ABC):
@@ -119,6 +125,12 @@ class Backend(abc.ABC):
       raise CheckpointCorruptedError(f"{path}: over the limit of {limit} bytes")
     return data
 
+  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
+    """Reads a final data file back into memory, in the background, where a
+    restore would otherwise read it from slower storage, once `quiet_secs`
+    passed with no save beginning; by default nothing."""
+    del path, quiet_secs
+
   def close_directory(self, directory: epath.Path) -> None:
     """Lets go of what was kept for `directory` (its manager closed)."""
     del directory
@@ -167,14 +179,28 @@ class LocalBackend(Backend):
       job that restarts on the machine that wrote its checkpoint restores
       from memory, at the cost of a slower save to durable (see
       docs/performance.md, *Accelerators*, for both measured).
+    cache_saved: once a step written with direct I/O is final, have the
+      kernel read its data files back into the page cache in the background
+      (the default): a job that restarts on this machine then restores from
+      memory, as it would after a save through the page cache, while the
+      save itself stays as fast to become durable. It costs one read of the
+      step from the disk, done by the disk (no copy; the page cache gives
+      the memory back when it needs it), after a quiet spell as long as the
+      save's commit; a save that begins first drops it, so saves that
+      follow each other closely are not slowed, and a closing manager has
+      its newest step read back at once. False leaves the files on the disk
+      only.
   """
 
   rename_is_atomic = True
   reads_are_requests = False
-  direct_io = True  # (Also for subclasses whose __init__ skips this one's.)
+  # (Also for subclasses whose __init__ skips this one's.)
+  direct_io = True
+  cache_saved = True
 
-  def __init__(self, *, direct_io: bool = True):
+  def __init__(self, *, direct_io: bool = True, cache_saved: bool = True):
     self.direct_io = direct_io
+    self.cache_saved = cache_saved
 
   def as_path(self, given: str) -> epath.Path:
     return epath.Path(os.path.abspath(given))
@@ -217,6 +243,7 @@ class LocalBackend(Backend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
+    _READ_AHEAD.stop()  # The disk writes this save rather than read back.
     return handles.LocalStepWriter(step_dir, identity, data_dir,
                                    direct_io=self.direct_io)
 
@@ -228,6 +255,16 @@ class LocalBackend(Backend):
   def read_small(self, path: epath.Path, *, within: epath.Path,
                  limit: int) -> bytes:
     return handles.read_regular(path, within, limit)
+
+  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
+    if self.direct_io and self.cache_saved:
+      _READ_AHEAD.start(os.fspath(path), quiet_secs)
+
+  def close_directory(self, directory: epath.Path) -> None:
+    # So that a process exiting right after its last save has that step
+    # read back: asking takes about as long as the disk's reading, and
+    # what was asked for is read after the process is gone.
+    _READ_AHEAD.finish(os.fspath(directory), READ_BACK_WAIT_SECS)
 
   def remove(self, path: epath.Path) -> None:
     if os.path.islink(os.fspath(path)):
@@ -292,6 +329,9 @@ class MemoryBackend(LocalBackend):
                   data_dir: str) -> StepWriter:
     return memfile.MemoryStepWriter(step_dir, identity, data_dir)
 
+  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
+    del path, quiet_secs  # Its files are in memory.
+
   def delete_step(self, directory: epath.Path, step: int) -> None:
     doomed = directory / f"{step}{layout.DELETING_SUFFIX}"
     self.remove(doomed)
@@ -313,6 +353,65 @@ class MemoryBackend(LocalBackend):
 
   def staging_arena(self, directory: epath.Path) -> memfile.SpareArena:
     return memfile.SpareArena(directory)
+
+
+class _ReadAhead:
+  """The threads asking the kernel to read saved data files back.
+
+  A save's writes come first. Reading a step back starts only after a quiet
+  spell (as long as its save took to commit) with no save beginning: a save
+  that begins drops the reads of older steps not yet asked for, whose reads
+  would slow its writes and which it makes stale. A manager that closes
+  (a process exiting after its last save) has its newest step read back
+  at once.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    # path: (thread, stop: drop the rest, now: end the quiet spell)
+    self._reads: dict[str, tuple[threading.Thread, threading.Event,
+                                 threading.Event]] = {}
+
+  def start(self, path: str, quiet_secs: float) -> None:
+    stop, now = threading.Event(), threading.Event()
+    thread = threading.Thread(target=self._read,
+                              args=(path, quiet_secs, stop, now),
+                              name="flax_ckpt_read_ahead", daemon=True)
+    with self._lock:
+      self._reads[path] = thread, stop, now
+    thread.start()
+
+  def stop(self) -> None:
+    with self._lock:
+      for _, stop, now in self._reads.values():
+        stop.set()
+        now.set()  # (Its thread then ends, having read nothing.)
+
+  def _read(self, path: str, quiet_secs: float, stop: threading.Event,
+            now: threading.Event) -> None:
+    try:
+      now.wait(quiet_secs)
+      handles.read_ahead(path, stopped=stop.is_set)
+    except OSError as e:  # Deleted meanwhile, say: only a restore is slower.
+      log.debug("reading %s back into the page cache: %s", path, e)
+    finally:
+      with self._lock:
+        if self._reads.get(path, (None,))[0] is threading.current_thread():
+          del self._reads[path]
+
+  def finish(self, directory: str, timeout: float) -> None:
+    """Reads files under `directory` back now, waiting (at most `timeout`
+    seconds) until every read is asked for."""
+    deadline = time.monotonic() + timeout
+    with self._lock:
+      reads = [r for p, r in self._reads.items()
+               if p.startswith(directory + os.sep)]
+    for thread, _, now in reads:
+      now.set()
+      thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_READ_AHEAD = _ReadAhead()
 
 
 _MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")

@@ -14,8 +14,9 @@ import contextlib
 import errno
 import mmap
 import os
+import pathlib
 import stat
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from etils import epath
 
@@ -230,3 +231,45 @@ def read_regular(path: epath.Path, within: epath.Path, limit: int) -> bytes:
   if total > limit:
     raise CheckpointCorruptedError(f"{path}: grew over the limit of {limit}")
   return b"".join(chunks)
+
+
+# What one POSIX_FADV_WILLNEED reads at most when the device's limits cannot
+# be found: the kernel caps each call at the larger of the device's
+# read-ahead and its largest request, and 128 KiB is the smallest default.
+_READ_AHEAD_FALLBACK = 128 << 10
+
+
+def _read_ahead_bytes(st_dev: int) -> int:
+  """The most one POSIX_FADV_WILLNEED call reads on device `st_dev`."""
+  base = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
+  for queue in (f"{base}/queue", f"{base}/../queue"):  # A disk; a partition.
+    try:
+      kib = [int(pathlib.Path(queue, name).read_text())
+             for name in ("read_ahead_kb", "max_sectors_kb")]
+    except (OSError, ValueError):
+      continue
+    return max(max(kib) << 10, _READ_AHEAD_FALLBACK)
+  return _READ_AHEAD_FALLBACK
+
+
+def read_ahead(path: str, stopped: Callable[[], bool] = lambda: False
+               ) -> None:
+  """Has the kernel read file `path` into the page cache, without copying it.
+
+  Each POSIX_FADV_WILLNEED only starts reads, and the kernel caps the bytes
+  one call reads (to the device's read-ahead or largest request), so the
+  file is asked for in pieces of that size; a call waits while the device's
+  queue is full, so asking takes about as long as reading. Returns once
+  every read is queued (the kernel finishes them on its own), or at the
+  first piece after `stopped()` turns true.
+  """
+  fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  try:
+    st = os.fstat(fd)
+    piece = _read_ahead_bytes(st.st_dev)
+    for offset in range(0, st.st_size, piece):
+      if stopped():
+        return
+      os.posix_fadvise(fd, offset, piece, os.POSIX_FADV_WILLNEED)
+  finally:
+    os.close(fd)

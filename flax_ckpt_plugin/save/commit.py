@@ -185,6 +185,9 @@ def commit(inputs: CommitInputs) -> SaveStats:
 
   _phase(inputs, "committed", finalize)
   secs = time.perf_counter() - t0
+  if nbytes:  # A restore on this machine reads it next.
+    inputs.backend.prefetch(
+        inputs.directory / str(step) / storage.data_file(pid), secs)
   log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
            " written by this process", step, inputs.directory,
            inputs.blocking_secs, secs, nbytes)
