@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from flax_ckpt_plugin import FaultTolerance
 
 BATCH = 48  # Divides over 8 and 6 devices.
 
@@ -100,8 +101,9 @@ def worker(args: argparse.Namespace) -> None:
   state = jax.jit(create, out_shardings=target.step.sharding)()
   cb = CheckpointCallback(
       os.path.join(args.dir, "ckpt"), every_steps=10, max_to_keep=2,
-      local_directory=os.path.join(args.local, str(pid)), local_every_steps=2,
-      elastic=True)
+      tolerance=FaultTolerance(
+          local_directory=os.path.join(args.local, str(pid)),
+          local_every_steps=2, elastic=True))
   state = cb.restore_or_initialize(state, make_target=make_target)
   out, step = {"process": pid}, int(state.step)
   if cb.restored_tier == "peer":  # Relaunched, and taken back.

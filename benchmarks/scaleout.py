@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from typing import Any
+from flax_ckpt_plugin import Commit
 
 LAYOUTS = ("data_parallel", "hsdp")
 
@@ -168,8 +169,10 @@ def worker(args: argparse.Namespace) -> dict:
   out = {"process": pid, "state_bytes": sum(
       x.nbytes for x in jax.tree.leaves(state))}
   directory = os.path.join(args.dir, "ours")
-  with CheckpointManager(directory, backend=paced_backend(args.mbps),
-                         barrier_timeout_secs=600) as mgr:
+  with CheckpointManager(
+      directory,
+      commit=Commit(backend=paced_backend(args.mbps),
+                    barrier_timeout_secs=600)) as mgr:
     for step in (1, 2):  # The first in a process compiles its copies.
       multihost_utils.sync_global_devices(f"save {step}")
       t = time.perf_counter()

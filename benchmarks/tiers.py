@@ -52,6 +52,7 @@ import time
 
 import bench
 import scaling
+from flax_ckpt_plugin import FaultTolerance
 
 
 def _loop(state, train_step, steps, cb=None, first=1, cpu=None):
@@ -80,9 +81,10 @@ def one_process(args: argparse.Namespace) -> dict:
     # One callback throughout, as in a long run: its first saves (new
     # staging memory, new files) happen in a warm-up before the pairs.
     k = args.local_every
-    cb = CheckpointCallback(os.path.join(root, "loop"),
-                            local_directory=os.path.join(local, "loop"),
-                            local_every_steps=k)
+    cb = CheckpointCallback(
+        os.path.join(root, "loop"),
+        tolerance=FaultTolerance(local_directory=os.path.join(local, "loop"),
+                                 local_every_steps=k))
     _, state = _loop(state, train_step, 3 * k, cb, first=k)
     first = 4 * k  # Each block with saves starts at a multiple of k.
     with_saves, without, cpu_with, cpu_without = [], [], [], []

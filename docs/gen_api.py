@@ -54,7 +54,10 @@ MODULE_API = {
 }
 # The classes a user meets first, in this order; then the rest by kind.
 FIRST = ("CheckpointCallback", "CheckpointManager")
-GROUPS = ("Classes", "Data classes", "Functions", "Errors", "Constants")
+# The option records that the callback and the manager take, in this order.
+OPTIONS = ("Retention", "FaultTolerance", "Commit")
+GROUPS = ("Classes", "Options", "Data classes", "Functions", "Errors",
+          "Constants")
 MAX_WIDTH = 79  # A signature longer than this gets one parameter per line.
 
 HEADER = """\
@@ -462,6 +465,8 @@ class Item:
     if inspect.isclass(obj):
       if issubclass(obj, BaseException):
         return "Errors"
+      if self.name in OPTIONS:
+        return "Options"
       return "Data classes" if dataclasses.is_dataclass(obj) else "Classes"
     if inspect.isroutine(obj):
       return "Functions"
@@ -693,6 +698,7 @@ def _by_group(items: Iterable[Item]) -> dict[str, list[Item]]:
   # The classes a user meets first lead; the rest keep their `__all__` order.
   groups["Classes"].sort(key=lambda it: (
       FIRST.index(it.name) if it.name in FIRST else len(FIRST)))
+  groups["Options"].sort(key=lambda it: OPTIONS.index(it.name))
   return {g: its for g, its in groups.items() if its}
 
 

@@ -34,6 +34,7 @@ import time
 
 from multihost import add_launch_arguments
 from multihost import launch
+from flax_ckpt_plugin import FaultTolerance
 
 GLOBAL_BATCH = 48
 
@@ -87,9 +88,10 @@ def train(args: argparse.Namespace) -> None:
   target = make_target(jax.devices())
   state = jax.jit(create, out_shardings=target.step.sharding)()
   cb = CheckpointCallback(
-      args.workdir, every_steps=10, last_step=args.num_steps, elastic=True,
-      local_directory=f"{args.local_dir}/{args.process_id}",
-      local_every_steps=3)
+      args.workdir, every_steps=10, last_step=args.num_steps,
+      tolerance=FaultTolerance(
+          elastic=True, local_directory=f"{args.local_dir}/{args.process_id}",
+          local_every_steps=3))
   # A relaunched process gets the survivors' state, on `make_target`'s mesh.
   state = cb.restore_or_initialize(state, make_target=make_target)
   step = int(state.step)

@@ -16,8 +16,8 @@ Each process draws its own batches from an in-memory dataset through Grain:
   (shuffled, sharded per process with `ShardOptions`) and `--worker-count`
   worker processes; its iterator's state is bytes.
 
-`CheckpointCallback(..., data_iterator=it)` saves each process's iterator
-state with every checkpoint and gives it back at `restore_or_initialize`,
+`cb.restore_or_initialize(state, data_iterator=it)` gives each process's
+iterator its saved state back, and every later save stores it,
 so a rerun after a SIGTERM (exit code 75) draws exactly the batches the
 uninterrupted run would have drawn, on every process, and ends with the
 same parameters. The callback is called after the step that consumed the
@@ -113,9 +113,8 @@ def train(args: argparse.Namespace) -> None:
   data = data_iterator(args, me, n_proc)
 
   with CheckpointCallback(args.workdir, every_steps=args.every_steps,
-                          last_step=args.num_steps, max_to_keep=2,
-                          data_iterator=data) as cb:
-    state = cb.restore_or_initialize(state)
+                          last_step=args.num_steps, max_to_keep=2) as cb:
+    state = cb.restore_or_initialize(state, data_iterator=data)
     start = int(state.step)
     if me == 0:
       print(f"{n_proc} processes, loader {args.loader};"

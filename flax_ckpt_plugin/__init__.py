@@ -31,6 +31,9 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.tools.exporting import ExportError
   from flax_ckpt_plugin.tools.exporting import ExportResult
   from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.manager.options import Commit
+  from flax_ckpt_plugin.manager.retention import Retention
+  from flax_ckpt_plugin.tolerance.options import FaultTolerance
 
 __version__ = "0.1.0"
 
@@ -40,14 +43,17 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "Commit",
     "CommitHookError",
     "ConcurrentWriterError",
     "DataStateMismatchError",
     "ExportError",
     "ExportResult",
+    "FaultTolerance",
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
     "RestoreFailedError",
+    "Retention",
     "RestoreStats",
     "SaveFailedError",
     "SaveStats",
@@ -61,6 +67,9 @@ _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
     "CheckpointManager": "flax_ckpt_plugin.manager.manager",
+    "Commit": "flax_ckpt_plugin.manager.options",
+    "Retention": "flax_ckpt_plugin.manager.retention",
+    "FaultTolerance": "flax_ckpt_plugin.tolerance.options",
     "ExportError": "flax_ckpt_plugin.tools.exporting",
     "ExportResult": "flax_ckpt_plugin.tools.exporting",
     "export": "flax_ckpt_plugin.tools.exporting",

@@ -19,36 +19,52 @@ manager.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
-import signal
 import sys
-import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from etils import epath
 
-from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import local_tier
-from flax_ckpt_plugin.save.commit import CommitHook
 from flax_ckpt_plugin.save.stats import MetricWriter
 from flax_ckpt_plugin.save.stats import SaveMetrics
 from flax_ckpt_plugin.save.stats import SaveStats
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.manager import manager as manager_lib
+from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.tolerance.preemption import SignalFlag
 from flax_ckpt_plugin.manager.schedule import Triggers
+from flax_ckpt_plugin.tolerance.options import FaultTolerance
 
 # The exit code for a job that stopped after its preemption checkpoint:
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
 # being killed by SIGTERM before saving (143).
 PREEMPTED_EXIT_CODE = os.EX_TEMPFAIL
+
+_TOLERANCE = "tolerance=FaultTolerance({}=...)"
+_RESTORE = "restore_or_initialize(state, {}=...)"
+# Keywords that moved into the option records (or to where the iterator's
+# state is restored): where each is now.
+MOVED = {
+    **manager_lib.MOVED,
+    **{k: _TOLERANCE.format(k) for k in (
+        "save_on_preemption", "preemption_signals", "watch_peers",
+        "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",
+        "local_every_steps")},
+    "data_iterator": _RESTORE.format("data_iterator"),
+    "restore_data_state": _RESTORE.format("restore_data_state"),
+    "clock": ("flax_ckpt_plugin.manager.schedule.monotonic, which a test may"
+              " replace"),
+}
 
 
 class CheckpointCallback:
@@ -75,16 +91,7 @@ class CheckpointCallback:
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).
-    save_on_preemption: save and stop when a preemption notice arrives.
-    preemption_signals: the signals that are preemption notices.
     max_to_keep: keep the newest N finalized steps (None keeps all).
-    keep_every_n_steps: also keep every step divisible by this, forever.
-    keep_best: also keep the N steps with the best `best_metric` (pass it
-      in `metrics=` of the calls that may save).
-    best_metric: see `CheckpointManager`.
-    best_mode: see `CheckpointManager`.
-    keep_without_metric: see `CheckpointManager`.
-    clock: seconds as a float, for `every_secs` (injectable for tests).
     metric_writer: if given (e.g. a clu `MetricWriter`), the primary host
       writes for each finalized save, at its step: `checkpoint/blocking_secs`
       (how long the loop waited), `checkpoint/commit_secs` (snapshot to
@@ -94,53 +101,22 @@ class CheckpointCallback:
       callback, or from its creation, to this one: the work a crash just
       before it would have lost). Written from the loop's thread, at the
       next call, `wait_until_finished` or `close` after the commit.
-    commit_hooks: run after each finalized step (see
-      `CheckpointManager.add_commit_hook`).
-    atomicity: see `CheckpointManager`.
-    primary_host: see `CheckpointManager`.
-    barrier_timeout_secs: see `CheckpointManager`.
-    name: see `CheckpointManager`.
-    coordinator: see `CheckpointManager`.
-    backend: see `CheckpointManager`.
-    watch_peers: notice a lost process at once (see `liveness`): a thread
-      polls the live processes, and once a peer died or restarted, every
-      call of this callback and every wait of its saves raises
-      `PeerLostError` instead of waiting for it. Default: on with several
-      processes when `jax_enable_recoverability` is set (without it, JAX
-      itself ends every process when one dies).
-    watch_poll_secs: the period of those polls.
-    elastic: after a lost process, the loop goes on without it: it catches
-      the loss and calls `recover` (see `elastic`), instead of the
-      survivors saving and exiting for a relaunch. Needs a local tier.
-    elastic_wait_secs: how long after a loss the survivors wait for the
-      loop to call `recover` before they save and exit anyway (set it
-      above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
-      that long in a collective with the dead process).
-    local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
-      local tier (see `local_tier`): every `local_every_steps` steps each
-      process also saves there every shard it holds, apart from the other
-      processes and from the persistent tier's schedule, keeping the newest
-      2 steps. A restore then takes the newest step from the fastest tier
-      that has it (see `restored_tier`). The path must belong to this job.
-      A failure of the local tier is logged, never raised (see
-      docs/fault_tolerance.md).
-    local_every_steps: the local tier's interval, in steps.
-    data_iterator: this process's data iterator, or any object with
-      `get_state()` / `set_state(state)` (Grain's iterators; bytes or a
-      JSON value, see `datastate`): each save stores this process's
-      `get_state()` with the step, in both tiers, and
-      `restore_or_initialize` gives each process its own state back. Call
-      the callback after the step that consumed the batch, before the
-      next batch is drawn; a prefetching loader must not run ahead of the
-      step (see docs/integrations.md).
-    restore_data_state: False: restore the train state but leave the data
-      iterator as it is (a job relaunched on another process count, whose
-      saved data positions mean nothing to it).
-    pinned_host_bytes: see `CheckpointManager` (for each tier). On
-      accelerators the callback pins that host memory in
+    retention: the rules that keep more steps (`Retention`: every N-th
+      step; the best by a metric passed in `metrics=` of the calls that may
+      save).
+    tolerance: preemption, lost processes and the local tier
+      (`FaultTolerance`). On accelerators the callback pins the host memory
+      of `Commit.pinned_host_bytes` (for each tier) in
       `restore_or_initialize` (or at its first call), about 0.5 s per GB,
       so that the first save blocks no longer than later ones; it stays
       pinned for the life of the process (see docs/performance.md).
+    commit: how saves are written and committed, and how processes agree
+      on them (`Commit`: the storage backend, atomicity, pinned host
+      memory, the primary host, the coordinator and its barriers, commit
+      hooks).
+
+  The data iterator whose state each save stores is given to
+  `restore_or_initialize`, which also gives it its state back.
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
@@ -161,45 +137,30 @@ class CheckpointCallback:
   waiting for the running save).
   """
 
+  @options.moved_keywords("CheckpointCallback", MOVED)
   def __init__(self, directory: epath.PathLike, *,
                every_steps: int | None = None,
                every_secs: float | None = None,
                on_steps: Iterable[int] = (),
                last_step: int | None = None,
-               save_on_preemption: bool = True,
-               preemption_signals: Iterable[int] = (signal.SIGTERM,),
                max_to_keep: int | None = 3,
-               keep_every_n_steps: int | None = None,
-               keep_best: int | None = None,
-               best_metric: str | None = None,
-               best_mode: str = "min",
-               keep_without_metric: bool = True,
-               clock: Callable[[], float] = time.monotonic,
                metric_writer: MetricWriter | None = None,
-               commit_hooks: Sequence[CommitHook] = (),
-               atomicity: atomicity_lib.Atomicity = "auto",
-               primary_host: int = 0,
-               barrier_timeout_secs: float = 300.0,
-               name: str | None = None,
-               coordinator: coordinator_lib.Coordinator | None = None,
-               backend: backend_lib.Backend | None = None,
-               watch_peers: bool | None = None,
-               watch_poll_secs: float = 0.5,
-               elastic: bool = False,
-               elastic_wait_secs: float = 120.0,
-               local_directory: epath.PathLike | None = None,
-               local_every_steps: int | None = None,
-               data_iterator: datastate.DataIterator | None = None,
-               restore_data_state: bool = True,
-               pinned_host_bytes: int | None = None):
+               retention: Retention | None = None,
+               tolerance: FaultTolerance | None = None,
+               commit: options.Commit | None = None):
+    tolerance = tolerance or FaultTolerance()
+    commit = commit or options.Commit()
     self.triggers = Triggers(
         every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
-        last_step=last_step, local_directory=local_directory,
-        local_every_steps=local_every_steps, clock=clock)
-    self.save_on_preemption = save_on_preemption
+        last_step=last_step, local_every_steps=tolerance.local_every_steps)
+    self.save_on_preemption = tolerance.save_on_preemption
     self.metric_writer = metric_writer
-    self.data_iterator = data_iterator
-    self.restore_data_state = restore_data_state
+    self.data_iterator: datastate.DataIterator | None = None
+    self.restore_data_state = True
+    coordinator, primary_host = commit.coordinator, commit.primary_host
+    watch_peers, elastic = tolerance.watch_peers, tolerance.elastic
+    local_directory = tolerance.local_directory
+    pinned_host_bytes = commit.pinned_host_bytes
     coord = coordinator or coordinator_lib.default()
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
@@ -213,15 +174,11 @@ class CheckpointCallback:
     if rejoins is not None:
       coord = groups.Survivors(coord, [coord.process_index])
     self.manager = CheckpointManager(
-        directory, max_to_keep=max_to_keep,
-        keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
-        best_metric=best_metric, best_mode=best_mode,
-        keep_without_metric=keep_without_metric, atomicity=atomicity,
-        primary_host=primary_host if rejoins is None
-        else rejoins.opening_primary(coord.process_index),
-        barrier_timeout_secs=barrier_timeout_secs, name=name,
-        coordinator=coord, backend=backend,
-        pinned_host_bytes=pinned_host_bytes)
+        directory, max_to_keep=max_to_keep, retention=retention,
+        commit=dataclasses.replace(
+            commit, coordinator=coord, hooks=(),  # (Added below.)
+            primary_host=primary_host if rejoins is None
+            else rejoins.opening_primary(coord.process_index)))
     self.local = None if local_directory is None else local_tier.open_tier(
         local_directory, job, coordinator=coord,
         timeout_ms=self.manager.barrier_timeout_ms,
@@ -231,9 +188,9 @@ class CheckpointCallback:
     self._chosen: tuple[int, bool, bool] | None = None
     # Started here, on every process at the same point: see `liveness`.
     self._peers = elastic_lib.Peers(
-        self.manager, self.local, directory, poll_secs=watch_poll_secs,
-        exit_code=PREEMPTED_EXIT_CODE,
-        elastic_secs=elastic_wait_secs if elastic else None,
+        self.manager, self.local, directory,
+        poll_secs=tolerance.watch_poll_secs, exit_code=PREEMPTED_EXIT_CODE,
+        elastic_secs=tolerance.elastic_wait_secs if elastic else None,
         primary_host=primary_host, group=rejoins,
         metric_writer=metric_writer) if watch_peers else None
     # The step at which the group takes back a relaunched process.
@@ -242,7 +199,7 @@ class CheckpointCallback:
     self._metrics = SaveMetrics(metric_writer)
     if metric_writer is not None:  # Before user hooks.
       self.manager.add_commit_hook(self._metrics.record)
-    for hook in commit_hooks:
+    for hook in commit.hooks:
       self.manager.add_commit_hook(hook)
     self.triggers.start(self.manager.coordinator,
                         is_primary=self.manager.is_primary,
@@ -253,7 +210,7 @@ class CheckpointCallback:
     self.restored_extra: Any = None
     self.restored_tier: str | None = None
     self._signals = SignalFlag(
-        preemption_signals if save_on_preemption else (),
+        tolerance.preemption_signals if self.save_on_preemption else (),
         forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
 
@@ -372,7 +329,9 @@ class CheckpointCallback:
 
   def restore_or_initialize(
       self, state: Any, *, cast: bool = False,
-      make_target: Callable[[list[Any]], Any] | None = None) -> Any:
+      make_target: Callable[[list[Any]], Any] | None = None,
+      data_iterator: datastate.DataIterator | None = None,
+      restore_data_state: bool = True) -> Any:
     """The newest good finalized step restored like `state`, else `state`.
 
     A step that fails verification (damaged or missing files) is skipped
@@ -393,11 +352,26 @@ class CheckpointCallback:
       cast: convert leaves saved in another dtype than `state`'s (float32
         into bfloat16, say), as `CheckpointManager.restore` does.
       make_target: see above.
+      data_iterator: this process's data iterator, or any object with
+        `get_state()` / `set_state(state)` (Grain's iterators; bytes or a
+        JSON value, see `datastate`): it gets the state saved with the
+        restored step back, and from now on each save stores this
+        process's `get_state()` with the step, in both tiers. Call the
+        callback after the step that consumed the batch, before the next
+        batch is drawn; a prefetching loader must not run ahead of the
+        step (see docs/integrations.md). (Or set `data_iterator`.)
+      restore_data_state: False: restore the train state but leave the
+        data iterator as it is (a job relaunched on another process count,
+        whose saved data positions mean nothing to it); its state is still
+        saved from now on.
 
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
       StructureMismatchError: `state` does not fit the checkpoint.
     """
+    if data_iterator is not None:
+      self.data_iterator = data_iterator
+    self.restore_data_state = restore_data_state
     # Pinned memory first (from `state`, if it holds arrays): the restore
     # then takes its buffers from the same pool.
     self._warm_up(state)

@@ -99,9 +99,13 @@ class CheckpointAction(periodic_actions.PeriodicAction):
     """The callback's `CheckpointManager`."""
     return self.callback.manager
 
-  def restore_or_initialize(self, state: Any, *, cast: bool = False) -> Any:
+  def restore_or_initialize(self, state: Any, *, cast: bool = False,
+                            data_iterator: Any = None,
+                            restore_data_state: bool = True) -> Any:
     """See `CheckpointCallback.restore_or_initialize`."""
-    return self.callback.restore_or_initialize(state, cast=cast)
+    return self.callback.restore_or_initialize(
+        state, cast=cast, data_iterator=data_iterator,
+        restore_data_state=restore_data_state)
 
   @property
   def restored_step(self) -> int | None:

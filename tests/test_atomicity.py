@@ -9,6 +9,7 @@ import pytest
 import flax_ckpt_plugin
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin import Commit
 
 from helpers import entries
 
@@ -59,7 +60,8 @@ def test_rename_on_object_store_raises():
 def test_manager_refuses_rename_on_object_store_before_touching_it():
   # Raised while validating options: no bucket is ever contacted.
   with pytest.raises(ValueError, match="gs://bucket/ckpt"):
-    flax_ckpt_plugin.CheckpointManager("gs://bucket/ckpt", atomicity="rename")
+    flax_ckpt_plugin.CheckpointManager("gs://bucket/ckpt",
+                                       commit=Commit(atomicity="rename"))
 
 
 def test_unknown_atomicity_raises():

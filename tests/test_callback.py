@@ -7,6 +7,9 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin.manager import schedule
 from fake_coordinator import FakeCluster
 from fake_coordinator import ThreadCoordinator
 
@@ -49,10 +52,10 @@ def test_step_triggers(ckpt_dir, kwargs, saved):
   assert sorted(sorted_entries(ckpt_dir), key=int) == [str(s) for s in saved]
 
 
-def test_every_secs_with_fake_clock(ckpt_dir):
+def test_every_secs_with_fake_clock(ckpt_dir, monkeypatch):
   clock = FakeClock()
-  callback = CheckpointCallback(ckpt_dir, every_secs=10.0, clock=clock,
-                                max_to_keep=None)
+  monkeypatch.setattr(schedule, "monotonic", clock)
+  callback = CheckpointCallback(ckpt_dir, every_secs=10.0, max_to_keep=None)
   start = clock.now
   saved = []
   for step, elapsed in [(1, 5.0), (2, 10.0), (3, 15.0), (4, 19.9),
@@ -134,7 +137,7 @@ def test_preemption_sync_point_saves_and_stops(ckpt_dir):
   """Fault injected: the coordinator reports the preemption sync point at
   step 7 (a single process has no preemption sync manager)."""
   callback = CheckpointCallback(ckpt_dir, every_steps=5,
-                                coordinator=_preempted_at(7))
+                                commit=Commit(coordinator=_preempted_at(7)))
   assert [s for s in range(1, 7) if callback(s, tiny(s))] == [5]
   assert not callback.should_stop
   assert callback(7, tiny(7))
@@ -154,7 +157,7 @@ def test_preemption_at_an_already_saved_step_stops_without_saving(
   with CheckpointCallback(ckpt_dir, every_steps=5) as first:
     first(5, tiny(5))
   restarted = CheckpointCallback(ckpt_dir, every_steps=5,
-                                 coordinator=_preempted_at(5))
+                                 commit=Commit(coordinator=_preempted_at(5)))
   assert not restarted(5, tiny(55))
   assert restarted.should_stop
   restarted.close()
@@ -163,8 +166,9 @@ def test_preemption_at_an_already_saved_step_stops_without_saving(
 def test_preemption_ignored_when_disabled(ckpt_dir):
   """Fault injected: the preemption sync point is reported at step 3."""
   coord = _preempted_at(3)
-  callback = CheckpointCallback(ckpt_dir, save_on_preemption=False,
-                                coordinator=coord)
+  callback = CheckpointCallback(
+      ckpt_dir, tolerance=FaultTolerance(save_on_preemption=False),
+      commit=Commit(coordinator=coord))
   assert not callback(3, tiny(3))
   assert not callback.should_stop
   callback.close()
@@ -174,7 +178,8 @@ def test_preemption_ignored_when_disabled(ckpt_dir):
 def test_background_error_surfaces_from_next_call(ckpt_dir):
   """Fault injected: the storage backend's writes fail for step 1."""
   disk = FlakyDisk(on_fire=True)
-  callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3], backend=disk)
+  callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3],
+                                commit=Commit(backend=disk))
   assert callback(1, tiny(1))  # The save started; it fails in background.
   join_commit(callback.manager, TIMEOUT)
   disk.on_fire = False
@@ -192,7 +197,8 @@ def test_background_error_surfaces_from_next_call(ckpt_dir):
 def test_background_error_surfaces_from_next_saving_call(ckpt_dir):
   """Fault injected: the storage backend's writes fail for step 1."""
   disk = FlakyDisk(on_fire=True)
-  callback = CheckpointCallback(ckpt_dir, every_steps=1, backend=disk)
+  callback = CheckpointCallback(ckpt_dir, every_steps=1,
+                                commit=Commit(backend=disk))
   assert callback(1, tiny(1))
   with pytest.raises(OSError, match="disk on fire"):
     callback(2, tiny(2))  # Raised whether or not the commit has ended yet.
@@ -215,8 +221,9 @@ def test_context_manager_closes_and_waits(ckpt_dir):
 def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir):
   """Fault injected: the storage backend's writes fail."""
   with pytest.raises(KeyError, match="loop failed") as excinfo:
-    with CheckpointCallback(ckpt_dir, every_steps=1,
-                            backend=FlakyDisk(on_fire=True)) as callback:
+    with CheckpointCallback(
+        ckpt_dir, every_steps=1,
+        commit=Commit(backend=FlakyDisk(on_fire=True))) as callback:
       callback(1, tiny(1))
       raise KeyError("loop failed")
   assert "disk on fire" in "\n".join(excinfo.value.__notes__)

@@ -4,6 +4,7 @@ The real multi-process tests (test_multihost*.py) run the same protocol over
 JAX's coordination service; these cover its decisions in milliseconds.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -17,6 +18,9 @@ from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin.manager import schedule
 from fake_coordinator import FakeCluster
 from fake_coordinator import run_threads
 
@@ -66,8 +70,10 @@ def test_next_round_makes_a_reused_name_fresh():
 
 def test_three_processes_save_and_restore(tmp_path):
   def work(coord):
-    with CheckpointManager(tmp_path, coordinator=coord,
-                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+    with CheckpointManager(
+        tmp_path,
+        commit=Commit(coordinator=coord,
+                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       mgr.save(1, _state(1))
       mgr.save(2, _state(2))
       mgr.wait_until_finished()
@@ -93,9 +99,10 @@ def test_a_manager_opened_on_one_process_only_shifts_no_later_keys(tmp_path):
   def work(coord):
     if coord.process_index == 0:
       CheckpointManager(tmp_path / "other", read_only=True,
-                        coordinator=coord).close()
-    with CheckpointManager(tmp_path / "run", coordinator=coord,
-                           barrier_timeout_secs=5) as mgr:
+                        commit=Commit(coordinator=coord)).close()
+    with CheckpointManager(
+        tmp_path / "run",
+        commit=Commit(coordinator=coord, barrier_timeout_secs=5)) as mgr:
       mgr.save(1, _state(1))
     return "ok"
 
@@ -108,8 +115,10 @@ def test_two_managers_of_one_directory_in_turn_use_fresh_keys(tmp_path):
   def work(coord):
     names = []
     for step in (1, 2):
-      with CheckpointManager(tmp_path, coordinator=coord,
-                             barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+      with CheckpointManager(
+          tmp_path,
+          commit=Commit(coordinator=coord,
+                        barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
         mgr.save(step, _state(step))
         names.append(mgr.name)
     return names
@@ -144,8 +153,10 @@ def test_a_write_failure_on_one_process_fails_the_save_on_all(tmp_path):
 
   def work(coord):
     mgr = CheckpointManager(
-        tmp_path, coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS,
-        backend=_FullDisk() if coord.process_index == 1 else None)
+        tmp_path,
+        commit=Commit(
+            coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS,
+            backend=_FullDisk() if coord.process_index == 1 else None))
     mgr.save(1, _state(1))
     return _error_of_wait(mgr)
 
@@ -163,8 +174,10 @@ def test_a_failed_commit_hook_is_raised_on_every_process(tmp_path):
     raise ValueError(f"evaluation of step {stats.step} failed")
 
   def work(coord):
-    mgr = CheckpointManager(tmp_path, coordinator=coord, commit_hooks=[hook],
-                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr = CheckpointManager(
+        tmp_path,
+        commit=Commit(coordinator=coord, hooks=[hook],
+                      barrier_timeout_secs=TIMEOUT_SECS))
     mgr.save(1, _state(1))
     with pytest.raises(CommitHookError, match="evaluation of step 1"):
       mgr.wait_until_finished()
@@ -182,8 +195,10 @@ def test_any_restore_error_on_one_process_reaches_all_at_once(tmp_path):
     mgr.save(1, _state(1))
 
   def work(coord):
-    with CheckpointManager(tmp_path, coordinator=coord,
-                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+    with CheckpointManager(
+        tmp_path,
+        commit=Commit(coordinator=coord,
+                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       target = _state(0)
       if coord.process_index == 1:
         target = {"w": object(), "step": 0}  # Cannot be restored into.
@@ -219,8 +234,10 @@ def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
   monkeypatch.setattr(CheckpointManager, "restore", restore)
 
   def work(coord):
-    with CheckpointManager(tmp_path, coordinator=coord,
-                           barrier_timeout_secs=TIMEOUT_SECS) as mgr:
+    with CheckpointManager(
+        tmp_path,
+        commit=Commit(coordinator=coord,
+                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       step, restored = mgr.restore_newest_valid(_state(0))
       return step, restored["step"], mgr.all_steps()
 
@@ -240,20 +257,24 @@ class _Clock:
     return self.now
 
 
-def test_every_secs_agrees_without_asking_at_every_step(tmp_path):
+def test_every_secs_agrees_without_asking_at_every_step(tmp_path,
+                                                         monkeypatch):
   """Before: every non-primary process made a blocking call to the
   coordination service at every step. Now they ask at a few steps per
   interval, and all processes still save at the same steps."""
   steps = 400
+  clocks = {}  # Each "process" (thread) has a clock of its own.
+  monkeypatch.setattr(schedule, "monotonic",
+                      lambda: clocks[threading.get_ident()]())
 
   def work(coord):
-    clock = _Clock()
+    clock = clocks[threading.get_ident()] = _Clock()
     # Hosts' clocks disagree: the primary decides for all.
     clock.now = 1000.0 * coord.process_index
-    cb = CheckpointCallback(tmp_path, every_secs=50, clock=clock,
-                            coordinator=coord, max_to_keep=None,
-                            save_on_preemption=False,
-                            barrier_timeout_secs=TIMEOUT_SECS)
+    cb = CheckpointCallback(
+        tmp_path, every_secs=50, max_to_keep=None,
+        tolerance=FaultTolerance(save_on_preemption=False),
+        commit=Commit(coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS))
     saved = []
     for step in range(1, steps + 1):
       clock.now += 1.0  # One second per step.
@@ -282,9 +303,10 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
 
   def work(coord):
     backend = Undeletable() if coord.process_index == 0 else None
-    mgr = CheckpointManager(tmp_path, coordinator=coord, max_to_keep=1,
-                            backend=backend,
-                            barrier_timeout_secs=TIMEOUT_SECS)
+    mgr = CheckpointManager(
+        tmp_path, max_to_keep=1,
+        commit=Commit(coordinator=coord, backend=backend,
+                      barrier_timeout_secs=TIMEOUT_SECS))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     return _error_of_wait(mgr)

@@ -69,9 +69,9 @@ def test_the_wrapper_resumes_on_the_batches_of_an_uninterrupted_run(tmp_path):
 
 def _loop(workdir: pathlib.Path, num_steps: int, data: Any, batches: Any,
           seen: list[Any]) -> CheckpointCallback:
-  with CheckpointCallback(workdir, every_steps=5, last_step=num_steps,
-                          data_iterator=data) as cb:
-    cb.restore_or_initialize({"step": 0})
+  with CheckpointCallback(workdir, every_steps=5,
+                          last_step=num_steps) as cb:
+    cb.restore_or_initialize({"step": 0}, data_iterator=data)
     for step in range((cb.restored_step or 0) + 1, num_steps + 1):
       seen.append(np.asarray(next(batches)).tolist())
       cb(step, {"step": step})

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
@@ -38,9 +39,11 @@ class Batches:
                 else state["pos"])
 
 
-def _loop(cb, steps, data):
-  """A loop whose state is the sum of the batches it has seen."""
-  state = cb.restore_or_initialize({"w": jnp.zeros(4)})
+def _loop(cb, steps, data, iterator=None):
+  """A loop whose state is the sum of the batches it has seen; `iterator`
+  goes to `restore_or_initialize`."""
+  state = cb.restore_or_initialize({"w": jnp.zeros(4)},
+                                   data_iterator=iterator)
   start = cb.restored_step or 0
   seen = []
   for step in range(start + 1, steps + 1):
@@ -58,11 +61,11 @@ def test_a_resumed_loop_sees_the_batches_of_the_uninterrupted_one(
   whole, seen_whole = _loop(CheckpointCallback(ckpt_dir / "a", every_steps=3),
                             10, Batches(as_bytes))
   data = Batches(as_bytes)
-  cb = CheckpointCallback(ckpt_dir / "c", every_steps=3, data_iterator=data)
-  _loop(cb, 7, data)  # Saves 3 and 6; the step-7 batch is lost.
+  cb = CheckpointCallback(ckpt_dir / "c", every_steps=3)
+  _loop(cb, 7, data, data)  # Saves 3 and 6; the step-7 batch is lost.
   data = Batches(as_bytes)
-  cb = CheckpointCallback(ckpt_dir / "c", every_steps=3, data_iterator=data)
-  resumed, seen = _loop(cb, 10, data)
+  cb = CheckpointCallback(ckpt_dir / "c", every_steps=3)
+  resumed, seen = _loop(cb, 10, data, data)
   assert cb.restored_step == 6 and data.set_calls == 1
   assert seen == seen_whole[6:]
   np.testing.assert_array_equal(resumed["w"], whole["w"])
@@ -93,8 +96,7 @@ def test_each_encoding_round_trips_and_bad_states_name_the_problem(ckpt_dir):
 def test_a_damaged_data_state_is_named_and_the_callback_falls_back(
     ckpt_dir, capsys):
   data = Batches()
-  _loop(CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data), 4,
-        data)
+  _loop(CheckpointCallback(ckpt_dir, every_steps=2), 4, data, data)
   state_file = ckpt_dir / "4" / "data" / "process_00000.state"
   state_file.write_text(state_file.read_text().replace("4", "9"))
   with pytest.raises(CheckpointCorruptedError, match="process_00000.state"):
@@ -104,8 +106,8 @@ def test_a_damaged_data_state_is_named_and_the_callback_falls_back(
   assert re.search(r"4/data/process_00000\.state: \d+ bytes that do not"
                    r" match", out.out + out.err), out
   data = Batches()
-  cb = CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data)
-  cb.restore_or_initialize({"w": jnp.zeros(4)})
+  cb = CheckpointCallback(ckpt_dir, every_steps=2)
+  cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=data)
   assert cb.restored_step == 2 and data.pos == 2
   cb.close()
 
@@ -114,16 +116,15 @@ def test_a_step_without_this_process_state_is_skipped_and_kept(ckpt_dir):
   """What the survivors of a lost process save: the others' states only.
   (Made here by editing a manifest: a real loss is in test_survivors.)"""
   data = Batches()
-  _loop(CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data), 4,
-        data)
+  _loop(CheckpointCallback(ckpt_dir, every_steps=2), 4, data, data)
   path = ckpt_dir / "4" / "manifest.json"
   manifest = json.loads(path.read_text())
   manifest["data_states"] = {"1": dict(manifest["data_states"]["0"],
                                        file="data/process_00001.state")}
   path.write_text(json.dumps(manifest))
   data = Batches()
-  cb = CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data)
-  cb.restore_or_initialize({"w": jnp.zeros(4)})
+  cb = CheckpointCallback(ckpt_dir, every_steps=2)
+  cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=data)
   assert cb.restored_step == 2 and data.pos == 2
   assert cb.manager.all_steps() == [2, 4]  # Not set aside: it is whole.
   cb.close()
@@ -139,21 +140,20 @@ def test_another_process_count_is_an_error_unless_the_data_state_is_skipped(
   """A step saved by 2 processes (its manifest edited here; the real one is
   in test_multihost_data_state) restored by 1."""
   data = Batches()
-  _loop(CheckpointCallback(ckpt_dir, every_steps=2, data_iterator=data), 2,
-        data)
+  _loop(CheckpointCallback(ckpt_dir, every_steps=2), 2, data, data)
   path = ckpt_dir / "2" / "manifest.json"
   manifest = json.loads(path.read_text())
   manifest["process_count"] = 2
   path.write_text(json.dumps(manifest))
-  cb = CheckpointCallback(ckpt_dir, data_iterator=Batches())
+  cb = CheckpointCallback(ckpt_dir)
   with pytest.raises(DataStateMismatchError,
                      match="saved by 2 processes, and this job has 1"):
-    cb.restore_or_initialize({"w": jnp.zeros(4)})
+    cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=Batches())
   cb.close()
   data = Batches()
-  cb = CheckpointCallback(ckpt_dir, data_iterator=data,
-                          restore_data_state=False)
-  cb.restore_or_initialize({"w": jnp.zeros(4)})
+  cb = CheckpointCallback(ckpt_dir)
+  cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=data,
+                           restore_data_state=False)
   assert cb.restored_step == 2 and data.set_calls == 0
   cb.close()
 
@@ -161,11 +161,12 @@ def test_another_process_count_is_an_error_unless_the_data_state_is_skipped(
 def test_the_local_tier_keeps_the_data_state_too(tmp_path, ckpt_dir):
   local = tmp_path / "local"
   data = Batches()
-  kwargs = dict(every_steps=10, local_directory=local, local_every_steps=3)
-  _loop(CheckpointCallback(ckpt_dir, data_iterator=data, **kwargs), 7, data)
+  kwargs = dict(every_steps=10, tolerance=FaultTolerance(
+      local_directory=local, local_every_steps=3))
+  _loop(CheckpointCallback(ckpt_dir, **kwargs), 7, data, data)
   data = Batches()
-  cb = CheckpointCallback(ckpt_dir, data_iterator=data, **kwargs)
-  cb.restore_or_initialize({"w": jnp.zeros(4)})
+  cb = CheckpointCallback(ckpt_dir, **kwargs)
+  cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=data)
   assert (cb.restored_step, cb.restored_tier, data.pos) == (6, "local", 6)
   cb.close()
   mine = os.path.join(local, local_tier.job_name(str(ckpt_dir)),

@@ -28,6 +28,7 @@ from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
+from flax_ckpt_plugin import Commit
 
 MIB = 1 << 20
 
@@ -248,7 +249,8 @@ def test_a_saved_step_is_in_the_page_cache_unless_turned_off(
   expected = host_copy(tree)
   backend = backend_lib.LocalBackend(direct_io=direct_io,
                                      cache_saved=cache_saved)
-  with CheckpointManager(direct_dir / "ckpt", backend=backend) as manager:
+  with CheckpointManager(direct_dir / "ckpt",
+                         commit=Commit(backend=backend)) as manager:
     manager.save(1, tree)
     manager.wait_until_finished()
     (data,) = (direct_dir / "ckpt" / "1").rglob("*.bin")

@@ -26,6 +26,7 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin.manager.retention import steps_to_delete
+from flax_ckpt_plugin import Commit
 from helpers import assert_only_finalized_steps
 from helpers import FlakyDisk
 from helpers import free_bytes
@@ -246,7 +247,8 @@ class _NoDeletes(backend_lib.LocalBackend):
 def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
   """Before: every background error said "That step was not finalized",
   also for a retention error after the step was."""
-  with CheckpointManager(ckpt_dir, max_to_keep=1, backend=_NoDeletes()) as mgr:
+  with CheckpointManager(ckpt_dir, max_to_keep=1,
+                         commit=Commit(backend=_NoDeletes())) as mgr:
     mgr.save(1, {"w": np.ones(3)})
     mgr.wait_until_finished()
     mgr.save(2, {"w": np.ones(3)})
@@ -256,7 +258,7 @@ def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
     assert f"Step 2 is finalized in {ckpt_dir}." in notes, notes
     assert "not finalized" not in notes
   flaky = FlakyDisk()
-  with CheckpointManager(ckpt_dir, backend=flaky) as mgr:
+  with CheckpointManager(ckpt_dir, commit=Commit(backend=flaky)) as mgr:
     flaky.on_fire = True
     mgr.save(3, {"w": np.ones(3)})
     with pytest.raises(OSError) as info:

@@ -16,6 +16,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin import FaultTolerance
 
 from fake_coordinator import run_threads
 from helpers import sorted_entries
@@ -39,8 +40,9 @@ def _run(cb, make_state, train_step, steps):
 def test_the_local_tier_keeps_its_newest_two_steps_apart_from_the_persistent(
     tmp_path, ckpt_dir, make_state, train_step):
   local = tmp_path / "local"
-  cb = CheckpointCallback(ckpt_dir, every_steps=5, max_to_keep=None,
-                          local_directory=local, local_every_steps=2)
+  cb = CheckpointCallback(
+      ckpt_dir, every_steps=5, max_to_keep=None,
+      tolerance=FaultTolerance(local_directory=local, local_every_steps=2))
   _run(cb, make_state, train_step, range(1, 10))
   assert sorted_entries(ckpt_dir) == ["5"]
   mine = _process_dir(local, ckpt_dir)
@@ -54,7 +56,8 @@ def test_a_restore_takes_the_newest_step_from_the_fastest_tier(
     tmp_path, ckpt_dir, make_state, train_step, assert_trees_equal,
     host_copy):
   local = tmp_path / "local"
-  kwargs = dict(every_steps=5, local_directory=local, local_every_steps=2)
+  kwargs = dict(every_steps=5, tolerance=FaultTolerance(
+      local_directory=local, local_every_steps=2))
   cb = CheckpointCallback(ckpt_dir, **kwargs)
   # A target whose step is an array, as in the states saved.
   target = lambda: jax.tree.map(jnp.zeros_like, train_step(make_state()))
@@ -147,9 +150,9 @@ def test_nothing_is_fsynced_on_a_file_system_in_memory(tmp_path,
 @pytest.mark.parametrize("kwargs", [
     {"local_directory": "/tmp/x"}, {"local_every_steps": 3},
     {"local_directory": "/tmp/x", "local_every_steps": 0}])
-def test_the_local_tier_needs_a_path_and_an_interval(ckpt_dir, kwargs):
+def test_the_local_tier_needs_a_path_and_an_interval(kwargs):
   with pytest.raises(ValueError, match="local"):
-    CheckpointCallback(ckpt_dir, **kwargs)
+    FaultTolerance(**kwargs)
 
 
 def test_without_a_local_tier_the_restored_tier_is_the_persistent_one(
@@ -190,7 +193,8 @@ def test_local_steps_newer_than_the_restored_one_are_discarded_and_saved_anew(
   """A run that resumes before them replays those steps: keeping the old
   copies would mix two pasts in a later restore."""
   local = tmp_path / "local"
-  kwargs = dict(every_steps=5, local_directory=local, local_every_steps=2)
+  kwargs = dict(every_steps=5, tolerance=FaultTolerance(
+      local_directory=local, local_every_steps=2))
   cb = CheckpointCallback(ckpt_dir, **kwargs)
   for step in range(1, 10):
     cb(step, {"w": jnp.full(3, step)})
@@ -219,8 +223,10 @@ def test_a_failing_local_tier_is_logged_and_the_loop_goes_on(
   """The 8 MiB tmpfs cannot hold a 16 MiB state: the local save fails on
   this process only, which must not stop its loop (its peers would wait
   for it in their next collective)."""
-  cb = CheckpointCallback(ckpt_dir, every_steps=2, local_directory=small_tmpfs,
-                          local_every_steps=1)
+  cb = CheckpointCallback(
+      ckpt_dir, every_steps=2,
+      tolerance=FaultTolerance(local_directory=small_tmpfs,
+                               local_every_steps=1))
   for step in range(1, 5):
     assert cb(step, {"w": jnp.full(4 << 20, step, jnp.float32)})
   cb.close()

@@ -18,6 +18,8 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin.restore import reader as reader_lib
 from flax_ckpt_plugin.save import staging as staging_lib
 from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Retention
 
 from helpers import FlakyDisk
 from helpers import entries
@@ -169,8 +171,8 @@ def test_losing_writer_never_deletes_finalized_step(
   """Two managers on one directory both save step 5; the one that opened the
   directory before step 5 existed does not know it is finalized. Its save must
   fail without touching the step the other one finalized."""
-  late = CheckpointManager(ckpt_dir, atomicity=atomicity)
-  early = CheckpointManager(ckpt_dir, atomicity=atomicity)
+  late = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
+  early = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
   winner = make_state(seed=1)
   expected = host_copy(winner)
   early.save(5, winner)
@@ -180,7 +182,7 @@ def test_losing_writer_never_deletes_finalized_step(
   with pytest.raises(FileExistsError, match="step 5"):
     late.wait_until_finished()
 
-  fresh = CheckpointManager(ckpt_dir, atomicity=atomicity)
+  fresh = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
   assert fresh.all_steps() == [5]
   assert_trees_equal(fresh.restore(make_state()), expected)
 
@@ -372,7 +374,7 @@ def test_background_error_is_raised_once_by_next_call(
     surface, ckpt_dir, make_state, train_step, assert_trees_equal, host_copy):
   """Fault injected: the storage backend's writes fail for step 2."""
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, backend=disk)
+  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
   state = train_step(make_state())
   expected = host_copy(state)
   manager.save(1, state)
@@ -408,7 +410,7 @@ def test_background_error_is_raised_once_by_next_call(
 def test_background_error_is_raised_by_restore(ckpt_dir, make_state):
   """Fault injected: the storage backend's writes fail for step 2."""
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, backend=disk)
+  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
   manager.save(1, make_state())
   manager.wait_until_finished()
   disk.on_fire = True
@@ -460,7 +462,8 @@ def test_save_blocks_only_while_previous_commit_runs(
 
 
 def test_retention_keeps_newest_and_every_nth(ckpt_dir):
-  manager = CheckpointManager(ckpt_dir, max_to_keep=2, keep_every_n_steps=5)
+  manager = CheckpointManager(ckpt_dir, max_to_keep=2,
+                              retention=Retention(keep_every_n_steps=5))
   for step in range(1, 13):
     manager.save(step, tiny(step))
   manager.wait_until_finished()
@@ -476,7 +479,8 @@ def test_retention_keeps_newest_and_every_nth(ckpt_dir):
 def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir):
   """Fault injected: the write of step 4 raises OSError."""
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, max_to_keep=1, backend=disk)
+  manager = CheckpointManager(ckpt_dir, max_to_keep=1,
+                              commit=Commit(backend=disk))
   for step in (1, 2, 3):
     manager.save(step, tiny(step))
     manager.wait_until_finished()
@@ -496,7 +500,8 @@ def test_old_steps_deleted_only_after_newer_one_is_finalized(
   step 4 raises OSError."""
   gated_write.release.set()
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, max_to_keep=2, backend=disk)
+  manager = CheckpointManager(ckpt_dir, max_to_keep=2,
+                              commit=Commit(backend=disk))
   manager.save(1, tiny(1))
   manager.save(2, tiny(2))
   manager.wait_until_finished()
@@ -536,7 +541,7 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
                                              host_copy):
   """The write is spied on (fault injected: gated write) to see where the
   data goes while the save is unfinished."""
-  manager = CheckpointManager(ckpt_dir, atomicity="commit_file")
+  manager = CheckpointManager(ckpt_dir, commit=Commit(atomicity="commit_file"))
   assert manager.atomicity == "commit_file"
   state = make_state(seed=4)
   expected = host_copy(state)
@@ -546,8 +551,9 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
   assert entries(ckpt_dir) == {"1"}
   assert not (ckpt_dir / "1" / "_COMMITTED").exists()
   # An observer (read-only, as an evaluation job) does not list it.
-  assert CheckpointManager(ckpt_dir, atomicity="commit_file",
-                           read_only=True).all_steps() == []
+  assert CheckpointManager(
+      ckpt_dir, read_only=True,
+      commit=Commit(atomicity="commit_file")).all_steps() == []
 
   gated_write.release.set()
   manager.wait_until_finished()
@@ -600,11 +606,14 @@ def test_context_manager_waits_for_the_save(ckpt_dir, make_state,
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"max_to_keep": 0}, {"keep_every_n_steps": 0}, {"primary_host": 1},
+    {"max_to_keep": 0},
+    {"retention": lambda: Retention(keep_every_n_steps=0)},
+    {"commit": lambda: Commit(primary_host=1)},  # One process: index 0 only.
 ])
 def test_invalid_options_raise_value_error(ckpt_dir, kwargs):
   with pytest.raises(ValueError):
-    CheckpointManager(ckpt_dir, **kwargs)
+    CheckpointManager(ckpt_dir, **{k: v() if callable(v) else v
+                                   for k, v in kwargs.items()})
 
 
 def test_negative_step_raises(ckpt_dir, make_state):
@@ -624,7 +633,8 @@ def test_commit_hooks_see_each_finalized_step_in_order(ckpt_dir):
                  (stats.path / "_COMMITTED").is_file(), stats.total_bytes,
                  threading.current_thread() is threading.main_thread()))
 
-  mgr = CheckpointManager(ckpt_dir, max_to_keep=1, commit_hooks=[evaluate])
+  mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
+                          commit=Commit(hooks=[evaluate]))
   mgr.add_commit_hook(lambda stats: seen.append(("notify", stats.step)))
   for step in (1, 2):
     mgr.save(step, {"w": np.full(3, step, np.float32)})
@@ -644,7 +654,7 @@ def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
 
   later = []
   mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
-                          commit_hooks=[broken, later.append])
+                          commit=Commit(hooks=[broken, later.append]))
   mgr.save(1, {"w": np.ones(3)})
   mgr.wait_until_finished()
   mgr.save(2, {"w": np.ones(3)})
@@ -664,4 +674,4 @@ def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
 
 def test_commit_hook_must_be_callable(ckpt_dir):
   with pytest.raises(TypeError, match="not callable"):
-    CheckpointManager(ckpt_dir, commit_hooks=["not a function"])
+    CheckpointManager(ckpt_dir, commit=Commit(hooks=["not a function"]))

@@ -39,6 +39,8 @@ import pytest
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import object_store
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Retention
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
@@ -405,7 +407,7 @@ def test_manager_on_a_bucket_uses_commit_file(bucket):
     assert manager.atomicity == "commit_file"
     assert isinstance(manager.directory, object_store.ObjectStorePath)
   with pytest.raises(ValueError, match="without atomic rename"):
-    CheckpointManager(bucket.url, atomicity="rename")
+    CheckpointManager(bucket.url, commit=Commit(atomicity="rename"))
 
 
 def test_walking_a_checkpoint_in_a_bucket(bucket):
@@ -585,7 +587,7 @@ def test_a_read_past_the_end_of_an_object_is_short_not_an_error(
 
 def test_retention_deletes_from_the_bucket(bucket):
   with CheckpointManager(bucket.url, max_to_keep=2,
-                         keep_every_n_steps=3) as manager:
+                         retention=Retention(keep_every_n_steps=3)) as manager:
     for step in range(1, 8):
       manager.save(step, {"w": jnp.full((4,), step, jnp.int32)})
       manager.wait_until_finished()

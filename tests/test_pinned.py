@@ -25,6 +25,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin import Commit
 from helpers import assert_only_finalized_steps
 from helpers import pinned_counter
 from helpers import two_device_mesh
@@ -262,7 +263,8 @@ def test_a_budget_sends_the_rest_through_the_plain_transfer(
   """A budget of 2 shards' bytes: 2 shards are pinned, the others are
   copied the plain way, and the step restores whole."""
   state = {f"w{i}": jnp.full((1024,), i, jnp.float32) for i in range(5)}
-  with CheckpointManager(ckpt_dir, pinned_host_bytes=2 * 4096) as manager:
+  with CheckpointManager(
+      ckpt_dir, commit=Commit(pinned_host_bytes=2 * 4096)) as manager:
     manager.save(1, state)
     manager.wait_until_finished()
     assert copies["onto_pinned"] == 2

@@ -29,6 +29,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin import FaultTolerance
 
 from helpers import start_thread
 from launcher import StdoutLines
@@ -432,8 +433,10 @@ def test_previous_handler_still_runs(ckpt_dir, previous_handlers):
 
 def test_close_restores_previous_handlers(ckpt_dir, previous_handlers):
   record, received = previous_handlers
-  cb = CheckpointCallback(ckpt_dir,
-                          preemption_signals=(signal.SIGTERM, signal.SIGUSR1))
+  cb = CheckpointCallback(
+      ckpt_dir,
+      tolerance=FaultTolerance(
+          preemption_signals=(signal.SIGTERM, signal.SIGUSR1)))
   try:
     assert signal.getsignal(signal.SIGTERM) is not record
     assert signal.getsignal(signal.SIGUSR1) is not record
@@ -455,8 +458,9 @@ def test_close_restores_previous_handlers(ckpt_dir, previous_handlers):
 def test_other_signal_configured_saves_and_stops(ckpt_dir, previous_handlers):
   """SLURM's `--signal=USR1@90`: SIGUSR1 is the notice, SIGTERM is not."""
   _, received = previous_handlers
-  cb = CheckpointCallback(ckpt_dir, every_steps=100,
-                          preemption_signals=(signal.SIGUSR1,))
+  cb = CheckpointCallback(
+      ckpt_dir, every_steps=100,
+      tolerance=FaultTolerance(preemption_signals=(signal.SIGUSR1,)))
   try:
     os.kill(os.getpid(), signal.SIGTERM)
     assert not cb(1, _tiny(1))
@@ -476,8 +480,11 @@ def test_other_signal_configured_saves_and_stops(ckpt_dir, previous_handlers):
 def test_save_on_preemption_false_installs_nothing(ckpt_dir,
                                                    previous_handlers):
   record, received = previous_handlers
-  cb = CheckpointCallback(ckpt_dir, save_on_preemption=False,
-                          preemption_signals=(signal.SIGTERM, signal.SIGUSR1))
+  cb = CheckpointCallback(
+      ckpt_dir,
+      tolerance=FaultTolerance(
+          save_on_preemption=False,
+          preemption_signals=(signal.SIGTERM, signal.SIGUSR1)))
   try:
     assert signal.getsignal(signal.SIGTERM) is record
     assert signal.getsignal(signal.SIGUSR1) is record

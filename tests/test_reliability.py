@@ -51,6 +51,7 @@ from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import StructureMismatchError
+from flax_ckpt_plugin import Commit
 from helpers import fill
 from helpers import free_bytes
 from helpers import two_device_mesh
@@ -1178,7 +1179,7 @@ def test_commit_file_mode_makes_the_marker_entry_durable(ckpt_dir,
   after `save` finished (and after retention deleted older steps) could
   leave no finalized step at all.
   """
-  manager = CheckpointManager(ckpt_dir, atomicity="commit_file")
+  manager = CheckpointManager(ckpt_dir, commit=Commit(atomicity="commit_file"))
   del fsync_log[:]
   manager.save(1, _small_state(1))
   manager.close()

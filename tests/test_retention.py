@@ -21,6 +21,9 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.manager.retention import Policy
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin import Retention
 from fake_coordinator import run_threads
 from launcher import REPO_ROOT
 from launcher import run_workers
@@ -101,10 +104,15 @@ def test_without_max_to_keep_or_keep_best_nothing_is_deleted():
 ])
 def test_bad_policies_are_refused_with_a_clear_error(tmp_path, kwargs,
                                                       message):
+  keep = kwargs.pop("max_to_keep", None)
+
+  def make(cls, path):
+    return cls(path, max_to_keep=keep, retention=Retention(**kwargs))
+
   with pytest.raises(ValueError, match=re.escape(message)):
-    CheckpointManager(tmp_path, **kwargs)
+    make(CheckpointManager, tmp_path)
   with pytest.raises(ValueError, match=re.escape(message)):
-    CheckpointCallback(tmp_path / "cb", **kwargs)
+    make(CheckpointCallback, tmp_path / "cb")
   assert not (tmp_path / "cb").exists()
 
 
@@ -119,8 +127,9 @@ def test_a_recorded_policy_round_trips_and_bad_ones_are_ignored():
 
 
 def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
-  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=2,
-                         best_metric="loss") as mngr:
+  with CheckpointManager(
+      tmp_path, max_to_keep=1,
+      retention=Retention(keep_best=2, best_metric="loss")) as mngr:
     for step, loss in LOSSES.items():
       mngr.save(step, _state(step), metrics={"loss": loss})
       mngr.wait_until_finished()
@@ -133,14 +142,16 @@ def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
 
 def test_a_restarted_job_ranks_the_steps_of_the_earlier_run(tmp_path):
   """The metrics of steps saved before a restart come from the manifests."""
-  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
-                         best_metric="loss") as mngr:
+  with CheckpointManager(
+      tmp_path, max_to_keep=1,
+      retention=Retention(keep_best=1, best_metric="loss")) as mngr:
     for step in (100, 200, 300):
       mngr.save(step, _state(step), metrics={"loss": LOSSES[step]})
     mngr.wait_until_finished()
     assert mngr.all_steps() == [200, 300]
-  with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
-                         best_metric="loss") as mngr:
+  with CheckpointManager(
+      tmp_path, max_to_keep=1,
+      retention=Retention(keep_best=1, best_metric="loss")) as mngr:
     mngr.save(500, _state(500), metrics={"loss": LOSSES[500]})
     mngr.wait_until_finished()
     assert mngr.all_steps() == [200, 500]  # 300 goes; 200 is still best.
@@ -152,9 +163,10 @@ def test_a_restarted_job_ranks_the_steps_of_the_earlier_run(tmp_path):
 
 def test_the_callback_keeps_the_best_accuracy(tmp_path):
   accuracy = {2: 0.50, 4: 0.91, 6: 0.70, 8: 0.95, 10: 0.60, 12: 0.65}
-  with CheckpointCallback(tmp_path, every_steps=2, max_to_keep=1,
-                          keep_best=2, best_metric="acc", best_mode="max",
-                          save_on_preemption=False) as cb:
+  with CheckpointCallback(
+      tmp_path, every_steps=2, max_to_keep=1,
+      retention=Retention(keep_best=2, best_metric="acc", best_mode="max"),
+      tolerance=FaultTolerance(save_on_preemption=False)) as cb:
     for step in range(1, 13):
       cb(step, _state(step), metrics={"acc": accuracy.get(step, math.nan)})
   assert finalized_steps_on_disk(tmp_path) == [4, 8, 12]
@@ -165,9 +177,10 @@ def test_processes_with_other_metrics_follow_the_primary(tmp_path):
 
   def work(coord):
     me = coord.process_index
-    with CheckpointManager(tmp_path, max_to_keep=1, keep_best=1,
-                           best_metric="loss", coordinator=coord,
-                           barrier_timeout_secs=30) as mngr:
+    with CheckpointManager(
+        tmp_path, max_to_keep=1,
+        retention=Retention(keep_best=1, best_metric="loss"),
+        commit=Commit(coordinator=coord, barrier_timeout_secs=30)) as mngr:
       for step in (1, 2, 3, 4):
         # Process 1 would rank the steps the other way round.
         loss = step if me == 0 else -step
@@ -249,7 +262,7 @@ def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
     seen.append(capsys.readouterr().out.splitlines())
 
   with CheckpointManager(tmp_path, max_to_keep=1,
-                         commit_hooks=[hook]) as mngr:
+                         commit=Commit(hooks=[hook])) as mngr:
     mngr.save(2, _state(2))
   rows = seen[0]
   assert rows[0].split()[-2:] == ["KEPT", "BY"]

@@ -18,7 +18,7 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from etils import epath
 import jax
@@ -31,6 +31,7 @@ from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
@@ -46,6 +47,20 @@ from flax_ckpt_plugin.save.snapshot import pinned_pieces
 from flax_ckpt_plugin.save.snapshot import take_snapshot
 
 
+_RETENTION = "retention=Retention({}=...)"
+_COMMIT = "commit=Commit({}=...)"
+# Keywords that moved into the option records: where each is now.
+MOVED = {
+    **{k: _RETENTION.format(k) for k in (
+        "keep_every_n_steps", "keep_best", "best_metric", "best_mode",
+        "keep_without_metric")},
+    **{k: _COMMIT.format(k) for k in (
+        "backend", "atomicity", "pinned_host_bytes", "primary_host",
+        "barrier_timeout_secs", "coordinator", "name")},
+    "commit_hooks": _COMMIT.format("hooks"),
+}
+
+
 class CheckpointManager(Restoring):
   """Saves, lists, restores and prunes the steps of one directory.
 
@@ -56,35 +71,18 @@ class CheckpointManager(Restoring):
   Args:
     directory: where steps live; a local path, or `gs://`/`s3://`.
     max_to_keep: keep the newest N finalized steps (None keeps all).
-    keep_every_n_steps: also keep every step divisible by this, forever.
-    keep_best: also keep the N steps with the best `best_metric`, as
-      recorded by `save(metrics=...)` on the primary host.
-    best_metric: the metric that ranks steps for `keep_best`.
-    best_mode: 'min' (a loss) or 'max' (an accuracy).
-    keep_without_metric: with `keep_best`, keep the steps saved without a
-      value of `best_metric` (or with NaN); False leaves them to the other
-      rules. A step is kept if any rule keeps it, and the newest finalized
-      step is never deleted (see `retention`).
-    atomicity: 'auto' (rename on local paths, commit file on object stores),
-      'rename' or 'commit_file'.
-    primary_host: the process that creates, finalizes and deletes.
-    barrier_timeout_secs: how long a process waits at a barrier for the
-      others before raising `TimeoutError`.
-    name: the start of this manager's barrier keys; defaults to a digest of
-      `directory` as given (the same string on every process). A token drawn
-      by the writer at open completes the keys.
-    coordinator: how processes meet (`coordinator.Coordinator`); defaults
-      to JAX's coordination service.
-    backend: the directory's storage (`backend.Backend`); defaults to the
-      one its scheme names (local file system, or an object store).
+    retention: the rules that keep more steps (`Retention`: every N-th
+      step, the best by a metric). A step is kept if any rule keeps it,
+      and the newest finalized step is never deleted (see `retention`).
+    commit: how saves are written and committed, and how processes agree
+      on them (`Commit`: the storage backend, atomicity, pinned host
+      memory, the primary host, the coordinator and its barriers' timeout
+      and keys, commit hooks).
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
       evaluation job that reads a training job's directory). It lists the
       directory at every query, so it sees steps finalized after it opened,
       and it talks to other processes only in `restore_newest_valid`.
-    commit_hooks: callables run with the `SaveStats` of each step once it is
-      finalized (to notify, start an evaluation, copy the step elsewhere);
-      see `add_commit_hook`.
     scope: save, for the process it names, every distinct shard that
       process holds, alone (the local tier's steps; see `local_tier`).
     share_reads: in restores that every process makes together
@@ -92,15 +90,12 @@ class CheckpointManager(Restoring):
       several processes need and share it over JAX collectives, so that
       storage serves each byte once (see `shared_read`: it costs host
       memory); False: each process reads all it needs itself.
-    pinned_host_bytes: on accelerators, the most bytes of one save that
-      go through pinned host memory, which the save call does not wait for
-      (see `pinned`); None (default): all this process writes; 0: none
-      (every shard then takes the plain transfer, which it waits for).
 
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
     name: the prefix of this manager's barrier and key-value keys.
-    retention: the `retention.Policy` built from the arguments above.
+    retention: the `retention.Policy` of `max_to_keep` and `retention`.
+    commit: the `Commit` options it was made with.
     coordinator: the `Coordinator` it meets other processes through.
     is_primary: whether this process is the primary host.
     read_only: whether this manager only lists and restores.
@@ -116,27 +111,17 @@ class CheckpointManager(Restoring):
   block is attached to that exception as a note.
   """
 
+  @options.moved_keywords("CheckpointManager", MOVED)
   def __init__(self, directory: epath.PathLike, *,
                max_to_keep: int | None = None,
-               keep_every_n_steps: int | None = None,
-               keep_best: int | None = None,
-               best_metric: str | None = None,
-               best_mode: retention_lib.BestMode = "min",
-               keep_without_metric: bool = True,
-               atomicity: atomicity_lib.Atomicity = "auto",
-               primary_host: int = 0,
-               barrier_timeout_secs: float = 300.0,
-               name: str | None = None,
-               coordinator: coordinator_lib.Coordinator | None = None,
-               backend: backend_lib.Backend | None = None,
+               retention: retention_lib.Retention | None = None,
+               commit: options.Commit | None = None,
                read_only: bool = False,
-               commit_hooks: Sequence[CommitHook] = (),
                scope: storage.Scope | None = None,
-               share_reads: bool = True,
-               pinned_host_bytes: int | None = None):
-    self.retention = retention_lib.Policy(
-        max_to_keep, keep_every_n_steps, keep_best, best_metric, best_mode,
-        keep_without_metric)
+               share_reads: bool = True):
+    self.retention = retention_lib.Policy.of(max_to_keep, retention)
+    self.commit = commit = commit or options.Commit()
+    coordinator, primary_host = commit.coordinator, commit.primary_host
     self.coordinator = coordinator or coordinator_lib.default()
     count = self.coordinator.process_count
     if not 0 <= primary_host < count:
@@ -145,16 +130,17 @@ class CheckpointManager(Restoring):
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
-    self.directory, self.backend = backend_lib.make_path(given, backend)
-    self.atomicity = atomicity_lib.resolve_atomicity(given, atomicity,
+    self.directory, self.backend = backend_lib.make_path(given,
+                                                         commit.backend)
+    self.atomicity = atomicity_lib.resolve_atomicity(given, commit.atomicity,
                                                      self.backend)
     self.primary_host = primary_host
     self.read_only = read_only
     self.scope = scope
     self.share_reads = share_reads
     self.is_primary = self.coordinator.process_index == primary_host
-    self.barrier_timeout_ms = int(barrier_timeout_secs * 1000)
-    base = name or hashlib.sha1(given.encode()).hexdigest()[:12]
+    self.barrier_timeout_ms = int(commit.barrier_timeout_secs * 1000)
+    base = commit.name or hashlib.sha1(given.encode()).hexdigest()[:12]
     self._base = f"flax_ckpt_plugin/{base}"
     self.name = self._base
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
@@ -163,12 +149,12 @@ class CheckpointManager(Restoring):
     self._staging = HostStaging(arena=None if scope is None else
                                 self.backend.staging_arena(self.directory))
     # Accelerator shards' pinned host memory (see pinned.py).
-    self._pinned = pinned.PinnedStaging(pinned_host_bytes)
+    self._pinned = pinned.PinnedStaging(commit.pinned_host_bytes)
     self._saves, self._closed, self._lock = 0, False, threading.Lock()
     self.last_save_stats: SaveStats | None = None
     self.last_restore_stats: RestoreStats | None = None
     self._commit_hooks: list[CommitHook] = []
-    for hook in commit_hooks:
+    for hook in commit.hooks:
       self.add_commit_hook(hook)
     self._steps: list[int] = []
     self._writers: list[int] | None = None  # None: every process.

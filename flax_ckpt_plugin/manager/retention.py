@@ -38,6 +38,33 @@ RESTORABLE = "restorable"
 
 
 @dataclasses.dataclass(frozen=True)
+class Retention:
+  """The rules that keep steps beyond the newest `max_to_keep`.
+
+  `CheckpointCallback(retention=...)`, `CheckpointManager(retention=...)`;
+  `max_to_keep` itself stays a keyword of both.
+
+  Attributes:
+    keep_every_n_steps: also keep every step divisible by N, forever.
+    keep_best: also keep the N steps with the best `best_metric`, as
+      recorded by `save(metrics=...)` on the primary host.
+    best_metric: the key of `metrics=` that ranks steps for `keep_best`.
+    best_mode: 'min' (a loss) or 'max' (an accuracy).
+    keep_without_metric: with `keep_best`, keep the steps saved without a
+      value of `best_metric` (or with NaN); False leaves them to the other
+      rules.
+  """
+  keep_every_n_steps: int | None = None
+  keep_best: int | None = None
+  best_metric: str | None = None
+  best_mode: BestMode = "min"
+  keep_without_metric: bool = True
+
+  def __post_init__(self):
+    Policy.of(None, self)  # Checks the values.
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy:
   """The retention rules of one checkpoint directory.
 
@@ -76,6 +103,11 @@ class Policy:
     if not isinstance(self.keep_without_metric, bool):
       raise ValueError("keep_without_metric must be True or False, got"
                        f" {self.keep_without_metric!r}")
+
+  @classmethod
+  def of(cls, max_to_keep: int | None, rules: Retention | None) -> "Policy":
+    """The policy of `max_to_keep` and the other rules."""
+    return cls(max_to_keep, **dataclasses.asdict(rules or Retention()))
 
   @property
   def deletes(self) -> bool:

@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Iterable
+import time
+from typing import Callable, Iterable
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+
+
+def monotonic() -> float:
+  """The clock of `every_secs`: `time.monotonic` (a test may replace this
+  function before it makes a callback)."""
+  return time.monotonic()
 
 
 class Triggers:
@@ -33,22 +40,16 @@ class Triggers:
 
   def __init__(self, *, every_steps: int | None, every_secs: float | None,
                on_steps: Iterable[int], last_step: int | None,
-               local_directory: Any, local_every_steps: int | None,
-               clock: Callable[[], float]):
+               local_every_steps: int | None,
+               clock: Callable[[], float] | None = None):
     if every_steps is not None and every_steps < 1:
       raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-    if (local_directory is None) != (local_every_steps is None):
-      raise ValueError("local_directory and local_every_steps go together;"
-                       f" got {local_directory!r} and {local_every_steps!r}")
-    if local_every_steps is not None and local_every_steps < 1:
-      raise ValueError(
-          f"local_every_steps must be >= 1, got {local_every_steps}")
     if every_secs is not None and not every_secs > 0:
       raise ValueError(f"every_secs must be > 0, got {every_secs}")
     self.every_steps, self.every_secs = every_steps, every_secs
     self.on_steps = frozenset(operator.index(s) for s in on_steps)
     self.last_step, self.local_every_steps = last_step, local_every_steps
-    self._clock = clock
+    self._clock = clock or monotonic
     self.timer: EverySecs | None = None
 
   def start(self, coord: coordinator_lib.Coordinator, *, is_primary: bool,

@@ -36,6 +36,7 @@ from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.manager.options import Commit
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 TIERS = (LOCAL, PEER, PERSISTENT)
@@ -55,7 +56,7 @@ class LocalTier:
     job: a name for the job (see `job_name`).
     coordinator: the job's coordinator (names this process).
     keep: how many of the newest steps to keep.
-    pinned_host_bytes: see `CheckpointManager`.
+    pinned_host_bytes: see `Commit`.
   """
 
   def __init__(self, directory: epath.PathLike, job: str, *,
@@ -65,10 +66,11 @@ class LocalTier:
     path = epath.Path(os.path.abspath(os.fspath(directory)))
     path = path / job / f"process_{pid:05d}"
     self.manager = CheckpointManager(
-        path, max_to_keep=keep, coordinator=groups.SoloCoordinator(),
-        backend=backend_lib.for_local_path(path), name=f"local/{job}/{pid}",
-        scope=storage.Scope(pid, coordinator.process_count),
-        pinned_host_bytes=pinned_host_bytes)
+        path, max_to_keep=keep, commit=Commit(
+            coordinator=groups.SoloCoordinator(),
+            backend=backend_lib.for_local_path(path),
+            name=f"local/{job}/{pid}", pinned_host_bytes=pinned_host_bytes),
+        scope=storage.Scope(pid, coordinator.process_count))
 
   @property
   def directory(self) -> epath.Path:

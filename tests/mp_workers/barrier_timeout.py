@@ -23,6 +23,7 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
 
 BARRIER_TIMEOUT_SECS = 2.0
 NAME = "barrier_timeout_test"
@@ -35,7 +36,8 @@ def main(directory: str) -> dict:
       w.shape, NamedSharding(_train.mesh(), P(("data", "model"))),
       lambda idx: w[idx])}
   mgr = flax_ckpt_plugin.CheckpointManager(
-      directory, barrier_timeout_secs=BARRIER_TIMEOUT_SECS, name=NAME)
+      directory,
+      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS, name=NAME))
   result = {"manager_name": mgr.name,
             "barrier_timeout_secs": BARRIER_TIMEOUT_SECS}
   if _setup.PROCESS_ID == 0:

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 import _train
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
 
 DIR = sys.argv[1]
 
@@ -41,8 +43,10 @@ expected = _setup.leaf_digests(jax.tree.map(
     lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(
         x.dtype, jnp.floating) else x, state))
 cb = flax_ckpt_plugin.CheckpointCallback(
-    f"{DIR}/ckpt", every_steps=1, barrier_timeout_secs=30,
-    local_directory=f"{DIR}/local_{_setup.PROCESS_ID}", local_every_steps=1)
+    f"{DIR}/ckpt", every_steps=1,
+    tolerance=FaultTolerance(local_directory=f"{DIR}/local_{_setup.PROCESS_ID}",
+                             local_every_steps=1),
+    commit=Commit(barrier_timeout_secs=30))
 cb(1, state)
 cb.close()
 with flax_ckpt_plugin.CheckpointManager(f"{DIR}/ckpt", read_only=True) as m:
@@ -51,8 +55,10 @@ with flax_ckpt_plugin.CheckpointManager(f"{DIR}/ckpt", read_only=True) as m:
   alone = _setup.leaf_digests(m.restore(bf16_target(_train.ALT_SPECS), 1,
                                          cast=True))
 cb = flax_ckpt_plugin.CheckpointCallback(
-    f"{DIR}/ckpt", every_steps=1, barrier_timeout_secs=30,
-    local_directory=f"{DIR}/local_{_setup.PROCESS_ID}", local_every_steps=1)
+    f"{DIR}/ckpt", every_steps=1,
+    tolerance=FaultTolerance(local_directory=f"{DIR}/local_{_setup.PROCESS_ID}",
+                             local_every_steps=1),
+    commit=Commit(barrier_timeout_secs=30))
 restored = cb.restore_or_initialize(bf16_target(), cast=True)
 tier = cb.restored_tier
 callback = _setup.leaf_digests(restored)

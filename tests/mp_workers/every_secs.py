@@ -23,6 +23,8 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin.manager import schedule
 
 EVERY_SECS = 3.5
 NUM_STEPS = 12
@@ -40,9 +42,10 @@ def main(directory: str) -> dict:
           (4,), NamedSharding(mesh, P()), lambda idx: w[0][idx]),
   }
   now = [0.0]
+  schedule.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_secs=EVERY_SECS, max_to_keep=None,
-      barrier_timeout_secs=30, clock=lambda: now[0])
+      commit=Commit(barrier_timeout_secs=30))
   saved = []
   for step in range(1, NUM_STEPS + 1):
     now[0] = CLOCK_RATE * step

@@ -31,6 +31,8 @@ import jax
 import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin.restore import reader
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin.manager import schedule
 
 BARRIER_TIMEOUT_SECS = 30
 
@@ -48,8 +50,9 @@ def one_sided(directory: str) -> dict:
 
   for step in (1, 2):  # A manager opened twice, as a restarted loop would.
     with flax_ckpt_plugin.CheckpointManager(
-        run, barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
-        commit_hooks=[evaluate]) as mgr:
+        run,
+        commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
+                      hooks=[evaluate])) as mgr:
       mgr.save(step, state)
       mgr.wait_until_finished()
       steps = mgr.all_steps()
@@ -64,7 +67,7 @@ def restore_error(directory: str) -> dict:
     reader.ByteReader.read_into = denied
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "run"),
-      barrier_timeout_secs=BARRIER_TIMEOUT_SECS)
+      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
   t0 = time.monotonic()
   error = None
   try:
@@ -98,9 +101,10 @@ def every_secs_calls(directory: str) -> dict:
   counting = _CountingClient(distributed.global_state.client)
   distributed.global_state.client = counting
   now = [0.0]
+  schedule.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "secs"), every_secs=50, max_to_keep=None,
-      barrier_timeout_secs=BARRIER_TIMEOUT_SECS, clock=lambda: now[0])
+      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
   state = {"w": jax.numpy.arange(4.0)}
   saved = []
   before = counting.blocking_gets

@@ -20,6 +20,7 @@ topo.init()
 import numpy as np
 
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
 
 NUM_STEPS, KEEP, PRIMARY = 4, 2, 1
 MESH = (2, 2)
@@ -30,8 +31,8 @@ def main(directory: str) -> dict:
   state = topo.init_state(mesh)
   train_step = topo.make_train_step(mesh)
   mgr = flax_ckpt_plugin.CheckpointManager(
-      directory, primary_host=PRIMARY, max_to_keep=KEEP,
-      barrier_timeout_secs=60)
+      directory, max_to_keep=KEEP,
+      commit=Commit(primary_host=PRIMARY, barrier_timeout_secs=60))
   saved = {}
   for step in range(1, NUM_STEPS + 1):
     state = train_step(state)

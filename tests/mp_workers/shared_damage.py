@@ -24,14 +24,15 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
 
 
 def main(directory: str, length: str) -> dict:
   everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("d",)),
                              PartitionSpec())
   leaf = jax.ShapeDtypeStruct((int(length),), np.float32, sharding=everywhere)
-  with flax_ckpt_plugin.CheckpointManager(directory,
-                                          barrier_timeout_secs=60) as mgr:
+  with flax_ckpt_plugin.CheckpointManager(
+      directory, commit=Commit(barrier_timeout_secs=60)) as mgr:
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                                sharding=everywhere)
     step, tree = mgr.restore_newest_valid({"a": leaf, "b": leaf, "key": key})

@@ -40,6 +40,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import PeerLostError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
 MESH = jax.sharding.Mesh(
@@ -78,8 +80,9 @@ train_step = jax.jit(_step, in_shardings=(SH,), out_shardings=SH,
 state = jax.jit(_create, out_shardings=SH)(jax.random.key(0))
 cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=2,
-    local_directory=DIR / f"local_{_setup.PROCESS_ID}",
-    local_every_steps=LOCAL_EVERY, barrier_timeout_secs=60)
+    tolerance=FaultTolerance(local_directory=DIR / f"local_{_setup.PROCESS_ID}",
+                             local_every_steps=LOCAL_EVERY),
+    commit=Commit(barrier_timeout_secs=60))
 state = cb.restore_or_initialize(state)
 result = {"restored_step": cb.restored_step, "restored_tier":
           cb.restored_tier, "restored_extra": cb.restored_extra,

@@ -16,6 +16,7 @@ topo.init()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import flax_ckpt_plugin
+from flax_ckpt_plugin import Commit
 
 STEP = 2
 
@@ -27,8 +28,8 @@ def main(directory: str, mesh_shape: str) -> dict:
   pinned = topo.count_pinned()
   for _ in range(STEP):
     state = train_step(state)
-  mgr = flax_ckpt_plugin.CheckpointManager(directory,
-                                           barrier_timeout_secs=60)
+  mgr = flax_ckpt_plugin.CheckpointManager(
+      directory, commit=Commit(barrier_timeout_secs=60))
   mgr.save(STEP, state)
   mgr.wait_until_finished()
   target = topo.abstract_state(mesh, topo.SPECS)

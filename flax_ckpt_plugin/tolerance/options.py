@@ -1,0 +1,69 @@
+"""The options of fault tolerance and of the local tier, as one typed record.
+
+`CheckpointCallback(tolerance=FaultTolerance(...))`: what the callback does
+when a preemption notice arrives or a process is lost, and the per-host
+local tier that a loss and a fast restore draw on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from typing import Iterable
+
+from etils import epath
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+  """Preemption, lost processes, and the local tier.
+
+  Attributes:
+    save_on_preemption: save and stop when a preemption notice arrives.
+    preemption_signals: the signals that are preemption notices.
+    watch_peers: notice a lost process at once (see `liveness`): a thread
+      polls the live processes, and once a peer died or restarted, every
+      call of the callback and every wait of its saves raises
+      `PeerLostError` instead of waiting for it. Default: on with several
+      processes when `jax_enable_recoverability` is set (without it, JAX
+      itself ends every process when one dies).
+    watch_poll_secs: the period of those polls.
+    elastic: after a lost process, the loop goes on without it: it catches
+      the loss and calls `recover` (see `elastic`), instead of the
+      survivors saving and exiting for a relaunch. Needs a local tier.
+    elastic_wait_secs: how long after a loss the survivors wait for the
+      loop to call `recover` before they save and exit anyway (set it
+      above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
+      that long in a collective with the dead process).
+    local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
+      local tier (see `local_tier`): every `local_every_steps` steps each
+      process also saves there every shard it holds, apart from the other
+      processes and from the persistent tier's schedule, keeping the newest
+      2 steps. A restore then takes the newest step from the fastest tier
+      that has it (see `CheckpointCallback.restored_tier`). The path must
+      belong to this job. A failure of the local tier is logged, never
+      raised (see docs/fault_tolerance.md).
+    local_every_steps: the local tier's interval, in steps.
+  """
+  save_on_preemption: bool = True
+  preemption_signals: Iterable[int] = (signal.SIGTERM,)
+  watch_peers: bool | None = None
+  watch_poll_secs: float = 0.5
+  elastic: bool = False
+  elastic_wait_secs: float = 120.0
+  local_directory: epath.PathLike | None = None
+  local_every_steps: int | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "preemption_signals",
+                       tuple(self.preemption_signals))
+    if (self.local_directory is None) != (self.local_every_steps is None):
+      raise ValueError(
+          "local_directory and local_every_steps go together; got"
+          f" {self.local_directory!r} and {self.local_every_steps!r}")
+    if self.local_every_steps is not None and self.local_every_steps < 1:
+      raise ValueError(
+          f"local_every_steps must be >= 1, got {self.local_every_steps}")
+    if not self.watch_poll_secs > 0:
+      raise ValueError(
+          f"watch_poll_secs must be > 0, got {self.watch_poll_secs!r}")

@@ -1,0 +1,98 @@
+"""The option records: `Retention`, `FaultTolerance` and `Commit`.
+
+The everyday choices are keywords of their own; the rest live in typed,
+immutable records that the callback, the manager and the clu action share.
+A keyword that moved gives an error naming where it is now.
+"""
+
+import dataclasses
+import inspect
+import signal
+
+import pytest
+
+from flax_ckpt_plugin import CheckpointCallback
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin import Retention
+from flax_ckpt_plugin import callback as callback_lib
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.manager import manager as manager_lib
+
+from helpers import tiny
+
+
+def test_the_callback_takes_ten_keywords_at_most():
+  params = inspect.signature(CheckpointCallback).parameters
+  assert len(params) <= 10, list(params)
+  assert {"retention", "tolerance", "commit"} <= set(params)
+
+
+@pytest.mark.parametrize("old", sorted(callback_lib.MOVED))
+def test_a_moved_keyword_of_the_callback_names_where_it_is_now(tmp_path, old):
+  with pytest.raises(TypeError) as info:
+    CheckpointCallback(tmp_path, **{old: None})
+  message = str(info.value)
+  assert f"no longer takes {old!r}" in message
+  assert callback_lib.MOVED[old] in message
+  assert not (tmp_path / "0").exists()
+
+
+@pytest.mark.parametrize("old", sorted(manager_lib.MOVED))
+def test_a_moved_keyword_of_the_manager_names_where_it_is_now(tmp_path, old):
+  with pytest.raises(TypeError, match=f"CheckpointManager no longer takes"
+                     f" {old!r}: {old} is now"):
+    CheckpointManager(tmp_path, **{old: None})
+
+
+def test_each_moved_keyword_names_a_field_of_its_record():
+  fields = {record.__name__: {f.name for f in dataclasses.fields(record)}
+            for record in (Retention, FaultTolerance, Commit)}
+  for old, where in callback_lib.MOVED.items():
+    if "=" not in where or where.startswith("restore_or_initialize"):
+      continue
+    record, field = where.split("=", 1)[1].split("(", 1)
+    assert field.split("=")[0] in fields[record], (old, where)
+
+
+def test_records_are_immutable_and_check_their_values():
+  commit = Commit()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    commit.primary_host = 1  # type: ignore[misc]
+  with pytest.raises(ValueError, match="primary_host must be a process"):
+    Commit(primary_host=-1)
+  with pytest.raises(ValueError, match="barrier_timeout_secs must be > 0"):
+    Commit(barrier_timeout_secs=0)
+  with pytest.raises(ValueError, match="keep_best=2 needs best_metric"):
+    Retention(keep_best=2)
+  with pytest.raises(ValueError, match="watch_poll_secs must be > 0"):
+    FaultTolerance(watch_poll_secs=0)
+  assert FaultTolerance(preemption_signals=[signal.SIGUSR1]) == (
+      FaultTolerance(preemption_signals=(signal.SIGUSR1,)))
+
+
+def test_the_records_reach_the_manager(tmp_path):
+  """Each record's fields take effect: the backend and hooks of `Commit`,
+  the rules of `Retention`, the local tier of `FaultTolerance`."""
+  finalized = []
+  backend = backend_lib.LocalBackend(cache_saved=False)
+  cb = CheckpointCallback(
+      tmp_path / "ckpt", every_steps=1, max_to_keep=1,
+      retention=Retention(keep_every_n_steps=2),
+      tolerance=FaultTolerance(save_on_preemption=False,
+                               local_directory=tmp_path / "local",
+                               local_every_steps=3),
+      commit=Commit(backend=backend, name="options-test",
+                    hooks=[lambda stats: finalized.append(stats.step)]))
+  for step in range(1, 6):
+    cb(step, tiny(step))
+  cb.close()
+  assert cb.manager.backend is backend
+  assert cb.manager.name.startswith("flax_ckpt_plugin/options-test/")
+  assert finalized == [1, 2, 3, 4, 5]
+  assert cb.manager.all_steps() == [2, 4, 5]  # Every 2nd, and the newest.
+  assert cb.local.manager.all_steps() == [3]
+  assert not cb.save_on_preemption
+  restored = CheckpointManager(tmp_path / "ckpt").restore(tiny(0))
+  assert restored["w"].tolist() == [5, 5, 5]
