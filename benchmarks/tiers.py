@@ -113,8 +113,8 @@ def one_process(args: argparse.Namespace) -> dict:
 
     # 2: one step in both tiers (ours) and in Orbax's format.
     directory = os.path.join(root, "restore")
-    tiers = {"local_directory": os.path.join(local, "restore"),
-             "local_every_steps": 1}
+    tiers = {"tolerance": FaultTolerance(
+        local_directory=os.path.join(local, "restore"), local_every_steps=1)}
     with CheckpointCallback(directory, every_steps=1, **tiers) as cb:
       cb(1, state)
     open_orbax, save_orbax, restore_orbax = scaling.system("orbax")
@@ -186,7 +186,8 @@ def process_worker(args: argparse.Namespace) -> dict:
           for s in x.addressable_shards]
   directory = os.path.join(args.dir, "ckpt")
   local = os.path.join(args.local_dir, f"local_{pid}")
-  tiers = {"local_directory": local, "local_every_steps": 1}
+  tiers = {"tolerance": FaultTolerance(local_directory=local,
+                                       local_every_steps=1)}
   with CheckpointCallback(directory, every_steps=1, **tiers) as cb:
     cb(1, state)
   del state

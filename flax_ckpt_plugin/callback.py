@@ -37,7 +37,6 @@ from flax_ckpt_plugin.save.stats import MetricWriter
 from flax_ckpt_plugin.save.stats import SaveMetrics
 from flax_ckpt_plugin.save.stats import SaveStats
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.manager import manager as manager_lib
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager.manager import CheckpointManager
 from flax_ckpt_plugin.manager.retention import Retention
@@ -55,7 +54,7 @@ _RESTORE = "restore_or_initialize(state, {}=...)"
 # Keywords that moved into the option records (or to where the iterator's
 # state is restored): where each is now.
 MOVED = {
-    **manager_lib.MOVED,
+    **options.MANAGER_MOVED,
     **{k: _TOLERANCE.format(k) for k in (
         "save_on_preemption", "preemption_signals", "watch_peers",
         "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",

@@ -7,6 +7,7 @@ from etils import epath
 import pytest
 
 import flax_ckpt_plugin
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import Commit
@@ -99,19 +100,19 @@ def _mixed_directory(directory: epath.Path) -> None:
 def test_unfinished_entries_are_never_listed(tmp_path):
   directory = epath.Path(tmp_path)
   _mixed_directory(directory)
-  assert atomicity.finalized_steps(directory) == [1, 2]
-  assert {p.name for p in atomicity.unfinished_entries(directory)} == {
+  assert directory_lib.finalized_steps(directory) == [1, 2]
+  assert {p.name for p in directory_lib.unfinished_entries(directory)} == {
       "5.partial", "7", "3.deleting"}
 
 
 def test_remove_unfinished_leaves_unrelated_entries(tmp_path):
   directory = epath.Path(tmp_path)
   _mixed_directory(directory)
-  removed = atomicity.remove_unfinished(directory)
+  removed = directory_lib.remove_unfinished(directory)
   assert {p.name for p in removed} == {"5.partial", "7", "3.deleting"}
   assert entries(directory) == {"1", "2", "notes.txt", "10abc", "007"}
   assert (directory / "notes.txt").read_text() == "keep me"
-  assert atomicity.finalized_steps(directory) == [1, 2]
+  assert directory_lib.finalized_steps(directory) == [1, 2]
 
 
 def test_manager_open_removes_unfinished_and_keeps_the_rest(tmp_path):
@@ -125,17 +126,17 @@ def test_manager_open_removes_unfinished_and_keeps_the_rest(tmp_path):
 
 def test_missing_directory_has_no_steps(tmp_path):
   directory = epath.Path(tmp_path) / "absent"
-  assert atomicity.finalized_steps(directory) == []
-  assert atomicity.unfinished_entries(directory) == []
+  assert directory_lib.finalized_steps(directory) == []
+  assert directory_lib.unfinished_entries(directory) == []
 
 
 def test_delete_step_leaves_nothing_that_looks_finalized(tmp_path):
   directory = epath.Path(tmp_path)
   _finalized(directory, "4")
   _finalized(directory, "6")
-  atomicity.delete_step(directory, 4)
+  directory_lib.delete_step(directory, 4)
   assert entries(directory) == {"6"}
-  assert atomicity.finalized_steps(directory) == [6]
+  assert directory_lib.finalized_steps(directory) == [6]
 
 
 def test_delete_step_interrupted_after_rename_is_not_finalized(tmp_path):
@@ -156,11 +157,11 @@ def test_delete_step_interrupted_after_rename_is_not_finalized(tmp_path):
       super().remove(path)
 
   with pytest.raises(OSError, match="crash during rmtree"):
-    atomicity.delete_step(directory, 4, CrashingRemove())
+    directory_lib.delete_step(directory, 4, CrashingRemove())
 
   assert entries(directory) == {"4.deleting"}
-  assert atomicity.finalized_steps(directory) == []
-  assert atomicity.remove_unfinished(directory) == [directory / "4.deleting"]
+  assert directory_lib.finalized_steps(directory) == []
+  assert directory_lib.remove_unfinished(directory) == [directory / "4.deleting"]
   assert entries(directory) == set()
 
 
@@ -176,9 +177,9 @@ def test_delete_step_on_object_store_removes_marker_first(tmp_path):
       raise OSError(f"503 while removing {path}")
 
   with pytest.raises(OSError, match="503"):
-    atomicity.delete_step(directory, 4, Unavailable())
+    directory_lib.delete_step(directory, 4, Unavailable())
   assert not (step_dir / atomicity.COMMIT_MARKER).exists()
-  assert atomicity.finalized_steps(directory) == []
+  assert directory_lib.finalized_steps(directory) == []
 
 
 @pytest.mark.parametrize("mode", ["rename", "commit_file"])
@@ -190,7 +191,7 @@ def test_prepare_refuses_to_overwrite_finalized_step(tmp_path, mode):
   with pytest.raises(FileExistsError, match="step 3 is already finalized"):
     tmp.prepare()
   assert (step_dir / "manifest.json").read_text() == before
-  assert atomicity.is_finalized(step_dir)
+  assert directory_lib.is_finalized(step_dir)
 
 
 @pytest.mark.parametrize("mode", ["rename", "commit_file"])
@@ -210,9 +211,9 @@ def test_finalize_writes_marker_and_makes_step_visible(tmp_path, mode):
   tmp = atomicity.temporary_path(directory, 8, mode)
   tmp.prepare()
   (tmp.path / "manifest.json").write_text("{}")
-  assert atomicity.finalized_steps(directory) == []
+  assert directory_lib.finalized_steps(directory) == []
   tmp.finalize()
-  assert atomicity.finalized_steps(directory) == [8]
+  assert directory_lib.finalized_steps(directory) == [8]
   assert entries(directory) == {"8"}
   marker = json.loads((directory / "8" / atomicity.COMMIT_MARKER).read_text())
   assert marker["step"] == 8

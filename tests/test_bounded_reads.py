@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointCorruptedError
@@ -112,13 +113,13 @@ def test_fifo_manifest_is_refused_by_restore_at_once(saved):
 
 def test_fifo_writer_claim_does_not_block_opening_for_writing(saved):
   fifo = _mkfifo(saved / atomicity.WRITER_FILE)
-  assert _within_deadline(lambda: atomicity.current_writer(saved),
+  assert _within_deadline(lambda: directory_lib.current_writer(saved),
                           [fifo]) == {"result": None}
 
   def open_and_save():
     with CheckpointManager(saved) as manager:
       manager.save(3, {"w": jnp.zeros(8), "key": jax.random.key(3)})
-    return atomicity.current_writer(saved)
+    return directory_lib.current_writer(saved)
 
   outcome = _within_deadline(open_and_save, [fifo])
   assert "error" not in outcome, outcome
@@ -147,7 +148,7 @@ def test_fifo_manifest_or_claim_cli_answers_promptly(saved, capsys, command):
 _CAPPED = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.tools import cli, inventory
 from flax_ckpt_plugin.format import manifest
 from etils import epath
@@ -159,7 +160,7 @@ if what == "manifest":
   except manifest.CheckpointCorruptedError as e:
     print("refused:", e)
 elif what == "writer":
-  print("claim:", atomicity.current_writer(d))
+  print("claim:", directory_lib.current_writer(d))
 elif what == "marker":
   print("committed:", inventory.committed_unix(d / "2"))
 else:

@@ -18,7 +18,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import handles
-from flax_ckpt_plugin.restore import reader as reader_lib
+from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.format import storage
 
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.int8, np.int32)
@@ -85,7 +85,7 @@ def test_restore_into_numpy_targets_reads_together_too(ckpt_dir, count_reads):
 def test_large_leaves_are_read_straight_into_their_arrays(ckpt_dir,
                                                           count_reads):
   """A leaf of at least `COALESCE_BYTES` is not copied through a span."""
-  big = np.arange(3 * reader_lib.COALESCE_BYTES // 4, dtype=np.float32)
+  big = np.arange(3 * data_files.COALESCE_BYTES // 4, dtype=np.float32)
   state = {"big": jnp.asarray(big), **{k: jnp.asarray(v) for k, v in
                                        _many_leaves(20, seed=2).items()}}
   _save(ckpt_dir, state)

@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.format import storage
@@ -415,7 +416,7 @@ def test_half_deleted_step_is_never_listed_and_is_removed_on_open(
     removed):
   saved = _save_steps(ckpt_dir, [1, 2, 3], make_state, train_step, host_copy,
                       max_to_keep=2)
-  assert sorted(atomicity.finalized_steps(ckpt_dir)) == [2, 3]
+  assert sorted(directory_lib.finalized_steps(ckpt_dir)) == [2, 3]
   # Retention crashed mid-deletion of step 2: renamed, some files gone, its
   # commit marker still inside.
   doomed = ckpt_dir / f"2{atomicity.DELETING_SUFFIX}"

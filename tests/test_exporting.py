@@ -25,6 +25,7 @@ import safetensors.numpy
 
 import flax_ckpt_plugin
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.tools import export_files
 from flax_ckpt_plugin.tools import exporting
 from helpers import doc_blocks
 from helpers import doc_section
@@ -91,7 +92,7 @@ def test_a_split_export_opens_through_its_index(ckpt_dir, saved, tmp_path,
                                                 monkeypatch):
   """Files of at most 1000 bytes: the 2000-byte bf16 leaf gets a file of
   its own, streamed in pieces of 64 bytes."""
-  monkeypatch.setattr(exporting, "PIECE_BYTES", 64)
+  monkeypatch.setattr(export_files, "PIECE_BYTES", 64)
   arrays, scalars = saved
   out = tmp_path / "split"
   result = flax_ckpt_plugin.export(ckpt_dir, out, only=["state.params", "bf16"],

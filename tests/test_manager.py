@@ -15,8 +15,8 @@ from flax_ckpt_plugin import CheckpointExistsError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
-from flax_ckpt_plugin.restore import reader as reader_lib
-from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.restore import data_files
+from flax_ckpt_plugin.save import copies as copies_lib
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import Commit
 from flax_ckpt_plugin import Retention
@@ -267,7 +267,7 @@ def test_save_leaves_the_state_donatable_and_reuses_its_staging(
   second save on (the first save compiles nothing; its programs compile
   in the background), and each save after that copies into the memory of
   the one before."""
-  monkeypatch.setattr(staging_lib, "REUSE_BYTES", 0)
+  monkeypatch.setattr(copies_lib, "REUSE_BYTES", 0)
   state = train_step(make_state())
   # The control: a numpy view pins a buffer, and the step then writes its
   # output elsewhere, so the address check below can fail.
@@ -286,7 +286,7 @@ def test_save_leaves_the_state_donatable_and_reuses_its_staging(
     state = train_step(state)
     assert _kernel_shards(state) == before, f"save {step} pinned the state"
     manager.wait_until_finished()
-    staging_lib.PROGRAMS.wait()
+    copies_lib.PROGRAMS.wait()
     staging.append(sorted(
         a.unsafe_buffer_pointer()
         for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
@@ -320,7 +320,7 @@ def test_restored_state_is_donatable(sharded, ckpt_dir, make_state,
   # The control: memory handed to the runtime by device_put is not donated,
   # so the address check below can fail.
   def adopt(a, t):
-    buf = reader_lib.host_buffer(a.shape, a.dtype)
+    buf = data_files.host_buffer(a.shape, a.dtype)
     np.copyto(buf, a)
     return jax.device_put(buf, t.sharding)
   adopted = jax.tree.map(adopt, expected, target)

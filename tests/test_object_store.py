@@ -6,7 +6,8 @@ and the library reach through `AWS_ENDPOINT_URL`, and against the GCS
 emulator fake-gcs-server (`tests/gcs_server.py`), which gcsfs and the
 library reach through `STORAGE_EMULATOR_HOST`. Each server runs as its own
 process and every test gets a fresh bucket. The tests check what local-disk
-tests check (`test_manager.py`, `test_reliability.py`), as a user of a bucket
+tests check (`test_manager.py`, `test_damaged_files.py`,
+`test_two_writers.py`, `test_fallback.py`), as a user of a bucket
 sees it: the objects in the bucket (listed with the store's own client,
 boto3 or google-cloud-storage, not through fsspec), restored values bit for
 bit, the requests in the server's log, and the errors. Commit-file atomicity
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import object_store
@@ -627,7 +629,7 @@ def test_unfinished_step_is_never_listed_or_restored_and_is_cleaned_up(
       reader.restore({"w": np.zeros(6, np.float32)}, step=2)
     restored = reader.restore({"w": np.zeros(6, np.float32)})
   assert restored["w"].tolist() == list(range(6))
-  assert atomicity.unfinished_entries(object_store.as_path(bucket.url)) == [
+  assert directory_lib.unfinished_entries(object_store.as_path(bucket.url)) == [
       object_store.as_path(bucket.url) / "2"]
 
   # The next writer removes every object of it, and may save step 2 anew.
@@ -712,10 +714,10 @@ def test_interrupted_deletion_never_leaves_a_finalized_looking_step(
   with monkeypatch.context() as m:
     m.setattr(backend_lib.ObjectStoreBackend, "remove", crash)
     with pytest.raises(OSError, match="connection lost"):
-      atomicity.delete_step(directory, 1)
+      directory_lib.delete_step(directory, 1)
   assert "run/1/_COMMITTED" not in bucket.keys()
   assert f"run/1/{DATA}" in bucket.keys()
-  assert atomicity.finalized_steps(directory) == [2]
+  assert directory_lib.finalized_steps(directory) == [2]
   with CheckpointManager(bucket.url) as manager:
     assert manager.all_steps() == [2]
   assert bucket.keys() == _expected_keys(2)
@@ -742,7 +744,7 @@ def test_two_attempts_at_one_step_never_finalize_or_delete_each_other(
   assert bucket.keys("run/4/") == ["run/4/_ATTEMPT", "run/4/new.txt"]
   new.finalize()
   assert bucket.keys("run/4/") == ["run/4/_COMMITTED", "run/4/new.txt"]
-  assert atomicity.finalized_steps(directory) == [4]
+  assert directory_lib.finalized_steps(directory) == [4]
 
 
 def test_second_writer_takes_over_and_the_first_gets_concurrent_writer_error(

@@ -18,7 +18,7 @@ from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
 from flax_ckpt_plugin import callback as callback_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.manager import manager as manager_lib
+from flax_ckpt_plugin.manager import options as manager_options
 
 from helpers import tiny
 
@@ -39,7 +39,7 @@ def test_a_moved_keyword_of_the_callback_names_where_it_is_now(tmp_path, old):
   assert not (tmp_path / "0").exists()
 
 
-@pytest.mark.parametrize("old", sorted(manager_lib.MOVED))
+@pytest.mark.parametrize("old", sorted(manager_options.MANAGER_MOVED))
 def test_a_moved_keyword_of_the_manager_names_where_it_is_now(tmp_path, old):
   with pytest.raises(TypeError, match=f"CheckpointManager no longer takes"
                      f" {old!r}: {old} is now"):

@@ -25,8 +25,9 @@ import pytest
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import reader as reader_lib
-from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.save import copies as copies_lib
 from flax_ckpt_plugin.format import storage
 
 DATA = "data/process_00000.bin"
@@ -37,7 +38,7 @@ def mapped_regions_fixture(monkeypatch):
   """Every shard takes the ways of large ones; returns the list of
   (leaf, region) that came from a mapping of the file (a spy on the real
   `LeafReader.mapped`)."""
-  monkeypatch.setattr(staging_lib, "REUSE_BYTES", 0)
+  monkeypatch.setattr(copies_lib, "REUSE_BYTES", 0)
   seen = []
   real = reader_lib.LeafReader.mapped
 
@@ -223,7 +224,7 @@ def test_a_flipped_byte_in_a_mapped_region_fails_the_restore(
 def test_a_range_past_the_file_is_not_mapped(tmp_path):
   path = tmp_path / "f.bin"
   path.write_bytes(bytes(range(256)) * 64)
-  reader = reader_lib.ByteReader(tmp_path, {"f.bin": 256 * 64})
+  reader = data_files.ByteReader(tmp_path, {"f.bin": 256 * 64})
   with reader.mapped("f.bin", 100, 50, 50) as view:
     assert bytes(view) == (bytes(range(256)) * 64)[100:150]
   with reader.mapped("f.bin", 256 * 64 - 10, 11, 11) as view:

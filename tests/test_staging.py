@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.save import staging as staging_lib
+from flax_ckpt_plugin.save import copies as copies_lib
 from flax_ckpt_plugin.format import treepaths
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -82,7 +82,7 @@ def test_saves_of_thousands_of_small_leaves_compile_nothing(tmp_path):
 
 def test_large_shards_compile_a_bounded_number_of_programs_in_the_background(
     tmp_path, monkeypatch):
-  monkeypatch.setattr(staging_lib, "REUSE_BYTES", 0)  # Every shard reused.
+  monkeypatch.setattr(copies_lib, "REUSE_BYTES", 0)  # Every shard reused.
   n = 200
   tree = _bump({f"l{i}": jnp.full((8 + i % 10, 3), i, jnp.float32)
                 for i in range(n)})
@@ -94,14 +94,14 @@ def test_large_shards_compile_a_bounded_number_of_programs_in_the_background(
       manager.save(step, tree)
       tree = _bump(tree)
       manager.wait_until_finished()
-      staging_lib.PROGRAMS.wait()
+      copies_lib.PROGRAMS.wait()
       pointers.append(sorted(
           a.unsafe_buffer_pointer()
           for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
   # Two programs (a first copy, a copy into reused memory) per group of at
   # most _GROUP shards, whatever the number of distinct shapes; none of
   # them compiled by the thread that saves.
-  assert len(compiles.threads) <= 2 * math.ceil(n / staging_lib._GROUP)  # pylint: disable=protected-access
+  assert len(compiles.threads) <= 2 * math.ceil(n / copies_lib._GROUP)  # pylint: disable=protected-access
   assert all(name.startswith("flax_ckpt_plugin-compile")
              for name in compiles.threads), compiles.threads
   assert not pointers[0] and len(pointers[1]) == n
@@ -114,10 +114,10 @@ def test_large_shards_compile_a_bounded_number_of_programs_in_the_background(
 def test_runtime_copies_without_the_batched_entry_point(monkeypatch):
   """The public `device_put` does the copy on a JAX without the runtime
   entry point the fast path uses (forgotten here to reach that path)."""
-  monkeypatch.setattr(staging_lib, "_BATCHED_COPY", None)
+  monkeypatch.setattr(copies_lib, "_BATCHED_COPY", None)
   step = jax.jit(lambda x: x * 2, donate_argnums=0)
   srcs = [step(jnp.arange(6, dtype=dt)) for dt in (jnp.float32, jnp.bfloat16)]
-  copies = staging_lib.fresh_copies(srcs)
+  copies = copies_lib.fresh_copies(srcs)
   for src, copy in zip(srcs, copies):
     assert copy.unsafe_buffer_pointer() != src.unsafe_buffer_pointer()
   outs = [step(s) for s in srcs]  # Donates the sources.

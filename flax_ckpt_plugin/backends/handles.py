@@ -1,15 +1,12 @@
-"""The file handles that storage backends hand out, and the local ones.
-
-`RangedFile` (a data file read by offset) and `StepWriter` (one process's
-files of a step) are what `backend.Backend` returns; the local file system's
-implementations live here too, with `open_regular`, which every local read
-of a step's files goes through: never out of the step, never a named pipe
-or a device.
+"""The local file system's files: a data file read by offset (`LocalFile`),
+one process's files of a step (`LocalStepWriter`), `open_regular`, which
+every local read of a step's files goes through (never out of the step,
+never a named pipe or a device), and `read_ahead`, which has the kernel read
+a file back into the page cache.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import errno
 import mmap
@@ -21,69 +18,16 @@ from typing import BinaryIO, Callable, Iterator
 from etils import epath
 
 from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.backends import interface
+from flax_ckpt_plugin.backends.interface import RangedFile
+from flax_ckpt_plugin.backends.interface import StepWriter
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 
-Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
 # Errors that mean a name cannot be a file of ours (a socket, a loop of
 # links, a directory); others (EACCES, EIO) say nothing of the file itself.
 NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
               errno.ENXIO)
-
-
-class RangedFile(abc.ABC):
-  """An open data file that threads read by offset at once."""
-
-  size: int
-
-  @abc.abstractmethod
-  def read_into(self, offset: int, out: memoryview) -> int:
-    """Reads into `out` from `offset`; the bytes read (short only at the end)."""
-
-  @contextlib.contextmanager
-  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
-    """The bytes at [offset, offset + size) as a read-only view of the
-    file's pages, valid inside the context; None where the storage maps
-    nothing (then `read_into`)."""
-    del offset, size
-    yield None
-
-  @abc.abstractmethod
-  def close(self) -> None:
-    ...
-
-
-class StepWriter(abc.ABC):
-  """Creates one process's files in a step directory (see `Backend`)."""
-
-  # Whether files from `open` have descriptors written by offset (pwrite);
-  # otherwise they are streams, written front to back.
-  positional = False
-
-  @abc.abstractmethod
-  def open(self, name: str) -> BinaryIO:
-    """A binary file for writing at `name` (relative to the step directory)."""
-
-  def open_direct(self, name: str) -> int | None:
-    """A second, O_DIRECT descriptor of `name` (opened by `open` first).
-
-    None where the storage has no direct I/O.
-    """
-    del name
-    return None
-
-  def mapping(self, f: BinaryIO, size: int) -> memoryview | None:
-    """A writable view of the first `size` bytes of `f` (from `open`), to
-    copy into instead of writing; None where writes are better."""
-    del f, size
-    return None
-
-  def sync(self, f: BinaryIO) -> None:
-    """Makes what was written to `f` durable (before it is closed)."""
-    del f
-
-  def close(self) -> None:
-    pass
 
 
 class LocalFile(RangedFile):
@@ -141,7 +85,7 @@ class LocalStepWriter(StepWriter):
 
   positional = True
 
-  def __init__(self, step_dir: epath.Path, identity: Identity | None,
+  def __init__(self, step_dir: epath.Path, identity: interface.Identity | None,
                data_dir: str, *, direct_io: bool = True):
     self._fd = self._data_fd = None
     self._data_dir = data_dir

@@ -30,6 +30,7 @@ from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin.backends import handles
+from flax_ckpt_plugin.backends import interface
 
 # Where a deleted step's data file waits for the next save, beside the
 # steps (never a step's name, so never listed nor cleaned up).
@@ -163,7 +164,7 @@ class MemoryStepWriter(handles.LocalStepWriter):
   """Never syncs; a data file reuses a deleted step's pages when there is
   one, and is written through a kept mapping (see the module doc)."""
 
-  def __init__(self, step_dir: epath.Path, identity: handles.Identity | None,
+  def __init__(self, step_dir: epath.Path, identity: interface.Identity | None,
                data_dir: str):
     super().__init__(step_dir, identity, data_dir)
     self._tier_dir = os.fspath(step_dir.parent)

@@ -1,4 +1,5 @@
-"""Object stores (`s3://`, `gs://`, ...): paths through fsspec, ranged reads.
+"""Object stores (`s3://`, `gs://`, ...): paths through fsspec, ranged reads,
+and their backend (`ObjectStoreBackend`).
 
 `as_path` turns a directory name into the `epath.Path` this package reads and
 writes through; `ObjectFile` reads byte ranges of one object, each with its
@@ -9,11 +10,17 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import BinaryIO
 
 from etils import epath
 from etils.epath import backend as epath_backend
 from etils.epath import gpath as epath_gpath
 
+from flax_ckpt_plugin.backends import layout
+from flax_ckpt_plugin.backends.interface import Backend
+from flax_ckpt_plugin.backends.interface import Identity
+from flax_ckpt_plugin.backends.interface import RangedFile
+from flax_ckpt_plugin.backends.interface import StepWriter
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 
 # Object-store schemes that etils' paths know, and the fsspec implementation
@@ -213,3 +220,95 @@ class ObjectFile:
 
   def close(self) -> None:
     pass
+
+
+# -- the backend ---------------------------------------------------------------
+
+
+class _ObjectStepWriter(StepWriter):
+  """No directory to make or to hold: a prefix exists once an object under
+  it does; each file is one object, uploaded when it is closed."""
+
+  def __init__(self, step_dir: epath.Path):
+    self._dir = as_path(step_dir)
+
+  def open(self, name: str) -> BinaryIO:
+    return (self._dir / name).open("wb")
+
+
+class _ObjectFile(RangedFile):
+
+  def __init__(self, path: epath.Path):
+    self._file = ObjectFile(path)
+    self.size = self._file.size
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    done = 0
+    while done < len(out):  # A ranged GET stops short only at the end.
+      n = self._file.read_into(offset + done, out[done:])
+      if not n:
+        break
+      done += n
+    return done
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class ObjectStoreBackend(Backend):
+  """`gs://`, `s3://`... through fsspec: no rename, no fsync, no inodes.
+
+  A PUT is atomic and durable once it returns, so small files need no more;
+  a step is deleted commit marker first, so what is left of a crash half
+  way is unfinished.
+  """
+
+  rename_is_atomic = False
+  reads_are_requests = True
+
+  def as_path(self, given: str) -> epath.Path:
+    return as_path(given)
+
+  def write_small(self, path: epath.Path, text: str) -> None:
+    path.write_text(text)
+
+  def replace_small(self, path: epath.Path, text: str) -> None:
+    path.write_text(text)
+
+  def step_writer(self, step_dir: epath.Path, identity: Identity | None,
+                  data_dir: str) -> StepWriter:
+    del identity, data_dir
+    return _ObjectStepWriter(step_dir)
+
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
+    del within  # Object names cannot leave a prefix.
+    return _ObjectFile(path)
+
+  def read_small(self, path: epath.Path, *, within: epath.Path,
+                 limit: int) -> bytes:
+    del within  # Object names cannot leave a prefix.
+    fs, url = filesystem(path), os.fspath(path)
+    info = fs.info(url)  # FileNotFoundError if it is missing.
+    if info.get("type") != "file":
+      raise CheckpointCorruptedError(f"{path} is not a file")
+    if info["size"] > limit:
+      raise CheckpointCorruptedError(
+          f"{path}: {info['size']} bytes, over the limit of {limit}")
+    data = fs.cat_file(url, start=0, end=limit + 1)
+    if len(data) > limit:  # Replaced by a larger object meanwhile.
+      raise CheckpointCorruptedError(f"{path}: over the limit of {limit}")
+    return data
+
+  def delete_step(self, directory: epath.Path, step: int) -> None:
+    step_dir = directory / str(step)
+    (step_dir / layout.COMMIT_MARKER).unlink(missing_ok=True)
+    self.remove(step_dir)
+
+  def set_aside(self, directory: epath.Path, step: int) -> str:
+    # Without its marker the step is unfinished; the next writer cleans up.
+    (directory / str(step) / layout.COMMIT_MARKER).unlink(missing_ok=True)
+    return "unfinished (its commit marker was removed)"
+
+  def size_and_mtime(self, path: epath.Path) -> tuple[int, float]:
+    st = path.stat()
+    return st.length, float(st.mtime)

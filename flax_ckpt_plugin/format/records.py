@@ -245,3 +245,17 @@ def chunk_regions(region: Index, itemsize: int, limit: int
     lo, hi = region[k]
     for a in range(lo, hi, step):
       yield head + ((a, min(a + step, hi)),) + tuple(region[k + 1:])
+
+
+def intersect(a: Index, b: Index) -> Index | None:
+  """The region two regions share; None if they do not overlap."""
+  out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+  if any(lo >= hi for lo, hi in out):
+    return None
+  return out
+
+
+def held_elements(shards: Iterable[ShardRecord], region: Index) -> int:
+  """How many elements of `region` the (non-overlapping) `shards` hold."""
+  return sum(math.prod(hi - lo for lo, hi in inter) for inter in (
+      intersect(s.index, region) for s in shards) if inter is not None)

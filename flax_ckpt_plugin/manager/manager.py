@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import operator
 import os
 import threading
@@ -23,13 +22,12 @@ from typing import Any
 from etils import epath
 import jax
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.multihost import groups
-from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.save import pinned
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager import retention as retention_lib
@@ -38,27 +36,12 @@ from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.commit import CommitHook
 from flax_ckpt_plugin.save.stats import RestoreStats
 from flax_ckpt_plugin.save.stats import SaveStats
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.restoring import Restoring
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.snapshot import pinned_pieces
 from flax_ckpt_plugin.save.snapshot import take_snapshot
-
-
-_RETENTION = "retention=Retention({}=...)"
-_COMMIT = "commit=Commit({}=...)"
-# Keywords that moved into the option records: where each is now.
-MOVED = {
-    **{k: _RETENTION.format(k) for k in (
-        "keep_every_n_steps", "keep_best", "best_metric", "best_mode",
-        "keep_without_metric")},
-    **{k: _COMMIT.format(k) for k in (
-        "backend", "atomicity", "pinned_host_bytes", "primary_host",
-        "barrier_timeout_secs", "coordinator", "name")},
-    "commit_hooks": _COMMIT.format("hooks"),
-}
 
 
 class CheckpointManager(Restoring):
@@ -111,7 +94,7 @@ class CheckpointManager(Restoring):
   block is attached to that exception as a note.
   """
 
-  @options.moved_keywords("CheckpointManager", MOVED)
+  @options.moved_keywords("CheckpointManager", options.MANAGER_MOVED)
   def __init__(self, directory: epath.PathLike, *,
                max_to_keep: int | None = None,
                retention: retention_lib.Retention | None = None,
@@ -121,10 +104,9 @@ class CheckpointManager(Restoring):
                share_reads: bool = True):
     self.retention = retention_lib.Policy.of(max_to_keep, retention)
     self.commit = commit = commit or options.Commit()
-    coordinator, primary_host = commit.coordinator, commit.primary_host
-    self.coordinator = coordinator or coordinator_lib.default()
-    count = self.coordinator.process_count
-    if not 0 <= primary_host < count:
+    self.coordinator = commit.coordinator or coordinator_lib.default()
+    count, primary_host = self.coordinator.process_count, commit.primary_host
+    if primary_host >= count:
       raise ValueError(f"primary_host={primary_host} is not a process index"
                        f" (process count {count})")
     given = os.fspath(directory)
@@ -169,7 +151,7 @@ class CheckpointManager(Restoring):
           is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
       self.name = f"{self._base}/{token}"
       self.check_still_writer = functools.partial(
-          atomicity_lib.check_still_writer, self.directory, token,
+          directory_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
       self._steps = steps
     self._opened_name = self.name  # `regroup` names its groups under it.
@@ -317,7 +299,9 @@ class CheckpointManager(Restoring):
       doomed = retention_lib.decided_by_primary(
           self.retention, self.coordinator, f"{key}/retention_plan", steps,
           protect=protect, metrics=self._metrics,
-          read_metrics=self._recorded_metrics, is_primary=self.is_primary,
+          read_metrics=functools.partial(
+              retention_lib.recorded_metrics, self.directory, self.backend,
+              self.retention.best_metric), is_primary=self.is_primary,
           timeout_ms=self.barrier_timeout_ms)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
@@ -326,19 +310,8 @@ class CheckpointManager(Restoring):
     if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
-          delete=lambda: self.is_primary and atomicity_lib.delete_steps(
+          delete=lambda: self.is_primary and directory_lib.delete_steps(
               self.directory, doomed, self.check_still_writer, self.backend))
-
-  def _recorded_metrics(self, step: int) -> Any:
-    """The metrics in `step`'s manifest; None (no metric) if unreadable."""
-    try:
-      return manifest_lib.read(self.directory / str(step), step,
-                               self.backend).metrics
-    except (OSError, CheckpointCorruptedError) as e:
-      log.warning("retention: cannot read the metrics of step %d in %s"
-                  " (%s); it counts as a step without %s", step,
-                  self.directory, e, self.retention.best_metric)
-      return None
 
   def wait_until_finished(self, timeout: float | None = None) -> bool:
     """Blocks until the running save is finalized; raises its error.
@@ -383,18 +356,10 @@ class CheckpointManager(Restoring):
     self.is_primary = coordinator.process_index == primary_host
     # That save may have finalized its step before it broke: the primary
     # lists the steps anew, for all.
-    key = f"{self.name}/regroup/{coordinator.next_round(self.name)}"
-    outcome = coordinator_lib.agree(
-        coordinator, f"{key}/listed", lambda: self.is_primary and (
-            groups.share_text(coordinator, f"{key}/steps", json.dumps(
-                atomicity_lib.finalized_steps(self.directory)))),
-        timeout_ms=self.barrier_timeout_ms)
-    if outcome.failures:
-      raise RuntimeError(f"listing {self.directory} failed: "
-                         + coordinator_lib.describe_failures(
-                             outcome.failures))
-    steps = json.loads(groups.fetch_text(coordinator, f"{key}/steps",
-                                         self.barrier_timeout_ms))
+    steps = commit_lib.listed_by_primary(
+        coordinator, self.directory,
+        f"{self.name}/regroup/{coordinator.next_round(self.name)}",
+        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
     with self._lock:
       self._steps = sorted(steps)
 

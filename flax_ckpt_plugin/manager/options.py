@@ -70,6 +70,20 @@ class Commit:
     object.__setattr__(self, "hooks", tuple(self.hooks))
 
 
+_RETENTION = "retention=Retention({}=...)"
+_COMMIT = "commit=Commit({}=...)"
+# The manager's keywords that moved into the option records: where each
+# is now.
+MANAGER_MOVED = {
+    **{k: _RETENTION.format(k) for k in (
+        "keep_every_n_steps", "keep_best", "best_metric", "best_mode",
+        "keep_without_metric")},
+    **{k: _COMMIT.format(k) for k in (
+        "backend", "atomicity", "pinned_host_bytes", "primary_host",
+        "barrier_timeout_secs", "coordinator", "name")},
+    "commit_hooks": _COMMIT.format("hooks"),
+}
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

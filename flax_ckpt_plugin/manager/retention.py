@@ -28,6 +28,12 @@ import json
 import math
 from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
 
+from etils import epath
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 
@@ -205,6 +211,19 @@ def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
   """
   return Policy(max_to_keep, keep_every_n_steps).to_delete(
       steps, protect=protect)
+
+
+def recorded_metrics(directory: epath.Path, backend: backend_lib.Backend,
+                     metric: str | None, step: int) -> Any:
+  """The metrics in `step`'s manifest; None (no value of `metric`) if
+  unreadable."""
+  try:
+    return manifest_lib.read(directory / str(step), step, backend).metrics
+  except (OSError, CheckpointCorruptedError) as e:
+    log.warning("retention: cannot read the metrics of step %d in %s (%s);"
+                " it counts as a step without %s", step, directory, e,
+                metric)
+    return None
 
 
 def decided_by_primary(policy: Policy, coord: coordinator_lib.Coordinator,

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.errors import StructureMismatchError
-from flax_ckpt_plugin.restore.reader import host_buffer
+from flax_ckpt_plugin.restore.data_files import host_buffer
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.format.records import describe
 from flax_ckpt_plugin.format.records import Index

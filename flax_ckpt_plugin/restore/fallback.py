@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
@@ -129,14 +129,14 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
 
 def set_aside(directory: epath.Path, steps: list[int],
               backend: backend_lib.Backend) -> None:
-  """Primary host: sets damaged steps aside (see `atomicity.set_aside`).
+  """Primary host: sets damaged steps aside (see `directory.set_aside`).
 
   A step that cannot be set aside is left where it is, with a warning: the
   restore it was skipped by still succeeded.
   """
   for step in steps:
     try:
-      aside = atomicity.set_aside(directory, step, backend)
+      aside = directory_lib.set_aside(directory, step, backend)
       log.warning("damaged step %d of %s set aside: %s", step, directory,
                   aside)
     except OSError as e:

@@ -25,11 +25,11 @@ import numpy as np
 
 from flax_ckpt_plugin.restore import casting
 from flax_ckpt_plugin.save import pinned
-from flax_ckpt_plugin.save import staging
-from flax_ckpt_plugin.restore.reader import host_buffer
+from flax_ckpt_plugin.save import copies
+from flax_ckpt_plugin.restore.data_files import host_buffer
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.format.records import Index
-from flax_ckpt_plugin.save.staging import bits_dtype
+from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import normalize_index
 
 
@@ -70,7 +70,7 @@ def _owns(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> bool:
   return (device.platform == "cpu"
           and (bits_dtype(dtype) is not None
                or jax.numpy.issubdtype(dtype, jax.numpy.complexfloating))
-          and math.prod(shape) * dtype.itemsize >= staging.REUSE_BYTES)
+          and math.prod(shape) * dtype.itemsize >= copies.REUSE_BYTES)
 
 
 def _regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding
@@ -156,7 +156,7 @@ def _owned_cpu_array(lr: LeafReader | casting.CastReader,
   done: dict[Index, np.ndarray] = {}
   for shard in arr.addressable_shards:
     region = normalize_index(shard.index, shape)
-    view = staging.writable_view(shard.data)
+    view = copies.writable_view(shard.data)
     if region in done:
       np.copyto(view, done[region])
     else:
@@ -183,7 +183,7 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
     return None
   arr = _zeros_on(device)(shape, dtype)
   arr.block_until_ready()
-  return arr, staging.writable_view(arr)
+  return arr, copies.writable_view(arr)
 
 
 def _assemble(shape: tuple[int, ...], dtype: np.dtype,

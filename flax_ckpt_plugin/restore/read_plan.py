@@ -28,7 +28,7 @@ import numpy as np
 
 from flax_ckpt_plugin.restore import replicas as replicas_lib
 from flax_ckpt_plugin.save import writeplan
-from flax_ckpt_plugin.save.staging import bits_dtype
+from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import normalize_index
 

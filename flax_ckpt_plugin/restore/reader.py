@@ -1,90 +1,38 @@
-"""Reading a step's data: byte ranges of files, and regions of array leaves.
+"""Reading regions of a step's array leaves, checked.
 
-`ByteReader` reads byte ranges of the data files that a manifest names,
-refusing files that are missing, short, not regular or outside the step
-directory. `LeafReader` assembles any region of one saved array from the
-shards that hold it, checking the CRC-32C of every block it reads. Both
-read a `manifest.Manifest`'s records and need no JAX: `restore` puts the
-regions on devices, `verify` checks whole steps.
+`LeafReader` assembles any region of one saved array from the shards that
+hold it, read through a `data_files.ByteReader`, checking the CRC-32C of
+every block it reads. It reads a `manifest.Manifest`'s records and needs no
+JAX: `restore` puts the regions on devices, `verify` checks whole steps.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import math
-import os
-import threading
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
-from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import chunk_regions
 from flax_ckpt_plugin.format.records import Index
+from flax_ckpt_plugin.format.records import intersect
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import ShardRecord
 from flax_ckpt_plugin.format.storage import block_checksums
+from flax_ckpt_plugin.restore.data_files import ByteReader
+from flax_ckpt_plugin.restore.data_files import COALESCE_BYTES
+from flax_ckpt_plugin.restore.data_files import host_buffer
+from flax_ckpt_plugin.restore.data_files import PIECE_BYTES
+from flax_ckpt_plugin.restore.data_files import read_pool
+from flax_ckpt_plugin.restore.data_files import READ_THREADS
 
-# Errors that mean a manifest's file name cannot name a data file.
 # Past this many runs of fewer than this many bytes, one saved shard's part
 # is read as whole rows of its first axis: a few larger reads beat many tiny.
 _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
-# `ByteReader.coalesced`: shards under this size are read together with
-# the neighbours they touch (small shards lie side by side in a data file),
-# in reads of at most `_SPAN` bytes. Where a read is a request (object
-# stores), across gaps of up to `_GAP` bytes too, read and dropped.
-COALESCE_BYTES = 1 << 20
-_GAP = 64 << 10
-_SPAN = 16 << 20
-
-
-# A whole shard of at least 2 x this many bytes is read by several threads
-# (`LeafReader._read_checked`), at most `_READ_THREADS`, from one pool of
-# the process: they only read and check, and never wait for each other.
-_PIECE_BYTES = 16 << 20
-_READ_THREADS = min(8, os.cpu_count() or 1)
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
-  global _POOL
-  with _POOL_LOCK:
-    if _POOL is None:
-      _POOL = concurrent.futures.ThreadPoolExecutor(
-          _READ_THREADS, thread_name_prefix="flax_ckpt_plugin-read")
-    return _POOL
-
-
-def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
-                offset: int = 0) -> np.ndarray:
-  """An uninitialized C-order array starting `offset` bytes past a 64-byte
-  boundary.
-
-  The CPU backend adopts memory on such a boundary in `jax.device_put`
-  without copying it, and copies any other (numpy's own allocations are
-  only 16-byte aligned, so either may happen to them). Restored CPU arrays
-  are not adopted (see `placement._owned_cpu_buffer` and
-  `placement.place_array`); adopted ones are for numpy targets and the
-  other cases.
-  """
-  nbytes = math.prod(shape) * dtype.itemsize
-  raw = np.empty(nbytes + 128, np.uint8)
-  start = -raw.ctypes.data % 64 + offset
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def _intersect(a: Index, b: Index) -> Index | None:
-  out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-  if any(lo >= hi for lo, hi in out):
-    return None
-  return out
 
 
 def _runs_of(numbers: list[int]) -> Iterator[tuple[int, int]]:
@@ -92,137 +40,6 @@ def _runs_of(numbers: list[int]) -> Iterator[tuple[int, int]]:
   for _, run in itertools.groupby(enumerate(numbers), lambda p: p[1] - p[0]):
     run = [k for _, k in run]
     yield run[0], run[-1]
-
-
-def held_elements(shards: Iterable[ShardRecord], region: Index) -> int:
-  """How many elements of `region` the (non-overlapping) `shards` hold."""
-  return sum(math.prod(hi - lo for lo, hi in inter) for inter in (
-      _intersect(s.index, region) for s in shards) if inter is not None)
-
-
-class ByteReader:
-  """Reads byte ranges of a step's data files; one open handle per file.
-
-  Safe to use from several threads: each file is a `backend.RangedFile`
-  (positional reads of one descriptor on local disks, one ranged GET per
-  range on object stores).
-  """
-
-  def __init__(self, step_dir: epath.Path, files: dict[str, int],
-               backend: backend_lib.Backend | None = None):
-    self._dir = step_dir
-    self._sizes = files
-    self._backend = backend or backend_lib.for_path(step_dir)
-    self._files: dict[str, backend_lib.RangedFile] = {}
-    self._lock = threading.Lock()
-    self._local = threading.local()  # `coalesced` spans of each thread.
-    self.bytes_read = 0
-    # Each read costs a request on object stores: readers of a few spread
-    # ranges should rather fetch the span around them in one (see restore).
-    self.prefers_few_reads = self._backend.reads_are_requests
-
-  def _open(self, name: str) -> backend_lib.RangedFile:
-    with self._lock:
-      return self._open_locked(name)
-
-  def _open_locked(self, name: str) -> backend_lib.RangedFile:
-    f = self._files.get(name)
-    if f is None:
-      path = self._dir / name
-      try:
-        f = self._backend.open_ranged(path, within=self._dir)
-      except FileNotFoundError as e:
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest is missing") from e
-      except OSError as e:
-        if e.errno not in handles.NOT_A_FILE:
-          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest cannot be a data file:"
-            f" {e.strerror}") from e
-      except CheckpointCorruptedError:
-        raise  # A ValueError too, but already says what is wrong.
-      except ValueError as e:  # A NUL byte in the name.
-        raise CheckpointCorruptedError(
-            f"data file name {name!r:.100} is not a valid file name") from e
-      if f.size < self._sizes[name]:
-        f.close()  # Not kept: every later open says the same.
-        raise CheckpointCorruptedError(
-            f"data file {path} is truncated: {f.size} bytes, manifest says"
-            f" {self._sizes[name]}")
-      self._files[name] = f
-    return f
-
-  def check_file(self, name: str) -> None:
-    """Opens `name` if not yet open: raises if it is not whole.
-
-    Called before allocating for a shard's bytes, so that a manifest's
-    sizes never drive an allocation beyond what the files really hold.
-    """
-    self._open(name)
-
-  def read_into(self, name: str, offset: int, out: memoryview) -> None:
-    """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
-    for lo, data in getattr(self._local, "spans", {}).get(name, ()):
-      if lo <= offset and offset + len(out) <= lo + len(data):
-        out[:] = data[offset - lo:offset - lo + len(out)]
-        return
-    done = self._open(name).read_into(offset, out)
-    if done < len(out):
-      raise CheckpointCorruptedError(
-          f"data file {self._dir / name} ended at byte {offset + done},"
-          f" expected {offset + len(out)}")
-    with self._lock:
-      self.bytes_read += done
-
-  @contextlib.contextmanager
-  def mapped(self, name: str, offset: int, size: int, fresh: int
-             ) -> Iterator[memoryview | None]:
-    """The bytes at [offset, offset + size) of `name` as a read-only view of
-    the file's pages, valid inside the context; None where the storage
-    maps nothing (see `backend.RangedFile.mapped`). `fresh` of them count
-    as read: the others were mapped before, for the caller's last region."""
-    with self._open(name).mapped(offset, size) as view:
-      if view is not None:
-        with self._lock:
-          self.bytes_read += fresh
-      yield view
-
-  @contextlib.contextmanager
-  def coalesced(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[None]:
-    """Reads the (file, offset, size) ranges in few reads, merged where near.
-
-    Until the context exits, this thread's reads that fall inside one of
-    them are served from memory: thousands of small leaves cost tens of
-    reads (on object stores, requests) instead of thousands.
-    """
-    spans: dict[str, list[tuple[int, memoryview]]] = {}
-    merged: list[list] = []
-    gap = _GAP if self.prefers_few_reads else 0
-    for name, lo, size in sorted(ranges):
-      last = merged[-1] if merged else None
-      if (last is not None and last[0] == name and lo - last[2] <= gap
-          and max(last[2], lo + size) - last[1] <= _SPAN):
-        last[2] = max(last[2], lo + size)
-      else:
-        merged.append([name, lo, lo + size])
-    for name, lo, hi in merged:
-      data = memoryview(np.empty(hi - lo, np.uint8))
-      try:
-        self.read_into(name, lo, data)
-      except (CheckpointCorruptedError, OSError):
-        continue  # Each leaf's own read reports it, naming the leaf.
-      spans.setdefault(name, []).append((lo, data))
-    self._local.spans = spans
-    try:
-      yield
-    finally:
-      self._local.spans = {}
-
-  def close(self) -> None:
-    for f in self._files.values():
-      f.close()
-    self._files.clear()
 
 
 class LeafReader:
@@ -265,7 +82,7 @@ class LeafReader:
     for shard in self._shards:
       if shard.nbytes >= COALESCE_BYTES:
         continue
-      parts = [_intersect(shard.index, r) for r in regions]
+      parts = [intersect(shard.index, r) for r in regions]
       if any(p is not None if any_part else p == shard.index
              for p in parts):
         yield shard.file, shard.offset, shard.nbytes
@@ -309,7 +126,7 @@ class LeafReader:
       out = host_buffer([hi - lo for lo, hi in region], self.dtype)
     filled = 0
     for n, shard in enumerate(self._shards):
-      inter = _intersect(shard.index, region) if region else ()
+      inter = intersect(shard.index, region) if region else ()
       if inter is None:
         continue
       filled += math.prod(hi - lo for lo, hi in inter)
@@ -333,7 +150,7 @@ class LeafReader:
     """
     shape = [hi - lo for lo, hi in region]
     for n, shard in enumerate(self._shards):
-      if _intersect(shard.index, region) == region:
+      if intersect(shard.index, region) == region:
         break
     else:
       yield None
@@ -386,15 +203,15 @@ class LeafReader:
     if len(spans) == 1:
       self._check(shard, first_block, data)
       return
-    for f in [_read_pool().submit(
+    for f in [read_pool().submit(
         self._check, shard, first_block + lo // self._block, data[lo:hi])
               for lo, hi in spans]:
       f.result()
 
   def _spans(self, nbytes: int) -> list[tuple[int, int]]:
     """[lo, hi) byte spans of whole blocks that split `nbytes` over the read
-    threads: one per `_PIECE_BYTES` at least, one for a small shard."""
-    pieces = max(1, min(_READ_THREADS, nbytes // _PIECE_BYTES))
+    threads: one per `PIECE_BYTES` at least, one for a small shard."""
+    pieces = max(1, min(READ_THREADS, nbytes // PIECE_BYTES))
     step = max(1, -(-nbytes // pieces // self._block)) * self._block
     return [(lo, min(lo + step, nbytes))
             for lo in range(0, nbytes, step)] or [(0, 0)]
@@ -421,7 +238,7 @@ class LeafReader:
     if len(spans) == 1:
       read(spans[0])
       return
-    for f in [_read_pool().submit(read, span) for span in spans]:
+    for f in [read_pool().submit(read, span) for span in spans]:
       f.result()
 
   def _check(self, shard: ShardRecord, first_block: int,

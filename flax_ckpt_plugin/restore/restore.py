@@ -29,12 +29,12 @@ from flax_ckpt_plugin.restore import casting
 from flax_ckpt_plugin.save import pinned
 from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.format.records import held_elements
 from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import is_python_scalar
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import Manifest
-from flax_ckpt_plugin.restore.reader import ByteReader
-from flax_ckpt_plugin.restore.reader import held_elements
+from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.matching import check_key_impl

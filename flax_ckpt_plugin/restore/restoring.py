@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
@@ -72,7 +72,7 @@ class Restoring:
     anew at each call, so it sees what a training job finalized since.
     """
     if self.read_only:
-      return atomicity_lib.finalized_steps(self.directory)
+      return directory_lib.finalized_steps(self.directory)
     with self._lock:
       return list(self._steps)
 
@@ -93,7 +93,7 @@ class Restoring:
             f"no finalized checkpoint in {self.directory}")
     step = operator.index(step)
     step_dir = self.directory / str(step)
-    if not atomicity_lib.is_finalized(step_dir):
+    if not directory_lib.is_finalized(step_dir):
       raise CheckpointNotFoundError(
           f"step {step} is not a finalized checkpoint in {self.directory}"
           f" (finalized steps: {self.all_steps()})")
@@ -344,7 +344,7 @@ class Restoring:
     """Deletes finalized steps, for a run that resumed before them and
     will save those step numbers anew. Writers only; called on every
     process (the primary deletes)."""
-    self._forget(steps, lambda: atomicity_lib.delete_steps(
+    self._forget(steps, lambda: directory_lib.delete_steps(
         self.directory, sorted(steps), self.check_still_writer, self.backend))
 
   def set_aside(self, steps: list[int]) -> None:

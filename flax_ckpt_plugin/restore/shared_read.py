@@ -47,19 +47,16 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
-from flax_ckpt_plugin.restore import replicas as replicas_lib
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import restore as restore_lib
 from flax_ckpt_plugin.restore import share_program
+from flax_ckpt_plugin.restore import slots as slots_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.restore.reader import ByteReader
-from flax_ckpt_plugin.restore.reader import LeafReader
-from flax_ckpt_plugin.format.treepaths import Index
+from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.format.treepaths import leaf_paths
-from flax_ckpt_plugin.format.treepaths import normalize_index
 
 
 def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
@@ -277,11 +274,12 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       try:
         if pack is not None and i in pack.pieces:
           if error is None:
-            _fill(flats[b], leaf, pack.pieces[i], lr_args)
+            slots_lib.fill(flats[b], leaf, pack.pieces[i], lr_args)
         else:
-          slots[i] = _slots(leaf, t, split, lr_args, read=error is None)
+          slots[i] = slots_lib.slots(leaf, t, split, lr_args,
+                                     read=error is None)
       except Exception as e:  # pylint: disable=broad-except
-        error = e  # `_inputs` gives the leaf zeros.
+        error = e  # `slots.inputs` gives the leaf zeros.
       if pack is not None and i in pack.pieces:
         plans.append(("packed", (b, t, leaf, pack.pieces[i])))
       else:  # Its place among the program's own outputs.
@@ -290,12 +288,13 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       if k == len(batches[b]) - 1:  # The batch is read: share it.
         program = compiling[b].result()
         try:
-          inputs = _inputs(leaves, batches[b], pack, flats.pop(b, None),
-                           slots, lr_args, zeros=False)
+          inputs = slots_lib.inputs(leaves, batches[b], pack,
+                                    flats.pop(b, None), slots, lr_args,
+                                    zeros=False)
         except Exception as e:  # pylint: disable=broad-except
           error = error or e
-          inputs = _inputs(leaves, batches[b], pack, None, slots, lr_args,
-                           zeros=True)
+          inputs = slots_lib.inputs(leaves, batches[b], pack, None, slots,
+                                    lr_args, zeros=True)
         outputs.append(program(*inputs))
         del inputs
   finally:
@@ -306,77 +305,6 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
     jax.block_until_ready(outputs)  # Every process ran them: none waits.
     raise error
   return plans, outputs, reader.bytes_read, extra
-
-
-def _inputs(leaves: list, batch: list[int], pack: read_plan.Pack | None,
-            flats: dict[Any, np.ndarray] | None, slots: dict[int, jax.Array],
-            lr_args: dict, *, zeros: bool) -> tuple[Any, list[jax.Array]]:
-  """A batch's program inputs: the packed slots and each other leaf's
-  slots (taken out of `slots`); all zeros if `zeros`."""
-  flat = None
-  if pack is not None:
-    if zeros or flats is None:
-      flats = {d: np.zeros((1, pack.length), np.uint8) for d in pack.devices
-               if d.process_index == jax.process_index()}
-    flat = jax.make_array_from_single_device_arrays(
-        (len(pack.devices), pack.length), pack.sharding,
-        [jax.device_put(x, d) for d, x in flats.items()], dtype=np.uint8)
-  arrays = []
-  for i in batch:
-    if pack is not None and i in pack.pieces:
-      continue
-    leaf, t, split = leaves[i]
-    slot = slots.pop(i, None)
-    arrays.append(slot if slot is not None and not zeros else _slots(
-        leaf, t, split, lr_args, read=False))
-  return flat, arrays
-
-
-def _fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
-          lr_args: dict) -> None:
-  """Reads this process's rows of a packed leaf into its devices' slots."""
-  lr = LeafReader(leaf=leaf, **lr_args)
-  rest = tuple((0, n) for n in leaf.shape[1:])
-  mine = [p for p in pieces if p[3] in flats]
-  if not mine:
-    return
-  lo, hi = min(p[4] for p in mine), max(p[5] for p in mine)
-  data = replicas_lib.as_bytes(lr.read(((lo, hi),) + rest)).reshape(hi - lo, -1)
-  for _, offset, n, device, a, b in mine:  # Each read once.
-    flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
-
-
-def _slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
-           read: bool
-           ) -> jax.Array:
-  """This process's slots of a shared leaf (zeros unless `read`), of
-  `read_plan.carrier`'s dtype."""
-  local = {d: normalize_index(i, leaf.shape) for d, i in
-           t.sharding.addressable_devices_indices_map(leaf.shape).items()}
-  ranges: dict[Index, tuple[int, int]] = {}  # This process's, per region.
-  for device, region in local.items():
-    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
-    if hi > lo:
-      a, b = ranges.get(region, (lo, hi))
-      ranges[region] = (min(a, lo), max(b, hi))
-  carrier = read_plan.carrier(leaf.dtype)
-  got = {}
-  if read:
-    lr = LeafReader(leaf=leaf, **lr_args)
-    got = {region: (lo, replicas_lib.as_bytes(lr.read(((lo, hi),) + region[1:]))
-                    .view(carrier))
-           for region, (lo, hi) in ranges.items()}  # Each read once.
-  blocks = []
-  for device, region in local.items():
-    dims = tuple(hi - lo for lo, hi in region[1:]) + split.shape[-1:]
-    block = np.zeros((1, split.rows) + dims, carrier)
-    lo, hi = split.parts.get(device, (None, ((0, 0),)))[1][0]
-    if hi > lo and read:
-      first, data = got[region]
-      block[0, :hi - lo] = data[lo - first:hi - first]
-    blocks.append(jax.device_put(block, device))
-  return jax.make_array_from_single_device_arrays(split.shape, split.stacked,
-                                                  blocks, dtype=carrier)
 
 
 def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any

@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from etils import epath
 import numpy as np
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
@@ -90,15 +91,15 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
   multi = coord.process_count > 1
   if is_primary:
     directory.mkdir(parents=True, exist_ok=True)
-    previous = atomicity_lib.current_writer(directory)
-    token = atomicity_lib.claim_directory(directory, coord.process_count,
+    previous = directory_lib.current_writer(directory)
+    token = directory_lib.claim_directory(directory, coord.process_count,
                                           backend)
     if previous:
       log.info("took over %s from its previous writer %s", directory,
                previous)
-    for entry in atomicity_lib.remove_unfinished(directory, backend):
+    for entry in directory_lib.remove_unfinished(directory, backend):
       log.warning("removed unfinished checkpoint %s", entry)
-    steps = atomicity_lib.finalized_steps(directory)
+    steps = directory_lib.finalized_steps(directory)
     if multi:
       coord.kv_set(f"{base}/writer", token)
       groups.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
@@ -110,6 +111,23 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
     steps = json.loads(groups.fetch_text(coord, f"{base}/steps/{token}",
                                          timeout_ms))
   return token, steps
+
+
+def listed_by_primary(coord: coordinator_lib.Coordinator,
+                      directory: epath.Path, key: str, *, is_primary: bool,
+                      timeout_ms: int) -> list[int]:
+  """The finalized steps, listed by the primary for all (under `key`): what
+  a new group of processes goes on from, after a save that broke may have
+  finalized its step."""
+  outcome = coordinator_lib.agree(
+      coord, f"{key}/listed", lambda: is_primary and groups.share_text(
+          coord, f"{key}/steps", json.dumps(
+              directory_lib.finalized_steps(directory))),
+      timeout_ms=timeout_ms)
+  if outcome.failures:
+    raise RuntimeError(f"listing {directory} failed: "
+                       + coordinator_lib.describe_failures(outcome.failures))
+  return json.loads(groups.fetch_text(coord, f"{key}/steps", timeout_ms))
 
 
 def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:
@@ -235,7 +253,7 @@ def checked_text(manifest: dict[str, Any],
 def step_state(directory: epath.Path, step: int) -> str:
   """Whether a failed save's step is finalized, as a note for its error."""
   try:
-    done = atomicity_lib.is_finalized(directory / str(step))
+    done = directory_lib.is_finalized(directory / str(step))
   except Exception as e:  # pylint: disable=broad-except  # A note, no more.
     return f"Whether step {step} was finalized is unknown: {e}."
   if done:

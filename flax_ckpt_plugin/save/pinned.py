@@ -56,9 +56,9 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.save.staging import bits_dtype
-from flax_ckpt_plugin.save.staging import copies_onto
-from flax_ckpt_plugin.save.staging import writable_view
+from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.save.copies import copies_onto
+from flax_ckpt_plugin.save.copies import writable_view
 
 PINNED = "pinned_host"
 CPU_SWITCH = "FLAX_CKPT_PLUGIN_PINNED_CPU"

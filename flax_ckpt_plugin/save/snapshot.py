@@ -39,7 +39,7 @@ import numpy as np
 from flax_ckpt_plugin.save import pieces as pieces_lib
 from flax_ckpt_plugin.save import pinned
 from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
-from flax_ckpt_plugin.save.staging import bits_dtype
+from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import KeyEntry

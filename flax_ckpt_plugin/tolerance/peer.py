@@ -40,9 +40,9 @@ from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import replicas as replicas_lib
 from flax_ckpt_plugin.restore import restore as restore_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
-from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
-from flax_ckpt_plugin.save.staging import bits_dtype
+from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 from flax_ckpt_plugin.format.treepaths import normalize_index
 

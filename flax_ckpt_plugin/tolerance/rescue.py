@@ -44,7 +44,7 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager.manager import CheckpointManager
-from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData

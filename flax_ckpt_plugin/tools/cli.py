@@ -10,7 +10,7 @@
                            [--json]
 
 Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
-`prune`, which deletes through `atomicity.delete_step` and never claims the
+`prune`, which deletes through `directory.delete_step` and never claims the
 directory as a writer, so it can run beside a training job; `export`,
 which writes a new directory OUT of safetensors or npz files
 (`exporting`); and `import-orbax`, which saves a step that Orbax wrote as
@@ -28,8 +28,8 @@ import os
 import sys
 from typing import Sequence
 
-from flax_ckpt_plugin.tools.commands import cmd_export
-from flax_ckpt_plugin.tools.commands import cmd_import_orbax
+from flax_ckpt_plugin.tools.convert_commands import cmd_export
+from flax_ckpt_plugin.tools.convert_commands import cmd_import_orbax
 from flax_ckpt_plugin.tools.commands import cmd_list
 from flax_ckpt_plugin.tools.commands import cmd_prune
 from flax_ckpt_plugin.tools.commands import cmd_show

@@ -1,5 +1,7 @@
-"""The commands of `flax-ckpt` (`cli`): list, show, verify, prune, export
-and import-orbax, each `cmd_NAME(args, out) -> exit code`.
+"""The commands of `flax-ckpt` (`cli`) that read or prune a directory: list,
+show, verify and prune, each `cmd_NAME(args, out) -> exit code`; and what
+every command shares (`CliError`, the exit codes, finding a step). export
+and import-orbax are in `convert_commands`.
 
 Each writes its report to `out` and raises `CliError` for an expected
 failure (one line on stderr, an exit code); `cli.main` parses the arguments
@@ -13,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, TextIO
 
 from etils import epath
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend
 from flax_ckpt_plugin.format import manifest as manifest_lib
@@ -62,7 +64,7 @@ def _dumps(value: Any) -> str:
 # -- reading a directory -------------------------------------------------------
 
 
-def _existing_dir(name: str) -> epath.Path:
+def existing_dir(name: str) -> epath.Path:
   # Object stores go through fsspec (see object_store).
   directory, _ = backend.make_path(name)
   if not directory.exists():
@@ -72,15 +74,15 @@ def _existing_dir(name: str) -> epath.Path:
   return directory
 
 
-def _finalized(directory: epath.Path, name: str) -> list[int]:
-  steps = atomicity.finalized_steps(directory)
+def finalized(directory: epath.Path, name: str) -> list[int]:
+  steps = directory_lib.finalized_steps(directory)
   if not steps:
     raise CliError(f"no finalized step in {name}", EXIT_NOT_FOUND)
   return steps
 
 
-def _check_step(directory: epath.Path, name: str, step: int) -> None:
-  if atomicity.is_finalized(directory / str(step)):
+def check_step(directory: epath.Path, name: str, step: int) -> None:
+  if directory_lib.is_finalized(directory / str(step)):
     return
   others = [name for name in (str(step), f"{step}{atomicity.TMP_SUFFIX}",
                                f"{step}{atomicity.DELETING_SUFFIX}")
@@ -88,16 +90,16 @@ def _check_step(directory: epath.Path, name: str, step: int) -> None:
   why = (f"it is not finalized (found {', '.join(others)})" if others
          else "no such step")
   raise CliError(f"step {step} in {name}: {why}; finalized steps:"
-                 f" {atomicity.finalized_steps(directory)}", EXIT_NOT_FOUND)
+                 f" {directory_lib.finalized_steps(directory)}", EXIT_NOT_FOUND)
 
 
-def _manifest(directory: epath.Path, step: int) -> manifest_lib.Manifest:
+def read_manifest(directory: epath.Path, step: int) -> manifest_lib.Manifest:
   """The validated manifest of a finalized step."""
   step_dir = directory / str(step)
   try:
     return manifest_lib.read(step_dir, step)
   except FileNotFoundError as e:
-    if not atomicity.is_finalized(step_dir):  # Deleted since it was listed.
+    if not directory_lib.is_finalized(step_dir):  # Deleted since it was listed.
       raise CliError(f"step {step} in {directory} was deleted meanwhile"
                      " (retention of a running job?)", EXIT_NOT_FOUND) from e
     raise CheckpointCorruptedError(str(e)) from e  # Finalized: damaged.
@@ -107,13 +109,13 @@ def _manifest(directory: epath.Path, step: int) -> manifest_lib.Manifest:
 
 
 def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
-  directory = _existing_dir(args.directory)
+  directory = existing_dir(args.directory)
   entries = scan(directory)
   now = time.time()
   for e in entries:
     e["age_secs"] = (None if e["time_unix"] is None
                      else round(now - e["time_unix"], 1))
-  writer = atomicity.current_writer(directory)
+  writer = directory_lib.current_writer(directory)
   policy = retention_view(directory, entries)
   if args.json:
     out.write(json.dumps({
@@ -156,7 +158,7 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
 # -- show ----------------------------------------------------------------------
 
 
-def _leaf_summary(leaf: LeafRecord, values: dict[str, Any]) -> dict[str, Any]:
+def leaf_summary(leaf: LeafRecord, values: dict[str, Any]) -> dict[str, Any]:
   out = {"path": leaf.path, "kind": leaf.kind}
   if leaf.is_scalar:
     out["value"] = leaf.value
@@ -170,7 +172,7 @@ def _leaf_summary(leaf: LeafRecord, values: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
+def leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
   if leaf.is_scalar:
     return f"{leaf.kind} = {leaf.value!r}"
   if leaf.path in values:
@@ -185,15 +187,15 @@ def _leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
-  directory = _existing_dir(args.directory)
+  directory = existing_dir(args.directory)
   if args.step is None:
-    step = _finalized(directory, args.directory)[-1]
+    step = finalized(directory, args.directory)[-1]
   else:
     step = args.step
-    _check_step(directory, args.directory, step)
-  m = _manifest(directory, step)
+    check_step(directory, args.directory, step)
+  m = read_manifest(directory, step)
   values = zero_d_values(directory / str(step), m)
-  leaves = [_leaf_summary(leaf, values) for leaf in m.leaves]
+  leaves = [leaf_summary(leaf, values) for leaf in m.leaves]
   created = m.created_unix
   checksum = {"algorithm": m.checksum_algorithm,
               "block_bytes": m.checksum_block_bytes}
@@ -225,7 +227,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
       f"leaves:    {len(leaves)}\n")
   if leaves:
     rows = [["PATH", "TYPE", "BYTES", "SHARDS"]]
-    rows += [[leaf.path, _leaf_type(leaf, values),
+    rows += [[leaf.path, leaf_type(leaf, values),
               "" if leaf.is_scalar else human_size(leaf.nbytes),
               "" if leaf.is_scalar else str(len(leaf.shards))]
              for leaf in m.leaves]
@@ -243,17 +245,17 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-  directory = _existing_dir(args.directory)
+  directory = existing_dir(args.directory)
   if args.step is None:
-    steps = _finalized(directory, args.directory)
+    steps = finalized(directory, args.directory)
   else:
-    _check_step(directory, args.directory, args.step)
+    check_step(directory, args.directory, args.step)
     steps = [args.step]
   # Manifests first: the progress bar needs the total.
   manifests, results = {}, []
   for step in steps:
     try:
-      manifests[step] = _manifest(directory, step)
+      manifests[step] = read_manifest(directory, step)
     except CliError:  # Deleted since it was listed.
       results.append({"step": step, "status": "gone", "problems": []})
     except CheckpointCorruptedError as e:
@@ -286,7 +288,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
   for step, manifest in manifests.items():
     before = progress.done
     status, problems = verify_step(directory, step, manifest, progress)
-    if status != "ok" and not atomicity.is_finalized(directory / str(step)):
+    if status != "ok" and not directory_lib.is_finalized(directory / str(step)):
       status, problems = "gone", []
     result = {"step": step, "status": status, "problems": problems,
               "bytes": progress.done - before}
@@ -318,8 +320,8 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
   if args.keep == 0 and not args.force:
     raise CliError("--keep 0 would delete every finalized step; add --force"
                    " if that is what you want", EXIT_USAGE)
-  directory = _existing_dir(args.directory)
-  steps = atomicity.finalized_steps(directory)
+  directory = existing_dir(args.directory)
+  steps = directory_lib.finalized_steps(directory)
   doomed = steps[:len(steps) - args.keep] if args.keep < len(steps) else []
   kept = [s for s in steps if s not in doomed]
   verb = "would delete" if args.dry_run else "deleted"
@@ -327,7 +329,7 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
     nbytes, _ = size_and_mtime(directory / str(step))
     if not args.dry_run:
       try:
-        atomicity.delete_step(directory, step)
+        directory_lib.delete_step(directory, step)
       except FileNotFoundError:  # Retention of a running job was faster.
         out.write(f"step {step}: already gone\n")
         continue
@@ -337,12 +339,12 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"{verb} step {step} ({human_size(nbytes)})\n")
     out.flush()
   if args.unfinished:
-    entries = atomicity.unfinished_entries(directory)
+    entries = directory_lib.unfinished_entries(directory)
     if entries and not args.dry_run:
       print(f"{PROG} prune: warning: removing unfinished steps"
             f" {[e.name for e in entries]} of {args.directory}; a job saving"
             " there right now will fail its save", file=sys.stderr)
-      entries = atomicity.remove_unfinished(directory)
+      entries = directory_lib.remove_unfinished(directory)
     for entry in entries:
       out.write(f"{verb} unfinished {entry.name}\n")
   out.write(f"kept {len(kept)} finalized step{'' if len(kept) == 1 else 's'}:"
@@ -351,90 +353,3 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
 
 
 # -- export --------------------------------------------------------------------
-
-
-def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
-  from flax_ckpt_plugin.tools import exporting  # pylint: disable=g-import-not-at-top
-  directory = _existing_dir(args.directory)
-  if args.step is None:
-    _finalized(directory, args.directory)
-  else:
-    _check_step(directory, args.directory, args.step)
-  try:
-    result = exporting.export(
-        args.directory, args.out, step=args.step, format=args.format,
-        only=args.only or (), max_file_bytes=args.max_file_size,
-        progress=None if args.quiet else sys.stderr)
-  except (exporting.ExportError,
-          exporting.SafetensorsNotInstalledError) as e:
-    raise CliError(str(e), EXIT_USAGE) from e
-  except FileExistsError as e:
-    raise CliError(str(e), EXIT_EXISTS) from e
-  plural = "" if result.arrays == 1 else "s"
-  out.write(f"exported step {result.step} of {args.directory} to {args.out}"
-            f" ({result.format}): {result.arrays} array{plural},"
-            f" {human_size(result.nbytes)}\n")
-  for path in result.written:
-    out.write(f"  {path}\n")
-  if result.scalars:
-    where = ("the metadata" if result.format == "safetensors"
-             else result.written[-1].name)
-    out.write(f"in {where}: " + ", ".join(
-        f"{k} = {v!r}" for k, v in result.scalars.items()) + "\n")
-  return EXIT_OK
-
-
-# -- import-orbax --------------------------------------------------------------
-
-# Leaves that import-orbax lists; `show` lists them all.
-_IMPORT_LEAVES_SHOWN = 30
-
-
-def _join(directory: str, step: int) -> str:
-  return f"{directory.rstrip('/')}/{step}"
-
-
-def cmd_import_orbax(args: argparse.Namespace, out: TextIO) -> int:
-  # The one command that needs JAX (and tensorstore, for Orbax's arrays). It runs on the host, never on an accelerator a job may be using.
-  if "jax" not in sys.modules:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from flax_ckpt_plugin.tools import importer  # pylint: disable=g-import-not-at-top
-  try:
-    result = importer.import_orbax(args.source, args.dest, item=args.item,
-                                       step=args.step)
-  except (importer.TensorstoreNotInstalledError,
-          importer.OrbaxImportError) as e:
-    raise CliError(str(e), EXIT_USAGE) from e
-  except FileExistsError as e:
-    raise CliError(str(e), EXIT_EXISTS) from e
-  found, step = result.source, result.source.step
-  m = _manifest(result.directory, step)
-  values = zero_d_values(result.path, m)
-  if args.json:
-    out.write(json.dumps({
-        "source": args.source, "item": found.item,
-        "tree_dir": os.fspath(found.tree_dir), "directory": args.dest,
-        "step": step, "path": _join(args.dest, step),
-        "total_bytes": m.total_bytes, "leaf_count": len(m.leaves),
-        "leaves": [_leaf_summary(leaf, values) for leaf in m.leaves],
-    }, indent=1) + "\n")
-    return EXIT_OK
-  item = "" if found.item is None else f" (Orbax item {found.item!r})"
-  out.write(
-      f"imported {args.source}{item} as step {step} of {args.dest}\n"
-      f"step dir:  {_join(args.dest, step)} (finalized, with"
-      f" {m.checksum_algorithm} checksums)\n"
-      f"size:      {human_size(m.total_bytes)} of array data"
-      f" ({m.total_bytes} bytes)\n"
-      f"leaves:    {len(m.leaves)}\n")
-  shown = m.leaves[:_IMPORT_LEAVES_SHOWN]
-  if shown:
-    rows = [["PATH", "TYPE", "BYTES"]]
-    rows += [[leaf.path, _leaf_type(leaf, values),
-              "" if leaf.is_scalar else human_size(leaf.nbytes)]
-             for leaf in shown]
-    table(rows, out, indent="  ")
-  if len(m.leaves) > len(shown):
-    out.write(f"  ... and {len(m.leaves) - len(shown)} more: `{PROG} show"
-              f" {args.dest} {step}` lists them all\n")
-  return EXIT_OK

@@ -26,7 +26,7 @@ import re
 from etils import epath
 import jax
 
-from flax_ckpt_plugin.save import atomicity
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.tools import zarr_tree
@@ -153,7 +153,7 @@ def _check_dest(found: OrbaxStep, dest: epath.Path, name: str) -> None:
   the directory and removes what looks like unfinished steps of ours: Orbax
   steps among them.
   """
-  if atomicity.is_finalized(dest / str(found.step)):
+  if directory_lib.is_finalized(dest / str(found.step)):
     raise CheckpointExistsError(
         f"step {found.step} is already finalized in {name}: nothing was"
         " written (give another --step, or delete that step first)")
@@ -166,7 +166,7 @@ def _check_dest(found: OrbaxStep, dest: epath.Path, name: str) -> None:
         f"the destination {name} and the Orbax step {found.source} overlap:"
         " give a destination outside the Orbax checkpoint directory")
   if dest.exists():
-    orbax_steps = [e.name for e in atomicity.unfinished_entries(dest)
+    orbax_steps = [e.name for e in directory_lib.unfinished_entries(dest)
                    if (e / STEP_FILE).exists() or (e / TREE_FILE).exists()]
     if orbax_steps:
       raise OrbaxImportError(

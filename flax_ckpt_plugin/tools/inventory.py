@@ -16,13 +16,14 @@ import crc32c
 from etils import epath
 import numpy as np
 
+from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import Manifest
 from flax_ckpt_plugin.manager.retention import Policy
-from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.data_files import ByteReader
 
 
 def human_age(secs: float | None) -> str:
@@ -88,7 +89,7 @@ def scan(directory: epath.Path) -> list[dict[str, Any]]:
     name, state = entry.name, None
     step = atomicity.step_from_name(name)
     if step is not None:
-      finalized = atomicity.is_finalized(entry)
+      finalized = directory_lib.is_finalized(entry)
       state = "finalized" if finalized else "unfinished"
     else:
       for suffix, what in ((atomicity.TMP_SUFFIX, "unfinished"),

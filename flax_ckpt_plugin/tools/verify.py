@@ -21,7 +21,7 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import Manifest
 from flax_ckpt_plugin.format.records import ShardRecord
-from flax_ckpt_plugin.restore.reader import ByteReader
+from flax_ckpt_plugin.restore.data_files import ByteReader
 
 _VERIFY_CHUNK = 16 << 20  # Bytes read per call when verifying.
 _PLAIN_PROGRESS_SECS = 5.0  # Between progress lines when stderr is no TTY.

@@ -30,7 +30,7 @@ import jax
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin.restore import reader
+from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin import Commit
 from flax_ckpt_plugin.manager import schedule
 
@@ -64,7 +64,7 @@ def restore_error(directory: str) -> dict:
     def denied(self, name, offset, out):
       raise PermissionError(errno.EACCES, "Permission denied (injected)",
                             name)
-    reader.ByteReader.read_into = denied
+    data_files.ByteReader.read_into = denied
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "run"),
       commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))

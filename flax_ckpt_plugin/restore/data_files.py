@@ -1,0 +1,193 @@
+"""Reading a step's data files: byte ranges, and the host buffers they fill.
+
+`ByteReader` reads byte ranges of the data files that a manifest names,
+refusing files that are missing, short, not regular or outside the step
+directory; small shards that lie side by side are read together
+(`coalesced`). `host_buffer` makes the aligned host memory that restores
+read into. Needs no JAX.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import threading
+from typing import Iterable, Iterator, Sequence
+
+from etils import epath
+import numpy as np
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import handles
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
+
+# `ByteReader.coalesced`: shards under this size are read together with
+# the neighbours they touch (small shards lie side by side in a data file),
+# in reads of at most `_SPAN` bytes. Where a read is a request (object
+# stores), across gaps of up to `_GAP` bytes too, read and dropped.
+COALESCE_BYTES = 1 << 20
+_GAP = 64 << 10
+_SPAN = 16 << 20
+
+
+# A whole shard of at least 2 x this many bytes is read by several threads
+# (`LeafReader._read_checked`), at most `READ_THREADS`, from one pool of
+# the process: they only read and check, and never wait for each other.
+PIECE_BYTES = 16 << 20
+READ_THREADS = min(8, os.cpu_count() or 1)
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def read_pool() -> concurrent.futures.ThreadPoolExecutor:
+  global _POOL
+  with _POOL_LOCK:
+    if _POOL is None:
+      _POOL = concurrent.futures.ThreadPoolExecutor(
+          READ_THREADS, thread_name_prefix="flax_ckpt_plugin-read")
+    return _POOL
+
+
+def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
+                offset: int = 0) -> np.ndarray:
+  """An uninitialized C-order array starting `offset` bytes past a 64-byte
+  boundary.
+
+  The CPU backend adopts memory on such a boundary in `jax.device_put`
+  without copying it, and copies any other (numpy's own allocations are
+  only 16-byte aligned, so either may happen to them). Restored CPU arrays
+  are not adopted (see `placement._owned_cpu_buffer` and
+  `placement.place_array`); adopted ones are for numpy targets and the
+  other cases.
+  """
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + 128, np.uint8)
+  start = -raw.ctypes.data % 64 + offset
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+class ByteReader:
+  """Reads byte ranges of a step's data files; one open handle per file.
+
+  Safe to use from several threads: each file is a `backend.RangedFile`
+  (positional reads of one descriptor on local disks, one ranged GET per
+  range on object stores).
+  """
+
+  def __init__(self, step_dir: epath.Path, files: dict[str, int],
+               backend: backend_lib.Backend | None = None):
+    self._dir = step_dir
+    self._sizes = files
+    self._backend = backend or backend_lib.for_path(step_dir)
+    self._files: dict[str, backend_lib.RangedFile] = {}
+    self._lock = threading.Lock()
+    self._local = threading.local()  # `coalesced` spans of each thread.
+    self.bytes_read = 0
+    # Each read costs a request on object stores: readers of a few spread
+    # ranges should rather fetch the span around them in one (see restore).
+    self.prefers_few_reads = self._backend.reads_are_requests
+
+  def _open(self, name: str) -> backend_lib.RangedFile:
+    with self._lock:
+      return self._open_locked(name)
+
+  def _open_locked(self, name: str) -> backend_lib.RangedFile:
+    f = self._files.get(name)
+    if f is None:
+      path = self._dir / name
+      try:
+        f = self._backend.open_ranged(path, within=self._dir)
+      except FileNotFoundError as e:
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest is missing") from e
+      except OSError as e:
+        if e.errno not in handles.NOT_A_FILE:
+          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
+        raise CheckpointCorruptedError(
+            f"data file {path} named by the manifest cannot be a data file:"
+            f" {e.strerror}") from e
+      except CheckpointCorruptedError:
+        raise  # A ValueError too, but already says what is wrong.
+      except ValueError as e:  # A NUL byte in the name.
+        raise CheckpointCorruptedError(
+            f"data file name {name!r:.100} is not a valid file name") from e
+      if f.size < self._sizes[name]:
+        f.close()  # Not kept: every later open says the same.
+        raise CheckpointCorruptedError(
+            f"data file {path} is truncated: {f.size} bytes, manifest says"
+            f" {self._sizes[name]}")
+      self._files[name] = f
+    return f
+
+  def check_file(self, name: str) -> None:
+    """Opens `name` if not yet open: raises if it is not whole.
+
+    Called before allocating for a shard's bytes, so that a manifest's
+    sizes never drive an allocation beyond what the files really hold.
+    """
+    self._open(name)
+
+  def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    """Fills `out` with the bytes at [offset, offset + len(out)) of `name`."""
+    for lo, data in getattr(self._local, "spans", {}).get(name, ()):
+      if lo <= offset and offset + len(out) <= lo + len(data):
+        out[:] = data[offset - lo:offset - lo + len(out)]
+        return
+    done = self._open(name).read_into(offset, out)
+    if done < len(out):
+      raise CheckpointCorruptedError(
+          f"data file {self._dir / name} ended at byte {offset + done},"
+          f" expected {offset + len(out)}")
+    with self._lock:
+      self.bytes_read += done
+
+  @contextlib.contextmanager
+  def mapped(self, name: str, offset: int, size: int, fresh: int
+             ) -> Iterator[memoryview | None]:
+    """The bytes at [offset, offset + size) of `name` as a read-only view of
+    the file's pages, valid inside the context; None where the storage
+    maps nothing (see `backend.RangedFile.mapped`). `fresh` of them count
+    as read: the others were mapped before, for the caller's last region."""
+    with self._open(name).mapped(offset, size) as view:
+      if view is not None:
+        with self._lock:
+          self.bytes_read += fresh
+      yield view
+
+  @contextlib.contextmanager
+  def coalesced(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[None]:
+    """Reads the (file, offset, size) ranges in few reads, merged where near.
+
+    Until the context exits, this thread's reads that fall inside one of
+    them are served from memory: thousands of small leaves cost tens of
+    reads (on object stores, requests) instead of thousands.
+    """
+    spans: dict[str, list[tuple[int, memoryview]]] = {}
+    merged: list[list] = []
+    gap = _GAP if self.prefers_few_reads else 0
+    for name, lo, size in sorted(ranges):
+      last = merged[-1] if merged else None
+      if (last is not None and last[0] == name and lo - last[2] <= gap
+          and max(last[2], lo + size) - last[1] <= _SPAN):
+        last[2] = max(last[2], lo + size)
+      else:
+        merged.append([name, lo, lo + size])
+    for name, lo, hi in merged:
+      data = memoryview(np.empty(hi - lo, np.uint8))
+      try:
+        self.read_into(name, lo, data)
+      except (CheckpointCorruptedError, OSError):
+        continue  # Each leaf's own read reports it, naming the leaf.
+      spans.setdefault(name, []).append((lo, data))
+    self._local.spans = spans
+    try:
+      yield
+    finally:
+      self._local.spans = {}
+
+  def close(self) -> None:
+    for f in self._files.values():
+      f.close()
+    self._files.clear()
