@@ -17,6 +17,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
@@ -34,6 +36,11 @@ def entries(directory: str | os.PathLike) -> set[str]:
 def sorted_entries(directory: str | os.PathLike) -> list[str]:
   """`entries(directory)`, sorted."""
   return sorted(entries(directory))
+
+
+def all_entries(directory: pathlib.Path) -> list[str]:
+  """The names in `directory`, the writer's claim included, sorted."""
+  return sorted(os.listdir(directory))
 
 
 def assert_only_finalized_steps(directory: pathlib.Path,
@@ -54,6 +61,52 @@ def tiny(step: int) -> dict[str, jax.Array]:
 def two_device_mesh() -> Mesh:
   """A 1-D mesh ('x') over the two CPU devices that conftest sets up."""
   return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def small_state(seed: int) -> dict[str, Any]:
+  """A few leaves of every kind the format stores.
+
+  A float32 matrix sharded over the 2 CPU devices (two shards), a bfloat16
+  vector, a jax int32 scalar, and Python float and int leaves (which live in
+  the manifest, without data bytes).
+  """
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((8, 4), dtype=np.float32)
+  return {
+      "w": jax.device_put(w, NamedSharding(two_device_mesh(), P("x"))),
+      "v": jnp.asarray(rng.standard_normal(6), jnp.bfloat16),
+      "n": jnp.int32(rng.integers(1000)),
+      "lr": float(rng.uniform()),
+      "count": int(rng.integers(1000)),
+  }
+
+
+def adam_train_state(step: int):
+  """A Flax `TrainState` (Adam, params {"w": ones(3)}) at `step`."""
+  # Imported here: worker processes import this module, and flax and optax
+  # take seconds to import.
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  s = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)},
+                                    tx=optax.adam(1e-3))
+  return s.replace(step=jnp.int32(step))
+
+
+def save_each(directory: pathlib.Path, *states: Any, **kwargs) -> None:
+  """Saves `states` as steps 1, 2, ..., waiting for each to finalize."""
+  with CheckpointManager(directory, **kwargs) as mgr:
+    for step, state in enumerate(states, start=1):
+      mgr.save(step, state)
+      mgr.wait_until_finished()
+
+
+def restore_read_only(directory: pathlib.Path, target: Any, step: int,
+                      **kwargs) -> Any:
+  """`restore(target, step)` through a read-only manager of `directory`."""
+  # Read-only: restoring must never need write access, and a read-only
+  # manager never touches the directory.
+  with CheckpointManager(directory, read_only=True) as manager:
+    return manager.restore(target, step, **kwargs)
 
 
 class FlakyDisk(backend_lib.LocalBackend):
@@ -87,6 +140,15 @@ def fill(path: pathlib.Path, nbytes: int) -> None:
   with open(path, "wb") as f:
     while nbytes > 0:
       nbytes -= f.write(chunk[:nbytes])
+
+
+def flip_byte(path: pathlib.Path, offset: int) -> None:
+  """Inverts every bit of one byte, as a disk or a copy gone bad would."""
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    (byte,) = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte ^ 0xFF]))
 
 
 def start_thread(fn: Callable[[], Any], *, name: str = "test-call",

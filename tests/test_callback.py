@@ -1,5 +1,6 @@
 """Tests of CheckpointCallback: triggers, restarts, restore, errors."""
 
+import logging
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from flax_ckpt_plugin.manager import schedule
 from fake_coordinator import FakeCluster
 from fake_coordinator import ThreadCoordinator
 
+from helpers import adam_train_state as _train_state
 from helpers import FlakyDisk
 from helpers import join_commit
 from helpers import sorted_entries
@@ -234,3 +236,15 @@ def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir):
 def test_invalid_triggers_raise(ckpt_dir, kwargs):
   with pytest.raises(ValueError):
     CheckpointCallback(ckpt_dir, **kwargs)
+
+
+def test_a_resume_is_visible_in_a_plain_script(ckpt_dir, caplog):
+  """A script that configures no logging shows warnings (Python's last
+  resort handler): the resume is one."""
+  with CheckpointCallback(ckpt_dir, every_steps=1) as cb:
+    cb(4, _train_state(4))
+  caplog.set_level(logging.WARNING)
+  with CheckpointCallback(ckpt_dir) as cb:
+    cb.restore_or_initialize(_train_state(0))
+  assert [r.levelname for r in caplog.records
+          if "resumed: restored step 4" in r.getMessage()] == ["WARNING"]

@@ -24,6 +24,7 @@ from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.tools.inventory import human_age
 from flax_ckpt_plugin.tools.verify import human_size
 from flax_ckpt_plugin.tools.verify import Progress
+from helpers import adam_train_state as _train_state
 
 KERNEL = "params/params/Dense_0/kernel"  # float32[8,16] in conftest's MLP.
 
@@ -310,3 +311,31 @@ def test_cli_starts_and_reads_without_importing_jax(source):
   assert "3 finalized, 2 unfinished, 1 deleting" in r.stdout
   assert f"step 3 in {source}" in r.stdout
   assert "step 3: ok (2.5 KiB checked)" in r.stdout
+
+
+def test_nan_metrics_are_stored_as_null_and_show_json_stays_valid(
+    ckpt_dir, capsys):
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(1, _train_state(1), metrics={"loss": float("nan"), "acc": 0.5,
+                                        "grad": float("inf")})
+    m.wait_until_finished()
+    assert m.metadata(1).metrics == {"loss": None, "acc": 0.5, "grad": None}
+  raw = (ckpt_dir / "1" / "manifest.json").read_text()
+  assert "NaN" not in raw and "Infinity" not in raw
+  assert cli.main(["show", str(ckpt_dir), "--json"]) == 0
+  shown = json.loads(capsys.readouterr().out)  # Strict JSON.
+  assert shown["metrics"]["loss"] is None
+
+
+def test_show_prints_the_value_of_0_d_arrays_such_as_the_step(
+    ckpt_dir, capsys):
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(1, _train_state(42))
+  assert cli.main(["show", str(ckpt_dir)]) == 0
+  out = capsys.readouterr().out
+  assert "int32[] = 42" in out and "float32[3] " in out
+  assert cli.main(["show", str(ckpt_dir), "--json"]) == 0
+  leaves = {leaf["path"]: leaf for leaf in json.loads(
+      capsys.readouterr().out)["leaves"]}
+  assert leaves["step"]["value"] == 42
+  assert "value" not in leaves["params/w"]

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin.clu_hooks import CheckpointAction
+from helpers import adam_train_state as _train_state
 
 NUM_STEPS = 12
 METRICS = {"checkpoint/blocking_secs", "checkpoint/commit_secs",
@@ -100,3 +101,40 @@ def test_metric_writer_gets_one_row_of_save_metrics_per_save(
     assert scalars["checkpoint/gbytes_per_sec"][step] == pytest.approx(
         state_bytes / 1e9 / scalars["checkpoint/commit_secs"][step], rel=1e-3)
     assert scalars["checkpoint/secs_since_last_durable"][step] > 0
+
+
+def test_the_clu_action_calls_extra_fn_only_when_it_saves(ckpt_dir):
+  """`extra_fn` may sync with the device (reading the state): it runs at
+  the saves, not at every step."""
+  from flax_ckpt_plugin.clu_hooks import CheckpointAction  # pylint: disable=g-import-not-at-top
+  calls = []
+  state = _train_state(0)
+  action = CheckpointAction.create(
+      ckpt_dir, lambda: state, every_steps=5,
+      extra_fn=lambda: calls.append(1) or {"at": len(calls)})
+  saved = [step for step in range(1, 13) if action(step)]
+  action.close()
+  assert saved == [5, 10] and len(calls) == 2
+
+
+def test_flax_examples_0_based_hooks_save_the_end_with_step_offset(
+    ckpt_dir, caplog):
+  """Flax's examples call hooks with the index of the batch just trained:
+  with `last_step=num_steps` the end was never saved, and nothing said so."""
+  from flax_ckpt_plugin.clu_hooks import CheckpointAction  # pylint: disable=g-import-not-at-top
+  num_steps, state = 8, _train_state(0)
+  short = CheckpointAction.create(ckpt_dir / "a", lambda: state,
+                                  every_steps=100, last_step=num_steps)
+  for step in range(0, num_steps):
+    short(step)
+  short.close()
+  assert short.manager.all_steps() == []
+  assert "one short of last_step=8" in caplog.text
+  assert "step_offset=1" in caplog.text
+  action = CheckpointAction.create(ckpt_dir / "b", lambda: state,
+                                   every_steps=100, last_step=num_steps,
+                                   step_offset=1)
+  for step in range(0, num_steps):
+    action(step)
+  action.close()
+  assert action.manager.all_steps() == [num_steps]

@@ -21,6 +21,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.manager.retention import Policy
+from flax_ckpt_plugin.manager.retention import steps_to_delete
 from flax_ckpt_plugin import Commit
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
@@ -284,3 +285,9 @@ def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
   assert listed["5"] == [2, 4, 5]
   assert listed["6"] == [2, 4, 6]
   assert finalized_steps_on_disk(tmp_path / "ckpt") == [2, 4, 6]
+
+
+def test_retention_keeps_the_newest_step_known_to_restore():
+  assert steps_to_delete([1, 6], 1, None) == [1]
+  assert steps_to_delete([1, 6], 1, None, protect=1) == []
+  assert steps_to_delete([1, 6, 8], 1, None, protect=6) == [1]
