@@ -31,6 +31,7 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.save.stats import MetricWriter
@@ -168,7 +169,7 @@ class CheckpointCallback:
     # opens its tiers by itself, then waits for them in
     # `restore_or_initialize` (see `elastic`).
     job = local_tier.job_name(os.fspath(directory))
-    rejoins = groups.joining(coord, groups.group_key(job)) if (
+    rejoins = generations.joining(coord, generations.group_key(job)) if (
         elastic and watch_peers) else None
     if rejoins is not None:
       coord = groups.Survivors(coord, [coord.process_index])

@@ -27,7 +27,7 @@ import types
 import pytest
 
 from flax_ckpt_plugin.tolerance import elastic
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup
@@ -209,7 +209,7 @@ def _peers(watcher, local) -> elastic.Peers:
   peers = elastic.Peers(
       types.SimpleNamespace(coordinator=coord), local, "/tmp/x",
       poll_secs=0.5, exit_code=75, elastic_secs=1.0, primary_host=0,
-      group=groups.Group((0,), 1, 0))
+      group=generations.Group((0,), 1, 0))
   peers.watcher, peers.rescue = watcher, object()
   return peers
 
@@ -235,23 +235,23 @@ def test_a_relaunched_process_is_placed_on_the_groups_device_order():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   devices = jax.devices()
-  order = groups.device_order([0], 1)
+  order = generations.device_order([0], 1)
   assert order == devices[1:] + devices[:1]
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = {"w": jax.device_put(np.ones((4,), np.float32), sharding)}
-  moved = groups.on_devices(state, order)
+  moved = generations.on_devices(state, order)
   assert list(moved["w"].sharding.mesh.devices.flat) == order
   assert moved["w"].shape == (4,)
   with pytest.raises(ValueError, match="'w'"):
-    groups.on_devices({"w": jax.device_put(np.ones(2), devices[0])}, order)
+    generations.on_devices({"w": jax.device_put(np.ones(2), devices[0])}, order)
   # Each generation of a group runs on a device list none before used
   # (8 devices of 4 processes, as the tests' jobs).
   job = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
-  orders = [tuple(d.id for d in groups.device_order([0, 1, 2, 3], g, job))
+  orders = [tuple(d.id for d in generations.device_order([0, 1, 2, 3], g, job))
             for g in range(40)]
   assert orders[0] == tuple(range(8)) and len(set(orders)) == len(orders)
-  assert [d.id for d in groups.device_order([0, 1, 3], 1, job)] == [
+  assert [d.id for d in generations.device_order([0, 1, 3], 1, job)] == [
       1, 2, 3, 6, 7, 0]
 
 
@@ -283,17 +283,17 @@ def test_no_generation_reuses_a_device_list_of_an_earlier_ones_meshes(layout):
   import numpy as np  # pylint: disable=g-import-not-at-top
   job = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
   make = _fake_state(layout)
-  used = groups.mesh_lists(make(job))
+  used = generations.mesh_lists(make(job))
   assert len(used) == 4 + 2 + 1  # Model pairs, data columns, all.
-  naive = groups.mesh_lists(make(groups.device_order([0, 1, 2, 3], 2, job)))
+  naive = generations.mesh_lists(make(generations.device_order([0, 1, 2, 3], 2, job)))
   if layout == "model_in":
     assert naive & used  # What failed before.
   history = [[0, 1, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 3], [0, 2, 3],
              [0, 1, 2, 3]]
   for gen, members in enumerate(history, 1):
-    order, target, lists = groups.choose_order(members, gen, make, used,
+    order, target, lists = generations.choose_order(members, gen, make, used,
                                                devices=job)
-    assert lists == groups.mesh_lists(target) and not lists & used, gen
+    assert lists == generations.mesh_lists(target) and not lists & used, gen
     assert sorted(d.id for d in order) == [
         d.id for d in job if d.process_index in members]
     used |= lists
@@ -301,17 +301,17 @@ def test_no_generation_reuses_a_device_list_of_an_earlier_ones_meshes(layout):
   one_d = lambda devices: {"w": types.SimpleNamespace(  # pylint: disable=g-long-lambda
       sharding=types.SimpleNamespace(mesh=types.SimpleNamespace(
           devices=np.array(devices, object))))}
-  order, _, _ = groups.choose_order([0, 1, 2, 3], 2, one_d,
-                                    groups.mesh_lists(one_d(job)), devices=job)
-  assert order == groups.device_order([0, 1, 2, 3], 2, job)
+  order, _, _ = generations.choose_order([0, 1, 2, 3], 2, one_d,
+                                    generations.mesh_lists(one_d(job)), devices=job)
+  assert order == generations.device_order([0, 1, 2, 3], 2, job)
 
 
 def test_a_relaunched_primary_opens_its_tiers_as_another_process():
   """The relaunched process must not claim the directory the survivors
   write to, even when the user made it the primary."""
-  assert groups.Group((0, 1, 2, 3), 0, 2).opening_primary(2) == 0
-  assert groups.Group((0, 1, 3), 1, 0).opening_primary(2) == 0
-  assert groups.Group((1, 3), 2, 1).opening_primary(1) == 3
+  assert generations.Group((0, 1, 2, 3), 0, 2).opening_primary(2) == 0
+  assert generations.Group((0, 1, 3), 1, 0).opening_primary(2) == 0
+  assert generations.Group((1, 3), 2, 1).opening_primary(1) == 3
 
 
 def test_recover_outside_an_except_block_says_how_to_call_it():

@@ -38,11 +38,9 @@ agree on a step (`_Vote`), save it to their local tiers, and set
 `should_rebuild`; the loop calls `recover(make_target)`, and then every
 process, the newcomer too, restores that step from the survivors' local
 tiers over JAX collectives (`peer`) onto a mesh of all the live devices in
-a new order (`groups.choose_order`: a device list that took part in a
-collective with the dead process is broken for good, so no group of
-devices a collective may use repeats a list of an earlier generation),
-regroups the persistent
-tier, and starts a new watcher over all of them. The newcomer reads no
+a new order (`generations`: one that repeats no device list of a
+collective with the dead process), regroups the persistent tier, and
+starts a new watcher over all of them. The newcomer reads no
 byte of the persistent tier; the survivors lose no step.
 
 What the loop keeps: the devices of the lost process are gone from every
@@ -65,6 +63,7 @@ import jax
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rescue as rescue_lib
@@ -115,24 +114,24 @@ class Peers:
   def __init__(self, manager: CheckpointManager,
                local: local_tier_lib.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
-               primary_host: int, group: groups.Group | None = None,
+               primary_host: int, group: generations.Group | None = None,
                metric_writer: Any = None):
     self._manager, self._local = manager, local
-    self._key = groups.group_key(
+    self._key = generations.group_key(
         local_tier_lib.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
     self._metric_writer = metric_writer
     count = manager.coordinator.process_count
     self.rejoining = group is not None
-    self.group = group or groups.Group(tuple(range(count)), 0, primary_host)
+    self.group = group or generations.Group(tuple(range(count)), 0, primary_host)
     self.watcher = self.rescue = None
     # The device lists of the job's first meshes (`first_state`), and those
     # of this group's generation, which its first member records.
     self._first_lists: set[str] = set()
     self._lists: set[str] | None = None
     if not self.rejoining:
-      groups.mark_opened(self._key)
+      generations.mark_opened(self._key)
       self._watch()
       if elastic_secs is not None:
         self._record()
@@ -157,74 +156,35 @@ class Peers:
 
   def first_state(self, state: Any) -> None:
     """The state the job starts from (`restore_or_initialize`): no later
-    generation reuses a device list of its meshes (`groups.mesh_lists`).
-    Its group's first member records them (a relaunched process reads them
-    there)."""
-    if self.rejoining or self.group.gen or self._first_lists:
-      return
-    self._first_lists = groups.mesh_lists(state)
-    coord = self._manager.coordinator
-    key = groups.lists_key(self._key, 0)
-    if (self._elastic_secs is not None and self._first_lists
-        and coord.process_index == self.group.members[0]
-        and key not in coord.kv_dir(f"{self._key}/lists")):
-      coord.kv_set(key, json.dumps(sorted(self._first_lists)))
+    generation reuses a device list of its meshes (see `generations`)."""
+    if not (self.rejoining or self.group.gen or self._first_lists):
+      self._first_lists = generations.record_first_lists(
+          self._manager.coordinator, self._key, self.group, state,
+          record=self._elastic_secs is not None)
 
   def _choose(self, group: groups.Survivors, gen: int,
               build: Callable[[list[Any]], Any]
               ) -> tuple[list[Any], Any]:
-    """The devices of generation `gen` in the order its meshes take (see
-    `groups.choose_order`), and the target `build` makes on them; every
-    member chooses the same. Lists used before: those recorded, the first
-    state's, and those of `build` on the job's devices in their first
-    order (the meshes a job that did not hand its first state would
-    have)."""
-    used = (groups.used_lists(group, self._key, gen) | self._first_lists
-            | groups.mesh_lists(build(jax.devices())))
-    devices, target, self._lists = groups.choose_order(group.members, gen,
-                                                       build, used)
+    """The devices of generation `gen` in the order its meshes take, and
+    the target `build` makes on them (`generations.choose`)."""
+    devices, target, self._lists = generations.choose(
+        group, self._key, gen, build, self._first_lists)
     return devices, target
 
   def _record(self) -> None:
-    """The group's first member records it (see `Group`), after the device
-    lists of its meshes, so that whoever sees the group sees them."""
-    coord = self._manager.coordinator
-    if coord.process_index == self.group.members[0]:
-      if self._lists:
-        coord.kv_set(groups.lists_key(self._key, self.group.gen),
-                     json.dumps(sorted(self._lists)))
-      text = json.dumps(list(self.group))
-      coord.kv_set(f"{self._key}/groups/{self.group.gen}", text)
-      coord.kv_set(f"{self._key}/group", text)
+    generations.record(self._manager.coordinator, self._key, self.group,
+                       self._lists)
 
   def _show_restart(self) -> None:
-    """A process relaunched before the survivors dropped it: their watcher
-    polls the live processes with it among them, and each poll waits for
-    every live one of them (`liveness`), this new process too. One poll
-    with them shows them its new incarnation (they then recover without
-    it, see `_await_survivors`); unless their watcher reported the loss
-    already (they no longer poll that way, and a poll would wait for
-    nobody)."""
-    coord = self._manager.coordinator
-    if f"{self._key}/{self.group.gen}/lost" in coord.kv_dir(
-        f"{self._key}/{self.group.gen}"):
-      return
-    try:
-      coord.live_processes(list(self.group.members),
-                           timeout_secs=RESTART_POLL_SECS)
-    except Exception as e:  # pylint: disable=broad-except
-      log.warning("process %d: the survivors did not poll with it (%r)",
-                  coord.process_index, e)
+    generations.show_restart(self._manager.coordinator, self._key,
+                             self.group, RESTART_POLL_SECS)
 
   def _await_survivors(self) -> None:
     """A relaunched process that is still a member of the recorded group:
     waits until the survivors recovered without it (the next group)."""
-    coord = self._manager.coordinator
-    while coord.process_index in self.group.members:
-      members, gen, primary = json.loads(coord.kv_get(
-          f"{self._key}/groups/{self.group.gen + 1}",
-          timeout_ms=self._manager.barrier_timeout_ms))
-      self.group = groups.Group(tuple(members), gen, primary)
+    self.group = generations.next_group_without(
+        self._manager.coordinator, self._key, self.group,
+        self._manager.barrier_timeout_ms)
 
   def check(self) -> None:
     """Raises `PeerLostError` once a peer was lost."""
@@ -249,7 +209,7 @@ class Peers:
     manager.regroup(group, manager.barrier_timeout_ms / 1000,
                     tag=f"g{gen}-{'-'.join(map(str, members))}",
                     primary_host=primary)
-    self.group = groups.Group(tuple(members), gen, primary)
+    self.group = generations.Group(tuple(members), gen, primary)
     self._record()
     return group
 
@@ -350,23 +310,14 @@ class Peers:
         or (not watcher.joining and self._proposed is None)):
       return False
     jax.block_until_ready(state)
-    coord = self._manager.coordinator
-    key = f"{self._key}/{self.group.gen}/votes"
+    propose = None
     if self._proposed is None:
-      self._proposed = step + 1
-      coord.kv_set(f"{key}/{coord.process_index}",
-                   json.dumps([step + 1, sorted(watcher.joining)]))
-    votes = [json.loads(v) for v in coord.kv_dir(key).values()]
-    if len(votes) < len(self.group.members):
+      self._proposed = propose = step + 1
+    self._rebuild = generations.vote(
+        self._manager.coordinator, f"{self._key}/{self.group.gen}/votes",
+        self.group, step, propose, watcher.joining)
+    if self._rebuild is None:
       return False
-    at = max(v[0] for v in votes)
-    if step < at:
-      return False
-    if step > at:
-      raise RuntimeError(f"the survivors agreed to take processes back at"
-                         f" step {at}, but this one is at step {step}: the"
-                         " loop must call the callback at every step")
-    self._rebuild = (at, sorted(set().union(*(v[1] for v in votes))))
     self.kept = state
     return True
 
@@ -408,7 +359,7 @@ class Peers:
         coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
     gen = self.group.gen + 1
     group = groups.Survivors(coord, members)
-    build = make_target or (lambda devices: groups.on_devices(target,
+    build = make_target or (lambda devices: generations.on_devices(target,
                                                                devices))
     try:
       outcome = coordinator_lib.agree(
@@ -445,7 +396,7 @@ class Peers:
       self.rescue.recovered()
     self._regroup(members, gen)
     self._watch()
-    groups.mark_opened(self._key)
+    generations.mark_opened(self._key)
     self.rejoining, self._rebuild, self._proposed = False, None, None
     return self._done(Recovered(state, step, extra, members, {},
                                 sorted(set(members) - set(survivors)),
