@@ -448,8 +448,9 @@ class CheckpointCallback:
       return self._rejoined(done, local_tier.LOCAL), done.step
     if self._peers is None:
       error = elastic_lib.caught_error()
-      error.add_note("recover() needs a callback made with elastic=True,"
-                     " local_directory= and several processes")
+      error.add_note("recover() needs a callback made with tolerance="
+                     "FaultTolerance(elastic=True, local_directory=...) and"
+                     " several processes")
       raise error
     done = self._peers.recover(make_target, elastic_lib.caught_error(), it)
     return self._rejoined(done, local_tier.LOCAL), done.step

@@ -59,7 +59,8 @@ class PeerLostError(RuntimeError):
   that would otherwise wait for the lost process. The job cannot go on as
   it was: exit (with `PREEMPTED_EXIT_CODE`, so that the launcher restarts
   it) and relaunch every process, or, with a callback made with
-  `elastic=True`, go on without it (`CheckpointCallback.recover`).
+  `FaultTolerance(elastic=True)`, go on without it
+  (`CheckpointCallback.recover`).
 
   Attributes:
     lost: each lost process's index, and how it was lost.

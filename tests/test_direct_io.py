@@ -306,24 +306,34 @@ def test_a_save_beginning_drops_the_reading_back_of_an_older_step(
     direct_dir):
   """Saves that follow each other closely are not slowed by reading back
   steps they make stale: the read waits for a quiet spell, and a save that
-  begins meanwhile (its writer opened) drops it."""
+  begins meanwhile in the same directory (its writer opened) drops it."""
   path = _dropped_file(direct_dir, 32 * MIB)
+  directory = epath.Path(direct_dir)
   backend = backend_lib.LocalBackend()
-  backend.prefetch(epath.Path(path), quiet_secs=30)
+  backend.prefetch(directory, epath.Path(path), quiet_secs=30)
   (direct_dir / "2").mkdir()
-  backend.step_writer(epath.Path(direct_dir / "2"), None, "d").close()
-  backend.close_directory(epath.Path(direct_dir))  # Nothing left to read.
+  backend.step_writer(directory / "2", None, "d").close()
+  backend.close_directory(directory, wrote=True)  # Nothing left to read.
   time.sleep(0.5)
   assert _resident(path) < 0.1
 
 
-def test_a_closing_manager_has_its_newest_step_read_back_at_once(direct_dir):
+def test_a_closing_writer_has_its_newest_step_read_back_at_once(direct_dir):
+  """A save in another directory (the local tier's, say) leaves the read
+  pending, a read-only manager's close does not start it, and the writer's
+  close starts it at once, not after the quiet spell."""
   path = _dropped_file(direct_dir, 32 * MIB)
+  directory = epath.Path(direct_dir)
+  other = direct_dir / "other"
+  (other / "1").mkdir(parents=True)
   backend = backend_lib.LocalBackend()
-  backend.prefetch(epath.Path(path), quiet_secs=300)
+  backend.prefetch(directory, epath.Path(path), quiet_secs=300)
+  backend.step_writer(epath.Path(other / "1"), None, "d").close()
+  backend.close_directory(directory)  # A reader: wrote=False.
+  time.sleep(0.5)
+  assert _resident(path) < 0.1
   start = time.monotonic()
-  backend.close_directory(epath.Path(direct_dir))
+  backend.close_directory(directory, wrote=True)
   while _resident(path) < 1.0 and time.monotonic() - start < 30:
     time.sleep(0.05)
   assert _resident(path) == 1.0
-  assert time.monotonic() - start < 30  # Not after the quiet spell of 300.

@@ -26,7 +26,6 @@ LocalBackend = local.LocalBackend
 MemoryBackend = local.MemoryBackend
 ObjectStoreBackend = object_store.ObjectStoreBackend
 SPARE_FILE = local.SPARE_FILE
-file_system_type = local.file_system_type
 # The most bytes `read_small` takes of a commit marker, `_WRITER` or
 # `_ATTEMPT` (each holds a line of JSON or a token).
 MAX_MARKER_BYTES = 64 << 10

@@ -207,6 +207,8 @@ def read_ahead(path: str, stopped: Callable[[], bool] = lambda: False
   every read is queued (the kernel finishes them on its own), or at the
   first piece after `stopped()` turns true.
   """
+  if not hasattr(os, "posix_fadvise"):  # (macOS has none.)
+    return
   fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
   try:
     st = os.fstat(fd)

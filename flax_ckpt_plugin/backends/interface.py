@@ -166,15 +166,20 @@ class Backend(abc.ABC):
       raise CheckpointCorruptedError(f"{path}: over the limit of {limit} bytes")
     return data
 
-  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
-    """Reads a final data file back into memory, in the background, where a
-    restore would otherwise read it from slower storage, once `quiet_secs`
-    passed with no save beginning; by default nothing."""
-    del path, quiet_secs
+  def prefetch(self, directory: epath.Path, path: epath.Path,
+               quiet_secs: float = 0.0) -> None:
+    """Reads a final data file of `directory` back into memory, in the
+    background, where a restore would otherwise read it from slower
+    storage, once `quiet_secs` passed with no save beginning there; by
+    default nothing."""
+    del directory, path, quiet_secs
 
-  def close_directory(self, directory: epath.Path) -> None:
-    """Lets go of what was kept for `directory` (its manager closed)."""
-    del directory
+  def close_directory(self, directory: epath.Path, *,
+                      wrote: bool = False) -> None:
+    """Lets go of what was kept for `directory` (its manager closed); if
+    that manager `wrote` (not read-only), what its saves left to do in the
+    background is done now (or never)."""
+    del directory, wrote
 
   def staging_arena(self, directory: epath.Path) -> object | None:
     """Where snapshots for `directory` are taken, when one process alone

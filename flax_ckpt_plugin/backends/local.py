@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 
 from etils import epath
@@ -45,10 +44,11 @@ class LocalBackend(Backend):
       save itself stays as fast to become durable. It costs one read of the
       step from the disk, done by the disk (no copy; the page cache gives
       the memory back when it needs it), after a quiet spell as long as the
-      save's commit; a save that begins first drops it, so saves that
-      follow each other closely are not slowed, and a closing manager has
-      its newest step read back at once. False leaves the files on the disk
-      only.
+      save's commit; a save that begins first in the same directory drops
+      it, so saves that follow each other closely are not slowed, and a
+      closing writer has its newest step read back at once (a process that
+      ends without `close()` may leave it on the disk). False leaves the
+      files on the disk only.
   """
 
   rename_is_atomic = True
@@ -102,7 +102,9 @@ class LocalBackend(Backend):
 
   def step_writer(self, step_dir: epath.Path, identity: Identity | None,
                   data_dir: str) -> StepWriter:
-    _READ_AHEAD.stop()  # The disk writes this save rather than read back.
+    # The disk writes this save rather than read back the step it makes
+    # stale (a step directory's parent is the checkpoint directory).
+    _READ_AHEAD.stop(os.path.dirname(os.fspath(step_dir)))
     return handles.LocalStepWriter(step_dir, identity, data_dir,
                                    direct_io=self.direct_io)
 
@@ -115,15 +117,18 @@ class LocalBackend(Backend):
                  limit: int) -> bytes:
     return handles.read_regular(path, within, limit)
 
-  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
+  def prefetch(self, directory: epath.Path, path: epath.Path,
+               quiet_secs: float = 0.0) -> None:
     if self.direct_io and self.cache_saved:
-      _READ_AHEAD.start(os.fspath(path), quiet_secs)
+      _READ_AHEAD.start(os.fspath(directory), os.fspath(path), quiet_secs)
 
-  def close_directory(self, directory: epath.Path) -> None:
+  def close_directory(self, directory: epath.Path, *,
+                      wrote: bool = False) -> None:
     # So that a process exiting right after its last save has that step
     # read back: asking takes about as long as the disk's reading, and
     # what was asked for is read after the process is gone.
-    _READ_AHEAD.finish(os.fspath(directory), READ_BACK_WAIT_SECS)
+    if wrote:
+      _READ_AHEAD.finish(os.fspath(directory), READ_BACK_WAIT_SECS)
 
   def remove(self, path: epath.Path) -> None:
     if os.path.islink(os.fspath(path)):
@@ -188,8 +193,9 @@ class MemoryBackend(LocalBackend):
                   data_dir: str) -> StepWriter:
     return memfile.MemoryStepWriter(step_dir, identity, data_dir)
 
-  def prefetch(self, path: epath.Path, quiet_secs: float = 0.0) -> None:
-    del path, quiet_secs  # Its files are in memory.
+  def prefetch(self, directory: epath.Path, path: epath.Path,
+               quiet_secs: float = 0.0) -> None:
+    del directory, path, quiet_secs  # Its files are in memory.
 
   def delete_step(self, directory: epath.Path, step: int) -> None:
     doomed = directory / f"{step}{layout.DELETING_SUFFIX}"
@@ -207,7 +213,9 @@ class MemoryBackend(LocalBackend):
     self.remove(doomed)
     memfile.MAPPINGS.sweep()
 
-  def close_directory(self, directory: epath.Path) -> None:
+  def close_directory(self, directory: epath.Path, *,
+                      wrote: bool = False) -> None:
+    del wrote
     memfile.MAPPINGS.release(os.fspath(directory))
 
   def staging_arena(self, directory: epath.Path) -> memfile.SpareArena:
@@ -215,59 +223,70 @@ class MemoryBackend(LocalBackend):
 
 
 class _ReadAhead:
-  """The threads asking the kernel to read saved data files back.
+  """The threads asking the kernel to read saved data files back, one per
+  checkpoint directory (its newest step's file of this process).
 
   A save's writes come first. Reading a step back starts only after a quiet
-  spell (as long as its save took to commit) with no save beginning: a save
-  that begins drops the reads of older steps not yet asked for, whose reads
-  would slow its writes and which it makes stale. A manager that closes
-  (a process exiting after its last save) has its newest step read back
-  at once.
+  spell (as long as its save took to commit) with no save beginning in its
+  directory: a save that begins there drops the read not yet asked for of
+  the step it makes stale, which would slow its writes. A writer that
+  closes (a process exiting after its last save) has its newest step read
+  back at once.
   """
 
   def __init__(self):
     self._lock = threading.Lock()
-    # path: (thread, stop: drop the rest, now: end the quiet spell)
+    # directory: (thread, stop: drop the rest, now: end the quiet spell)
     self._reads: dict[str, tuple[threading.Thread, threading.Event,
                                  threading.Event]] = {}
 
-  def start(self, path: str, quiet_secs: float) -> None:
+  def start(self, directory: str, path: str, quiet_secs: float) -> None:
     stop, now = threading.Event(), threading.Event()
     thread = threading.Thread(target=self._read,
-                              args=(path, quiet_secs, stop, now),
+                              args=(directory, path, quiet_secs, stop, now),
                               name="flax_ckpt_read_ahead", daemon=True)
+    self.stop(directory)  # An older step's: stale now.
     with self._lock:
-      self._reads[path] = thread, stop, now
-    thread.start()
+      self._reads[directory] = thread, stop, now
+    try:
+      thread.start()
+    except RuntimeError as e:  # No thread to be had: the step stays on disk.
+      with self._lock:
+        if self._reads.get(directory, (None,))[0] is thread:
+          del self._reads[directory]
+      log.debug("not reading %s back into the page cache: %s", path, e)
 
-  def stop(self) -> None:
+  def stop(self, directory: str) -> None:
     with self._lock:
-      for _, stop, now in self._reads.values():
-        stop.set()
-        now.set()  # (Its thread then ends, having read nothing.)
+      read = self._reads.get(directory)
+    if read is not None:
+      _, stop, now = read
+      stop.set()
+      now.set()  # (Its thread then ends, having read nothing.)
 
-  def _read(self, path: str, quiet_secs: float, stop: threading.Event,
-            now: threading.Event) -> None:
+  def _read(self, directory: str, path: str, quiet_secs: float,
+            stop: threading.Event, now: threading.Event) -> None:
     try:
       now.wait(quiet_secs)
       handles.read_ahead(path, stopped=stop.is_set)
-    except OSError as e:  # Deleted meanwhile, say: only a restore is slower.
-      log.debug("reading %s back into the page cache: %s", path, e)
+    except Exception as e:  # pylint: disable=broad-except
+      # Deleted meanwhile, say: only a restore is slower.
+      log.debug("reading %s back into the page cache: %r", path, e)
     finally:
       with self._lock:
-        if self._reads.get(path, (None,))[0] is threading.current_thread():
-          del self._reads[path]
+        if self._reads.get(directory, (None,))[0] is (
+            threading.current_thread()):
+          del self._reads[directory]
 
   def finish(self, directory: str, timeout: float) -> None:
-    """Reads files under `directory` back now, waiting (at most `timeout`
+    """Reads `directory`'s newest step back now, waiting (at most `timeout`
     seconds) until every read is asked for."""
-    deadline = time.monotonic() + timeout
     with self._lock:
-      reads = [r for p, r in self._reads.items()
-               if p.startswith(directory + os.sep)]
-    for thread, _, now in reads:
+      read = self._reads.get(directory)
+    if read is not None:
+      thread, _, now = read
       now.set()
-      thread.join(max(0.0, deadline - time.monotonic()))
+      thread.join(timeout)
 
 
 _READ_AHEAD = _ReadAhead()

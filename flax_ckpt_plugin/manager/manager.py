@@ -385,7 +385,7 @@ class CheckpointManager(Restoring):
     finally:
       self._committer.close()
       self._staging.clear()
-      self.backend.close_directory(self.directory)
+      self.backend.close_directory(self.directory, wrote=not self.read_only)
 
   def __enter__(self) -> "CheckpointManager":
     return self

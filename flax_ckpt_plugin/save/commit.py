@@ -204,8 +204,12 @@ def commit(inputs: CommitInputs) -> SaveStats:
   _phase(inputs, "committed", finalize)
   secs = time.perf_counter() - t0
   if nbytes:  # A restore on this machine reads it next.
-    inputs.backend.prefetch(
-        inputs.directory / str(step) / storage.data_file(pid), secs)
+    try:
+      inputs.backend.prefetch(
+          inputs.directory, inputs.directory / str(step) /
+          storage.data_file(pid), secs)
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("step %d is final; reading it back failed: %r", step, e)
   log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
            " written by this process", step, inputs.directory,
            inputs.blocking_secs, secs, nbytes)

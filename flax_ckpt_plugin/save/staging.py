@@ -90,10 +90,10 @@ class HostStaging:
     caller knows them); returns the copies.
 
     A copy holds either the source's values (made by the runtime) or its
-    bits as unsigned integers (`bits_dtype` must accept the dtype; made by
-    a compiled program into reused memory). Reused copies of the previous
-    call are donated to this one; those not reused are freed. The handles
-    of both go by `release_spent` (the commit thread's), or at the next
+    bits as unsigned integers (`copies.bits_dtype` must accept the dtype;
+    made by a compiled program into reused memory). Reused copies of the
+    previous call are donated to this one; those not reused are freed. The
+    handles of both go by `release_spent` (the commit thread's), or at the next
     call: dropping a donated handle waits for the runtime (2.5 ms for 24
     of them here), which the caller should not.
     """

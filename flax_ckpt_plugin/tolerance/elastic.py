@@ -2,7 +2,8 @@
 
 Without it, a lost process ends the job (`rescue`: the survivors save what
 it cannot, then exit for a relaunch of every process). A callback made with
-`elastic=True` keeps a `Peers` that does better, in the same processes.
+`FaultTolerance(elastic=True)` keeps a `Peers` that does better, in the same
+processes.
 
 **Recover in place.** The loop catches the loss (`PeerLostError`, or the
 runtime's error of a collective with the dead process) and calls
@@ -124,7 +125,8 @@ class Peers:
     self._metric_writer = metric_writer
     count = manager.coordinator.process_count
     self.rejoining = group is not None
-    self.group = group or generations.Group(tuple(range(count)), 0, primary_host)
+    self.group = group or generations.Group(tuple(range(count)), 0,
+                                            primary_host)
     self.watcher = self.rescue = None
     # The device lists of the job's first meshes (`first_state`), and those
     # of this group's generation, which its first member records.
@@ -225,8 +227,9 @@ class Peers:
     t0 = time.monotonic()
     watcher, rescue, local = self.watcher, self.rescue, self._local
     if watcher is None or local is None or self._elastic_secs is None:
-      error.add_note("recover() needs a callback made with elastic=True,"
-                     " local_directory= and several processes")
+      error.add_note("recover() needs a callback made with tolerance="
+                     "FaultTolerance(elastic=True, local_directory=...) and"
+                     " several processes")
       raise error
     if not watcher.lost and isinstance(
         error, (RuntimeError, TimeoutError, ConnectionError)):
@@ -341,7 +344,8 @@ class Peers:
     timeout_ms = manager.barrier_timeout_ms
     key = f"{self._key}/{self.group.gen}"
     if local is None:
-      raise RuntimeError("rejoining needs a local tier (local_directory=)")
+      raise RuntimeError("rejoining needs a local tier"
+                         " (FaultTolerance(local_directory=...))")
     if self.rejoining:
       self._await_survivors()
       key = f"{self._key}/{self.group.gen}"

@@ -79,7 +79,7 @@ def device_order(members: list[int], gen: int,
   permutation drawn with `gen` as the seed. `devices`: all of the job's
   (`jax.devices()` by default)."""
   if devices is None:
-      devices = jax.devices()
+    devices = jax.devices()
   devices = [d for d in devices if d.process_index in members]
   n = len(devices)
   if gen >= 2 * n:
@@ -103,7 +103,6 @@ def mesh_lists(tree: Any) -> set[str]:
   the dead incarnation set, which its relaunched process cannot set again.
   """
   grids: dict[bytes, np.ndarray] = {}
-  import jax  # pylint: disable=g-import-not-at-top
   for leaf in jax.tree.leaves(tree):
     mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
     devices = getattr(mesh, "devices", None)  # (None: an abstract mesh.)
@@ -150,7 +149,6 @@ def _orders(members: list[int], gen: int, devices: list[Any] | None
   reversed, then permutations drawn with `gen` and a count as the seed;
   each once."""
   if devices is None:
-    import jax  # pylint: disable=g-import-not-at-top
     devices = jax.devices()
   seen = set()
   ours = [d for d in devices if d.process_index in members]
@@ -205,7 +203,6 @@ def on_devices(tree: Any, devices: list[Any]) -> Any:
   Raises:
     ValueError: a leaf's sharding is on other devices than a mesh of all.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   moved = dict(zip(jax.devices(), devices))
   if len(devices) != len(jax.devices()):
     raise ValueError(f"rejoining needs every device; the group has"
@@ -309,7 +306,6 @@ def choose(group: Any, key: str, gen: int, build: Callable[[list[Any]], Any],
   same. Lists used before: those recorded, the first state's, and those
   of `build` on the job's devices in their first order (the meshes a job
   that did not hand its first state would have)."""
-  import jax  # pylint: disable=g-import-not-at-top
   used = (used_lists(group, key, gen) | first_lists
           | mesh_lists(build(jax.devices())))
   return choose_order(group.members, gen, build, used)
