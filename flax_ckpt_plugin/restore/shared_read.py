@@ -276,8 +276,8 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           if error is None:
             slots_lib.fill(flats[b], leaf, pack.pieces[i], lr_args)
         else:
-          slots[i] = slots_lib.slots(leaf, t, split, lr_args,
-                                     read=error is None)
+          slots[i] = slots_lib.leaf_slots(leaf, t, split, lr_args,
+                                          read=error is None)
       except Exception as e:  # pylint: disable=broad-except
         error = e  # `slots.inputs` gives the leaf zeros.
       if pack is not None and i in pack.pieces:

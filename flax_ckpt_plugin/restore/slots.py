@@ -41,7 +41,7 @@ def inputs(leaves: list, batch: list[int], pack: read_plan.Pack | None,
       continue
     leaf, t, split = leaves[i]
     slot = slots.pop(i, None)
-    arrays.append(slot if slot is not None and not zeros else slots(
+    arrays.append(slot if slot is not None and not zeros else leaf_slots(
         leaf, t, split, lr_args, read=False))
   return flat, arrays
 
@@ -61,7 +61,7 @@ def fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
     flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
 
 
-def slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
+def leaf_slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
            read: bool
            ) -> jax.Array:
   """This process's slots of a shared leaf (zeros unless `read`), of
