@@ -168,7 +168,7 @@ class CheckpointCallback:
     # A process relaunched after a loss, which the survivors take back: it
     # opens its tiers by itself, then waits for them in
     # `restore_or_initialize` (see `elastic`).
-    job = local_tier.job_name(os.fspath(directory))
+    job = generations.job_name(os.fspath(directory))
     rejoins = generations.joining(coord, generations.group_key(job)) if (
         elastic and watch_peers) else None
     if rejoins is not None:

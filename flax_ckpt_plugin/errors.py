@@ -6,6 +6,13 @@ FileNotFoundError` in user code keeps working.
 
 from __future__ import annotations
 
+import errno
+
+# The errnos that mean a name cannot be a file of ours (a socket, a loop of
+# links, a directory); others (EACCES, EIO) say nothing of the file itself.
+NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
+              errno.ENXIO)
+
 
 class CheckpointNotFoundError(FileNotFoundError):
   """No finalized checkpoint exists where one was asked for."""

@@ -50,6 +50,7 @@ import pytest
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
@@ -409,7 +410,7 @@ def _save_steps(directory, steps, make_state, train_step, host_copy,
 @pytest.mark.parametrize("removed", [
     [],
     [storage.data_file(0)],
-    [storage.data_file(0), storage.MANIFEST],
+    [storage.data_file(0), layout.MANIFEST],
 ], ids=["nothing_removed", "data_removed", "data_and_manifest_removed"])
 def test_half_deleted_step_is_never_listed_and_is_removed_on_open(
     ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,

@@ -15,7 +15,7 @@ from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import DataStateMismatchError
-from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.tolerance import generations
 
 
 class Batches:
@@ -169,7 +169,7 @@ def test_the_local_tier_keeps_the_data_state_too(tmp_path, ckpt_dir):
   cb.restore_or_initialize({"w": jnp.zeros(4)}, data_iterator=data)
   assert (cb.restored_step, cb.restored_tier, data.pos) == (6, "local", 6)
   cb.close()
-  mine = os.path.join(local, local_tier.job_name(str(ckpt_dir)),
+  mine = os.path.join(local, generations.job_name(str(ckpt_dir)),
                       "process_00000", "6", "data", "process_00000.state")
   assert json.loads(open(mine).read()) == {"pos": 6, "epoch": 0}
 

@@ -25,6 +25,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.backends import handles
+from flax_ckpt_plugin.format import records
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
@@ -96,7 +97,7 @@ def _assert_file_holds(step_dir: pathlib.Path, table: dict,
   for entry, buf in zip(table["shards"], bufs):
     got = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
     assert got == buf.tobytes(), entry["path"]
-    assert entry["crc32c"] == storage.block_checksums(memoryview(buf))
+    assert entry["crc32c"] == records.block_checksums(memoryview(buf))
 
 
 def _spy_direct(monkeypatch) -> list[tuple[int, bool]]:

@@ -14,6 +14,7 @@ import pytest
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
+from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin import FaultTolerance
@@ -24,7 +25,7 @@ from helpers import two_device_mesh
 
 
 def _process_dir(local, ckpt_dir) -> str:
-  return os.path.join(local, local_tier.job_name(str(ckpt_dir)),
+  return os.path.join(local, generations.job_name(str(ckpt_dir)),
                       "process_00000")
 
 

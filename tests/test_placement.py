@@ -28,7 +28,8 @@ from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import reader as reader_lib
 from flax_ckpt_plugin.save import copies as copies_lib
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.backends import backend
+from flax_ckpt_plugin.backends import layout
 
 DATA = "data/process_00000.bin"
 
@@ -193,7 +194,7 @@ def test_a_flipped_byte_in_a_mapped_region_fails_the_restore(
   with CheckpointManager(ckpt_dir) as manager:
     manager.save(1, {"w": values})
     manager.save(2, {"w": values})
-  manifest = json.loads((ckpt_dir / "2" / storage.MANIFEST).read_text())
+  manifest = json.loads((ckpt_dir / "2" / layout.MANIFEST).read_text())
   start = manifest["leaves"][0]["shards"][0]["offset"]
   flipped = 200 * 64 * 4 + 12  # In the rows of device 1.
   path = ckpt_dir / "2" / DATA
@@ -224,7 +225,8 @@ def test_a_flipped_byte_in_a_mapped_region_fails_the_restore(
 def test_a_range_past_the_file_is_not_mapped(tmp_path):
   path = tmp_path / "f.bin"
   path.write_bytes(bytes(range(256)) * 64)
-  reader = data_files.ByteReader(tmp_path, {"f.bin": 256 * 64})
+  reader = data_files.ByteReader(tmp_path, {"f.bin": 256 * 64},
+                                  backend.LOCAL)
   with reader.mapped("f.bin", 100, 50, 50) as view:
     assert bytes(view) == (bytes(range(256)) * 64)[100:150]
   with reader.mapped("f.bin", 256 * 64 - 10, 11, 11) as view:

@@ -1,11 +1,13 @@
-"""Storage backends: the one each path names, by its scheme.
+"""Storage backends: the table of the one each path names, by its scheme.
 
-One `interface.Backend` per kind of storage, picked once per directory from
-a table by the path's scheme (`for_path`), as etils' `epath` picks its
-backends: callers ask the backend, and no module asks "is this path local?".
-The kinds: local file systems (`local`: a disk, and a file system in
-memory) and object stores (`object_store`). Their classes are named here
-too, so that a caller imports this module alone.
+One `interface.Backend` per kind of storage, registered here in the
+interface's table by scheme (`interface.for_path`), as etils' `epath`
+picks its backends: callers ask the backend, and no module asks "is this
+path local?". The kinds: local file systems (`local`: a disk, and a file
+system in memory) and object stores (`object_store`). The package imports
+this module, so the table is full before any path is looked up; the
+classes are named here too, for the layers that choose a backend (the
+manager, the tools).
 """
 
 from __future__ import annotations
@@ -26,22 +28,16 @@ LocalBackend = local.LocalBackend
 MemoryBackend = local.MemoryBackend
 ObjectStoreBackend = object_store.ObjectStoreBackend
 SPARE_FILE = local.SPARE_FILE
-# The most bytes `read_small` takes of a commit marker, `_WRITER` or
-# `_ATTEMPT` (each holds a line of JSON or a token).
-MAX_MARKER_BYTES = 64 << 10
 
 LOCAL = LocalBackend()
 MEMORY = MemoryBackend()
 OBJECT_STORE = ObjectStoreBackend()
 
-# By scheme (None: no `scheme://`). Other schemes go to whatever `epath`
-# makes of them, as object stores.
-_BACKENDS: dict[str | None, Backend] = {None: LOCAL}
-
-
-def for_path(path: epath.PathLike) -> Backend:
-  """The backend of the storage that `path` names."""
-  return _BACKENDS.get(object_store.scheme(path), OBJECT_STORE)
+# Local paths (no `scheme://`) are files; other schemes go to whatever
+# `epath` makes of them, as object stores.
+interface.register(LOCAL, None)
+interface.register(OBJECT_STORE, other=True)
+for_path = interface.for_path
 
 
 def for_local_path(path: epath.PathLike) -> Backend:

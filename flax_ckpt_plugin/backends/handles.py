@@ -24,10 +24,6 @@ from flax_ckpt_plugin.backends.interface import StepWriter
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 
-# Errors that mean a name cannot be a file of ours (a socket, a loop of
-# links, a directory); others (EACCES, EIO) say nothing of the file itself.
-NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
-              errno.ENXIO)
 
 
 class LocalFile(RangedFile):

@@ -2,9 +2,11 @@
 
 One `Backend` per kind of storage (`local`: a disk, and a file system in
 memory; `object_store`: `s3://`, `gs://`...), picked once per directory by
-the path's scheme (`backend.for_path`), as etils' `epath` picks its
+the path's scheme (`for_path`) from the table the implementations register
+in (`backend`, which the package imports), as etils' `epath` picks its
 backends: callers ask the backend, and no module asks "is this path
-local?". A backend does the few things checkpoints need: write small files
+local?". So the layers above need this module only, never an
+implementation. A backend does the few things checkpoints need: write small files
 durably, fsync, hold a directory's identity, create a step's data files
 (`StepWriter`), read byte ranges (`RangedFile`), read small files with a
 size cap, remove, delete a step so that a crash never leaves it looking
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 from typing import BinaryIO, Iterator
 
 from etils import epath
@@ -23,6 +26,9 @@ from etils import epath
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 
 Identity = tuple[int, int]  # (st_dev, st_ino) of a local directory.
+# The most bytes `read_small` takes of a commit marker, `_WRITER` or
+# `_ATTEMPT` (each holds a line of JSON or a token).
+MAX_MARKER_BYTES = 64 << 10
 
 
 class RangedFile(abc.ABC):
@@ -208,3 +214,35 @@ class Backend(abc.ABC):
   @abc.abstractmethod
   def size_and_mtime(self, path: epath.Path) -> tuple[int, float]:
     """Bytes and modification time of one file (FileNotFoundError if gone)."""
+
+
+# The backends by scheme (None: a path without `scheme://`), and the one for
+# other schemes; `backend` fills them when the package is imported.
+_BY_SCHEME: dict[str | None, Backend] = {}
+_OTHER: list[Backend] = []
+
+
+def scheme(path: epath.PathLike) -> str | None:
+  """'s3' for `s3://bucket/x`; None for local paths."""
+  text = os.fspath(path)
+  return text.split("://", 1)[0] if "://" in text else None
+
+
+def register(backend: Backend, scheme_name: str | None = None, *,
+             other: bool = False) -> None:
+  """Makes `backend` the one of paths of `scheme_name` (None: local paths),
+  or, with `other`, of the schemes no backend names."""
+  if other:
+    _OTHER[:] = [backend]
+  else:
+    _BY_SCHEME[scheme_name] = backend
+
+
+def for_path(path: epath.PathLike) -> Backend:
+  """The backend of the storage that `path` names."""
+  found = _BY_SCHEME.get(scheme(path))
+  if found is not None:
+    return found
+  if not _OTHER:
+    raise ValueError(f"no storage backend takes {os.fspath(path)!r}")
+  return _OTHER[0]

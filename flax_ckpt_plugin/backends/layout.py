@@ -3,6 +3,7 @@
     <directory>/_WRITER                 the newest writer's claim (JSON)
     <directory>/<step>/                 a step; finalized iff it holds:
     <directory>/<step>/_COMMITTED       the commit marker, written last
+    <directory>/<step>/manifest.json    what the step holds (`FORMAT_NAME`)
     <directory>/<step>.partial/         a step being written (rename mode)
     <directory>/<step>.deleting/        a step being deleted
     <directory>/<step>.damaged[N]/      a step set aside by a restore
@@ -13,6 +14,10 @@ them; `storage` fills a step.
 
 from __future__ import annotations
 
+# A manifest names the format and its version; a reader refuses others.
+FORMAT_NAME = "flax_ckpt_plugin"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
 COMMIT_MARKER = "_COMMITTED"
 DATA_DIR = "data"  # A step's data files and shard tables.
 WRITER_FILE = "_WRITER"

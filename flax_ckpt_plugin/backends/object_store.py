@@ -16,6 +16,7 @@ from etils import epath
 from etils.epath import backend as epath_backend
 from etils.epath import gpath as epath_gpath
 
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.backends.interface import Backend
 from flax_ckpt_plugin.backends.interface import Identity
@@ -27,12 +28,6 @@ from flax_ckpt_plugin.errors import CheckpointCorruptedError
 # and extra of this package that each needs.
 _FSSPEC_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"),
                     "az": ("adlfs", None), "hf": ("huggingface_hub", None)}
-
-
-def scheme(path: epath.PathLike) -> str | None:
-  """'s3' for `s3://bucket/x`; None for local paths."""
-  text = os.fspath(path)
-  return text.split("://", 1)[0] if "://" in text else None
 
 
 def _gcs_emulator() -> str | None:
@@ -83,7 +78,7 @@ def _filesystem(protocol: str, pid: int, emulator: str | None):
 
 def filesystem(path: epath.PathLike):
   """The fsspec filesystem that serves the object-store `path`."""
-  protocol = scheme(path)
+  protocol = interface.scheme(path)
   return _filesystem(protocol, os.getpid(),
                      _gcs_emulator() if protocol == "gs" else None)
 
@@ -98,7 +93,7 @@ class _FsspecBackend(type(epath_backend.fsspec_backend)):
            on_error=None):
     # etils passes `max_depth=` (fsspec's is `maxdepth`), which fsspec hands
     # on to `ls`, where s3fs rejects it; and fsspec's roots lack the scheme.
-    prefix = f"{scheme(top)}://"
+    prefix = f"{interface.scheme(top)}://"
     for root, dirs, files in self.fs(top).walk(
         os.fspath(top), topdown=top_down,
         on_error="omit" if on_error is None else on_error):
@@ -164,7 +159,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
   """
   if isinstance(path, ObjectStorePath):
     return path
-  if scheme(path) in _FSSPEC_PACKAGES:
+  if interface.scheme(path) in _FSSPEC_PACKAGES:
     return ObjectStorePath(os.fspath(path))
   return path if isinstance(path, epath.Path) else epath.Path(path)
 

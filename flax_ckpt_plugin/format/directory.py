@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.backends import handles
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends.layout import COMMIT_MARKER
 from flax_ckpt_plugin.backends.layout import DELETING_SUFFIX
 from flax_ckpt_plugin.backends.layout import step_from_name
@@ -30,13 +29,14 @@ from flax_ckpt_plugin.backends.layout import TMP_SUFFIX
 from flax_ckpt_plugin.backends.layout import WRITER_FILE
 from flax_ckpt_plugin.errors import ConcurrentWriterError
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.errors import NOT_A_FILE
 
-Backend = backend_lib.Backend
+Backend = interface.Backend
 
 
 def backend_of(path: epath.PathLike, backend: Backend | None) -> Backend:
   """`backend`, or the one `path`'s scheme names."""
-  return backend if backend is not None else backend_lib.for_path(path)
+  return backend if backend is not None else interface.for_path(path)
 
 
 def is_finalized(step_dir: epath.Path) -> bool:
@@ -163,12 +163,12 @@ def current_writer(directory: epath.Path,
   try:
     raw = backend_of(directory, backend).read_small(
         directory / WRITER_FILE, within=directory,
-        limit=backend_lib.MAX_MARKER_BYTES)
+        limit=interface.MAX_MARKER_BYTES)
     info = json.loads(raw.decode("utf-8"))
   except (FileNotFoundError, ValueError, RecursionError):
     return None
   except OSError as e:
-    if e.errno not in handles.NOT_A_FILE:
+    if e.errno not in NOT_A_FILE:
       raise
     return None  # A socket, or a loop of links.
   return info if isinstance(info, dict) else None

@@ -20,9 +20,8 @@ from typing import Any, Iterable
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import ARRAY_KINDS
 from flax_ckpt_plugin.format.records import LeafRecord
@@ -31,9 +30,10 @@ from flax_ckpt_plugin.format.records import BIG_ENDIAN_WRITTEN_UNTIL
 from flax_ckpt_plugin.format.records import parse_dtype
 from flax_ckpt_plugin.format.records import SCALAR_KINDS
 from flax_ckpt_plugin.format.records import ShardRecord
-from flax_ckpt_plugin.format.storage import FORMAT_NAME
-from flax_ckpt_plugin.format.storage import FORMAT_VERSION
-from flax_ckpt_plugin.format.storage import MANIFEST
+from flax_ckpt_plugin.backends.layout import FORMAT_NAME
+from flax_ckpt_plugin.backends.layout import FORMAT_VERSION
+from flax_ckpt_plugin.backends.layout import MANIFEST
+from flax_ckpt_plugin.errors import NOT_A_FILE
 
 # The largest manifest read (docs/format.md); a million shards take ~60 MiB.
 MAX_MANIFEST_BYTES = 256 << 20
@@ -248,7 +248,7 @@ def parse(raw: bytes, where: str) -> Manifest:
 
 
 def read(step_dir: epath.Path, step: int | None = None,
-         backend: backend_lib.Backend | None = None) -> Manifest:
+         backend: interface.Backend | None = None) -> Manifest:
   """Reads and validates `manifest.json` of a step directory.
 
   Args:
@@ -269,17 +269,17 @@ def read(step_dir: epath.Path, step: int | None = None,
 
 
 def read_raw(step_dir: epath.Path,
-             backend: backend_lib.Backend | None = None) -> bytes:
+             backend: interface.Backend | None = None) -> bytes:
   """The bytes of `manifest.json` of a step directory, unchecked (see
   `read` for the errors but those of `of_step`)."""
   path = step_dir / MANIFEST
-  backend = backend or backend_lib.for_path(step_dir)
+  backend = backend or interface.for_path(step_dir)
   try:
     return backend.read_small(path, within=step_dir, limit=MAX_MANIFEST_BYTES)
   except FileNotFoundError as e:
     raise FileNotFoundError(f"no {MANIFEST} in {step_dir}") from e
   except OSError as e:
-    if e.errno not in handles.NOT_A_FILE:
+    if e.errno not in NOT_A_FILE:
       raise  # EACCES, EIO...: the file may be fine; do not call it bad.
     raise _corrupt(str(path), f"cannot be read as a file ({e.strerror})")
 

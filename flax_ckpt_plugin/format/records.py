@@ -12,13 +12,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, TYPE_CHECKING
 
+import crc32c
 import ml_dtypes
 import numpy as np
 
-from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.format import datastate
 
 Index = tuple[tuple[int, int], ...]
 SCALAR_KINDS = ("int", "float", "bool")
@@ -259,3 +263,10 @@ def held_elements(shards: Iterable[ShardRecord], region: Index) -> int:
   """How many elements of `region` the (non-overlapping) `shards` hold."""
   return sum(math.prod(hi - lo for lo, hi in inter) for inter in (
       intersect(s.index, region) for s in shards) if inter is not None)
+
+
+def block_checksums(buf: memoryview, block: int = CHECKSUM_BLOCK) -> list[int]:
+  """CRC-32C of each `block`-byte block of `buf` (one for an empty buffer)."""
+  if not buf:
+    return [crc32c.crc32c(b"")]
+  return [crc32c.crc32c(buf[i:i + block]) for i in range(0, len(buf), block)]

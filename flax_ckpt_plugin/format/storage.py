@@ -30,22 +30,19 @@ import time
 import threading
 from typing import Any, NamedTuple, Sequence, TYPE_CHECKING
 
-import crc32c
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.errors import SaveFailedError
+from flax_ckpt_plugin.format.records import block_checksums
 
 if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
   from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 
-FORMAT_NAME = "flax_ckpt_plugin"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 DATA_DIR = layout.DATA_DIR
 CHECKSUM_BLOCK = layout.CHECKSUM_BLOCK
 
@@ -109,13 +106,6 @@ def _describe_view(view: list[Any] | None) -> str:
   return desc + (f" (PRNG keys of impl {key_impl})" if key_impl else "")
 
 
-def block_checksums(buf: memoryview, block: int = CHECKSUM_BLOCK) -> list[int]:
-  """CRC-32C of each `block`-byte block of `buf` (one for an empty buffer)."""
-  if not buf:
-    return [crc32c.crc32c(b"")]
-  return [crc32c.crc32c(buf[i:i + block]) for i in range(0, len(buf), block)]
-
-
 def _as_bytes(arr: np.ndarray) -> np.ndarray:
   # Views through uint8 also work for dtypes the buffer protocol lacks
   # (bfloat16, float8, int4 from ml_dtypes).
@@ -124,8 +114,8 @@ def _as_bytes(arr: np.ndarray) -> np.ndarray:
 
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
                         process_index: int, *,
-                        identity: backend_lib.Identity | None = None,
-                        backend: backend_lib.Backend | None = None,
+                        identity: interface.Identity | None = None,
+                        backend: interface.Backend | None = None,
                         data_state: datastate.Encoded | None = None) -> int:
   """Writes this process's shards and shard table; returns the shards' bytes.
 
@@ -142,7 +132,7 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
     backend: the directory's storage backend (default: by its scheme).
     data_state: this process's data state, if it has one (`datastate`).
   """
-  backend = backend or backend_lib.for_path(step_dir)
+  backend = backend or interface.for_path(step_dir)
   out = backend.step_writer(step_dir, identity, DATA_DIR)
   try:
     entries = []
@@ -186,7 +176,7 @@ def _entry(leaf: LeafSnapshot, shard: Any, name: str, offset: int,
           "crc32c": sums}
 
 
-def _write_by_offset(out: backend_lib.StepWriter, name: str,
+def _write_by_offset(out: interface.StepWriter, name: str,
                      shards: list[Any], entries: list[dict]) -> int:
   """Writes the data file by offset (local disks); returns its size.
 
@@ -260,7 +250,7 @@ def metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _read_table(step_dir: epath.Path, p: int,
-                backend: backend_lib.Backend) -> dict[str, Any]:
+                backend: interface.Backend) -> dict[str, Any]:
   path = step_dir / index_file(p)
   if not path.exists():
     raise RuntimeError(f"process {p} left no shard table at {path}")
@@ -304,7 +294,7 @@ def _check_views(mine: dict[str, list[Any]], theirs: dict[str, list[Any]],
 def merge_tables(step_dir: epath.Path, *, step: int,
                  leaves: list[LeafSnapshot], process_count: int,
                  primary: int, extra: Any, metrics: dict[str, Any] | None,
-                 backend: backend_lib.Backend, scope: Scope | None = None,
+                 backend: interface.Backend, scope: Scope | None = None,
                  writers: Sequence[int] | None = None,
                  retention: dict[str, Any] | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[int, list]]]:
@@ -352,8 +342,8 @@ def merge_tables(step_dir: epath.Path, *, step: int,
             if t.get("data_state")}
   return {
       **held,
-      "format": FORMAT_NAME,
-      "format_version": FORMAT_VERSION,
+      "format": layout.FORMAT_NAME,
+      "format_version": layout.FORMAT_VERSION,
       "step": step,
       "created_unix": now,
       "created": datetime.datetime.fromtimestamp(
@@ -371,11 +361,11 @@ def merge_tables(step_dir: epath.Path, *, step: int,
 
 
 def write_manifest(step_dir: epath.Path, *, text: str, process_count: int,
-                   backend: backend_lib.Backend,
+                   backend: interface.Backend,
                    writers: Sequence[int] | None = None) -> None:
   """Writes a manifest (checked by the caller) durably and removes the
   shard tables (of `writers`, default all). Primary host only."""
-  backend.write_small(step_dir / MANIFEST, text)
+  backend.write_small(step_dir / layout.MANIFEST, text)
   for p in range(process_count) if writers is None else writers:
     (step_dir / index_file(p)).unlink(missing_ok=True)
     (step_dir / views_file(p)).unlink(missing_ok=True)

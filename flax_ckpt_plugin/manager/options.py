@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save.commit import CommitHook
@@ -50,7 +50,7 @@ class Commit:
       finalized (to notify, start an evaluation, copy the step elsewhere),
       on the primary host; see `CheckpointManager.add_commit_hook`.
   """
-  backend: backend_lib.Backend | None = None
+  backend: interface.Backend | None = None
   atomicity: atomicity_lib.Atomicity = "auto"
   pinned_host_bytes: int | None = None
   primary_host: int = 0

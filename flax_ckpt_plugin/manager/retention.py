@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
 
 from etils import epath
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
@@ -213,7 +213,7 @@ def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
       steps, protect=protect)
 
 
-def recorded_metrics(directory: epath.Path, backend: backend_lib.Backend,
+def recorded_metrics(directory: epath.Path, backend: interface.Backend,
                      metric: str | None, step: int) -> Any:
   """The metrics in `step`'s manifest; None (no value of `metric`) if
   unreadable."""

@@ -14,17 +14,19 @@ never exists twice in full (saved dtype and target dtype) in memory.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.restore.data_files import host_buffer
-from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.format.records import describe
 from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import LeafRecord
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.restore.reader import LeafReader
 
 # Saved values converted at a time, in bytes of the saved dtype: the memory
 # a cast costs besides the result.

@@ -14,14 +14,16 @@ import contextlib
 import math
 import os
 import threading
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, TYPE_CHECKING
 
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import NOT_A_FILE
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.backends import interface
 
 # `ByteReader.coalesced`: shards under this size are read together with
 # the neighbours they touch (small shards lie side by side in a data file),
@@ -77,11 +79,11 @@ class ByteReader:
   """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int],
-               backend: backend_lib.Backend | None = None):
+               backend: interface.Backend):
     self._dir = step_dir
     self._sizes = files
-    self._backend = backend or backend_lib.for_path(step_dir)
-    self._files: dict[str, backend_lib.RangedFile] = {}
+    self._backend = backend
+    self._files: dict[str, interface.RangedFile] = {}
     self._lock = threading.Lock()
     self._local = threading.local()  # `coalesced` spans of each thread.
     self.bytes_read = 0
@@ -89,11 +91,11 @@ class ByteReader:
     # ranges should rather fetch the span around them in one (see restore).
     self.prefers_few_reads = self._backend.reads_are_requests
 
-  def _open(self, name: str) -> backend_lib.RangedFile:
+  def _open(self, name: str) -> interface.RangedFile:
     with self._lock:
       return self._open_locked(name)
 
-  def _open_locked(self, name: str) -> backend_lib.RangedFile:
+  def _open_locked(self, name: str) -> interface.RangedFile:
     f = self._files.get(name)
     if f is None:
       path = self._dir / name
@@ -103,7 +105,7 @@ class ByteReader:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e
       except OSError as e:
-        if e.errno not in handles.NOT_A_FILE:
+        if e.errno not in NOT_A_FILE:
           raise  # EACCES, EIO...: the file may be fine; do not call it bad.
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest cannot be a data file:"

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import RestoreFailedError
@@ -128,7 +128,7 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
 
 
 def set_aside(directory: epath.Path, steps: list[int],
-              backend: backend_lib.Backend) -> None:
+              backend: interface.Backend) -> None:
   """Primary host: sets damaged steps aside (see `directory.set_aside`).
 
   A step that cannot be set aside is left where it is, with a warning: the

@@ -1,6 +1,9 @@
-"""Placing restored regions on devices.
+"""Placing restored leaves and their regions on devices.
 
-A region of a leaf is read once per process (`reader.LeafReader`) and goes
+`restore_leaf` makes one leaf like its target, from the step's bytes
+(`from_host` from values every process holds); `on_context_mesh` puts a
+target's abstract mesh on the mesh the caller set. A region of a leaf is
+read once per process (`reader.LeafReader`) and goes
 to every device of the target's sharding that holds it:
 
 * on accelerators with pinned host memory, read into a pinned buffer and
@@ -29,6 +32,9 @@ from flax_ckpt_plugin.save import copies
 from flax_ckpt_plugin.restore.data_files import host_buffer
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.format.records import Index
+from flax_ckpt_plugin.format.records import is_python_scalar
+from flax_ckpt_plugin.format.records import LeafRecord
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import normalize_index
 
@@ -284,3 +290,111 @@ def place_array(lr: LeafReader | casting.CastReader,
         host = np.copy(host)
       pieces.append(jax.device_put(host, device))
   return _assemble(shape, lr.dtype, sharding, devices, pieces)
+
+
+def target_sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return sharding
+
+
+def on_context_mesh(path: str, leaf: Any) -> Any:
+  """`leaf`, with a sharding over an `AbstractMesh` put on the set mesh.
+
+  `nnx.eval_shape` (or `jax.eval_shape`) under `jax.set_mesh(mesh)` gives
+  `ShapeDtypeStruct`s whose `NamedSharding` names only an abstract mesh. The
+  devices are those of the mesh set by the caller, which only the caller's
+  thread sees (not the threads that restore leaves): so it is looked up here.
+  """
+  sharding = getattr(leaf, "sharding", None)
+  abstract = getattr(jax.sharding, "AbstractMesh", ())  # Not in older jax.
+  if not (isinstance(sharding, jax.sharding.NamedSharding)
+          and isinstance(sharding.mesh, abstract)):
+    return leaf
+  get_mesh = getattr(jax.sharding, "get_mesh", None)
+  mesh = get_mesh() if get_mesh else None
+  if (mesh is None or mesh.empty
+      or mesh.shape_tuple != sharding.mesh.shape_tuple):
+    found = ("no mesh is set" if mesh is None or mesh.empty
+             else f"the mesh set is {mesh}")
+    raise ValueError(
+        f"leaf {path!r}: the target's sharding is over an abstract mesh"
+        f" {sharding.mesh} and {found}. Restore inside `with"
+        " jax.set_mesh(mesh)` with the mesh of that shape, or give the target"
+        " shardings over a concrete `jax.sharding.Mesh` (for Flax NNX:"
+        " `nnx.get_named_sharding(abstract_state, mesh)`).")
+  return leaf.update(sharding=jax.sharding.NamedSharding(
+      mesh, sharding.spec, memory_kind=sharding.memory_kind))
+
+
+def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
+                 cast: bool = False,
+                 window: pinned.RestoreWindow | None = None) -> Any:
+  """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
+  a Python scalar, whose value is in the manifest). With `cast`, values
+  are converted to the target's dtype as they are read (`casting`). With a
+  `window`, regions for devices with pinned host memory travel through it.
+  """
+  if saved.is_scalar:  # `matching` checked that the target holds it.
+    value = saved.value
+    if is_python_scalar(target):
+      return type(target)(value)
+    host = np.asarray(value, dtype=target.dtype)
+    if isinstance(target, np.ndarray | np.generic):
+      return host if isinstance(target, np.ndarray) else host[()]
+    return _put(host, target_sharding(target))
+  lr = LeafReader(leaf=saved, **lr_args)
+  if cast:
+    lr = casting.reader_for(lr, saved, target, lr_args["where"])
+  if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
+      or lr.dtype.byteorder == ">" or saved.key_impl is not None):
+    return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))
+  return place_array(lr, lr.shape, target_sharding(target),
+                               window)
+
+
+def from_host(saved: LeafRecord, target: Any, host: np.ndarray) -> Any:
+  """A leaf like `target` from all of `saved`'s values, on the host.
+
+  Every process that restores the leaf holds the same values (the step's
+  checksummed bytes, or a collective's result), so each places its own
+  shards (`_put`), and no leaf costs a collective.
+  """
+  if is_python_scalar(target):
+    return type(target)(host[()].item())
+  if isinstance(target, np.ndarray | np.generic):
+    if host.dtype != target.dtype:  # Byte order only (see `_same_dtype`).
+      host = host.astype(target.dtype)
+    return host if isinstance(target, np.ndarray) else host[()]
+  if host.dtype.byteorder == ">":  # Saved big-endian by an older version.
+    host = host.astype(host.dtype.newbyteorder("="))
+  sharding = target_sharding(target)
+  if saved.key_impl is None:
+    return _put(host, sharding)
+  if not sharding.is_fully_addressable:
+    return jax.random.wrap_key_data(_put(host, sharding), impl=saved.key_impl)
+  return jax.device_put(jax.random.wrap_key_data(host, impl=saved.key_impl),
+                        sharding)
+
+
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`host`, the same on every process, on `sharding`. Over several
+  processes, `jax.device_put` would first check that every process holds
+  the same values, with a collective per leaf (about 10 ms each here, and
+  a wait for a process that restores alone or skipped the leaf); each
+  process places its own shards instead."""
+  if not sharding.is_fully_addressable:
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+  return jax.device_put(host, sharding)
+
+
+def log_casts(where: str, saved: dict[str, LeafRecord],
+              targets: list[tuple[str, Any]]) -> list[str]:
+  """The one log line of a restore with `cast=True`: how many leaves it
+  converts. Returns their paths."""
+  cast = casting.cast_leaves(saved, targets)
+  log.info("%s: casting %d of %d leaves to the target's dtypes%s", where,
+           len(cast), len(targets), f" (first: {cast[0]!r})" if cast else "")
+  return cast

@@ -21,7 +21,7 @@ from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import intersect
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import ShardRecord
-from flax_ckpt_plugin.format.storage import block_checksums
+from flax_ckpt_plugin.format.records import block_checksums
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.data_files import COALESCE_BYTES
 from flax_ckpt_plugin.restore.data_files import host_buffer

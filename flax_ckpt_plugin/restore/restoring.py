@@ -20,7 +20,7 @@ from typing import Any, Callable
 from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
@@ -44,7 +44,7 @@ class Restoring:
 
   # Set by `CheckpointManager.__init__`.
   directory: epath.Path
-  backend: backend_lib.Backend
+  backend: interface.Backend
   coordinator: coordinator_lib.Coordinator
   is_primary: bool
   read_only: bool

@@ -22,7 +22,7 @@ program, whatever it meets: one whose file is damaged goes on with zeros
 and raises its error once its programs ran, and the agreement that follows
 tells all to drop the result (and try an older step), so none waits in a
 collective for another. Leaves read alone are placed without a collective
-(`restore.from_host`).
+(`placement.from_host`).
 
 Memory: a process holds, per shared region, about its range of the rows
 (each local device's slot, padded to the longest slot) besides the result;
@@ -48,7 +48,7 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import read_plan
-from flax_ckpt_plugin.restore import restore as restore_lib
+from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.restore import share_program
 from flax_ckpt_plugin.restore import slots as slots_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -177,7 +177,7 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
           where: str, cast: bool) -> tuple[Any, list, list, list]:
   """Matches the target and plans every leaf (see `read_plan`): the same
   on every process, and nothing read yet. A leaf cast to another dtype is
-  read alone (`restore.restore_leaf` converts it).
+  read alone (`placement.restore_leaf` converts it).
 
   Returns:
     The target's treedef; per leaf, (record, target, `read_plan.Split` or
@@ -189,10 +189,10 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
   matching.match_structure(saved, pairs, step_dir, cast=cast)
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
-  converted = set(restore_lib.log_casts(where, saved, pairs) if cast else ())
+  converted = set(placement.log_casts(where, saved, pairs) if cast else ())
   leaves, load = [], {}
   for path, _, t in targets:
-    t = restore_lib.on_context_mesh(path, t)
+    t = placement.on_context_mesh(path, t)
     leaf = saved[path]
     # Read alone: bytes saved big-endian (by an older version), which need
     # a swap on the host, and dtypes JAX holds narrower (int64 without
@@ -223,7 +223,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
   its error once all programs ran, so that no other process waits in a
   collective for it; the agreement (`restore`) then tells all to drop the
   result. Leaves it reads alone are placed without a collective (see
-  `restore.from_host`), so skipping them after an error costs no one.
+  `placement.from_host`), so skipping them after an error costs no one.
 
   Returns:
     Per leaf, ("own", its value), ("shared", (batch, position among the
@@ -258,7 +258,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       if split is None:
         if error is None:
           try:
-            plans.append(("own", restore_lib.restore_leaf(leaf, t, lr_args,
+            plans.append(("own", placement.restore_leaf(leaf, t, lr_args,
                                                           cast=cast)))
             continue
           except Exception as e:  # pylint: disable=broad-except
@@ -311,7 +311,7 @@ def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any
          ) -> tuple[Any, int, Any]:
   """Waits for the programs that `_read` started; the tree. The packed
   leaves are cut out of each batch's gathered slots on the host, one batch
-  at a time, and placed without a collective (`restore.from_host`)."""
+  at a time, and placed without a collective (`placement.from_host`)."""
   t = time.perf_counter()
   outputs = jax.block_until_ready(outputs)
   log.debug("shared %d batches in %.2f s after the reads", len(outputs),
@@ -336,7 +336,7 @@ def _run(treedef: Any, kinds: list, outputs: list, nbytes: int, extra: Any
         data = np.concatenate([host[1][k, offset:offset + size]
                                for k, offset, size, *_ in pieces]).view(
                                    leaf.dtype).reshape(leaf.shape)
-      leaves.append(restore_lib.from_host(leaf, target, data))
+      leaves.append(placement.from_host(leaf, target, data))
       if last[b] == n:  # Free the batch's slots, here and on the devices.
         host, outputs[b] = None, (outputs[b][0], None)
   return jax.tree_util.tree_unflatten(treedef, leaves), nbytes, extra

@@ -30,7 +30,7 @@ from typing import Literal
 
 from etils import epath
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format.directory import backend_of
 from flax_ckpt_plugin.format.directory import is_finalized
 from flax_ckpt_plugin.backends.layout import ATTEMPT_FILE
@@ -47,7 +47,7 @@ __all__ = [  # The layout's names are used through this module too.
 ]
 
 Atomicity = Literal["auto", "rename", "commit_file"]
-Backend = backend_lib.Backend
+Backend = interface.Backend
 
 
 def resolve_atomicity(directory: epath.PathLike, atomicity: Atomicity,
@@ -89,7 +89,7 @@ class TemporaryPath(abc.ABC):
     # The identity of the directory `prepare` made, where the storage has
     # one (inodes). A held handle keeps it from being reused, so a directory
     # of the same name made by another writer is never taken for ours.
-    self.identity: backend_lib.Identity | None = None
+    self.identity: interface.Identity | None = None
     self._handle: int | None = None
 
   def _hold(self) -> None:
@@ -209,7 +209,7 @@ class CommitFilePath(TemporaryPath):
     try:
       token = self.backend.read_small(self.final / ATTEMPT_FILE,
                                       within=self.final,
-                                      limit=backend_lib.MAX_MARKER_BYTES)
+                                      limit=interface.MAX_MARKER_BYTES)
     except (FileNotFoundError, ValueError):  # Not a small file: not ours.
       return False
     return token == self._attempt.encode()

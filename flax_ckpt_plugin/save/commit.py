@@ -32,7 +32,7 @@ import numpy as np
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.multihost import groups
@@ -53,7 +53,7 @@ class CommitInputs(NamedTuple):
   """Everything one background commit reads; it touches nothing else."""
   coordinator: coordinator_lib.Coordinator
   directory: epath.Path  # The checkpoint directory.
-  backend: backend_lib.Backend  # Its storage.
+  backend: interface.Backend  # Its storage.
   step: int
   key: str  # Unique prefix of this save's barrier and key-value keys.
   tmp: atomicity_lib.TemporaryPath  # Where the step is written.
@@ -73,7 +73,7 @@ class CommitInputs(NamedTuple):
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
-                     directory: epath.Path, backend: backend_lib.Backend,
+                     directory: epath.Path, backend: interface.Backend,
                      base: str, *, is_primary: bool, timeout_ms: int
                      ) -> tuple[str, list[int]]:
   """Primary: claims `directory` and lists it; all: learn both.

@@ -58,18 +58,20 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import jax
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
-from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rescue as rescue_lib
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.manager.manager import CheckpointManager
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
 # error (a runtime, timeout or connection error) came first: a collective
@@ -119,7 +121,7 @@ class Peers:
                metric_writer: Any = None):
     self._manager, self._local = manager, local
     self._key = generations.group_key(
-        local_tier_lib.job_name(os.fspath(directory)))
+        generations.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
     self._metric_writer = metric_writer

@@ -36,9 +36,15 @@ class Group(NamedTuple):
     return next(p for p in (self.primary, *self.members) if p != me)
 
 
+def job_name(directory: str) -> str:
+  """The name of the job of a persistent `directory`: two jobs
+  that share a local path never read each other's steps."""
+  return hashlib.sha1(directory.encode()).hexdigest()[:12]
+
+
 def group_key(job: str) -> str:
   """The key-value prefix of the elastic group of the job named `job`
-  (`local_tier.job_name` of its persistent directory)."""
+  (`job_name` of its persistent directory)."""
   return f"flax_ckpt_plugin/elastic/{job}"
 
 

@@ -19,7 +19,6 @@ damaged or missing anywhere falls through to the next, as in `fallback`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any, Callable, NamedTuple
@@ -42,18 +41,12 @@ LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 TIERS = (LOCAL, PEER, PERSISTENT)
 
 
-def job_name(directory: str) -> str:
-  """The local tier's name for the job of a persistent `directory`: two jobs
-  that share a local path never read each other's steps."""
-  return hashlib.sha1(directory.encode()).hexdigest()[:12]
-
-
 class LocalTier:
   """This process's steps in the local tier. Made on every process.
 
   Args:
     directory: the per-host path (a local SSD, or `/dev/shm`).
-    job: a name for the job (see `job_name`).
+    job: a name for the job (see `generations.job_name`).
     coordinator: the job's coordinator (names this process).
     keep: how many of the newest steps to keep.
     pinned_host_bytes: see `Commit`.

@@ -38,7 +38,7 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import replicas as replicas_lib
-from flax_ckpt_plugin.restore import restore as restore_lib
+from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
@@ -170,7 +170,7 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
   records = saved.leaf_by_path
   matching.match_structure(records, [(p, t) for p, _, t in targets],
                               where)
-  targets = [(p, restore_lib.on_context_mesh(p, t)) for p, _, t in targets]
+  targets = [(p, placement.on_context_mesh(p, t)) for p, _, t in targets]
   mine = None
   if step_dir is not None:  # The bytes come from this process's own copy.
     from flax_ckpt_plugin.backends import backend as backend_lib  # pylint: disable=g-import-not-at-top
@@ -264,10 +264,10 @@ def _run(treedef: Any, plans: list[tuple], compiled: Any,
     if kind == "stacked":
       leaves.append(next(gathered))
     elif kind == "scalar":
-      leaves.append(restore_lib.restore_leaf(leaf, rest[0], {}))
+      leaves.append(placement.restore_leaf(leaf, rest[0], {}))
     else:
       value = host[offset:offset + leaf.nbytes].view(leaf.dtype).reshape(
           leaf.shape)
       offset += leaf.nbytes
-      leaves.append(restore_lib.from_host(leaf, rest[0], value.copy()))
+      leaves.append(placement.from_host(leaf, rest[0], value.copy()))
   return jax.tree_util.tree_unflatten(treedef, leaves), extra

@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
@@ -41,13 +41,15 @@ from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.format import manifest as manifest_lib
-from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.manager.manager import CheckpointManager
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
 
 # How long the main thread has, once the survivors' save is done, to reach
 # the exit hook by itself before the process ends anyway.

@@ -28,8 +28,8 @@ import os
 import sys
 from typing import Sequence
 
-from flax_ckpt_plugin.tools.convert_commands import cmd_export
-from flax_ckpt_plugin.tools.convert_commands import cmd_import_orbax
+from flax_ckpt_plugin.tools.exporting import cmd_export
+from flax_ckpt_plugin.tools.importer import cmd_import_orbax
 from flax_ckpt_plugin.tools.commands import cmd_list
 from flax_ckpt_plugin.tools.commands import cmd_prune
 from flax_ckpt_plugin.tools.commands import cmd_show

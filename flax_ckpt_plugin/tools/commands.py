@@ -1,7 +1,8 @@
 """The commands of `flax-ckpt` (`cli`) that read or prune a directory: list,
 show, verify and prune, each `cmd_NAME(args, out) -> exit code`; and what
 every command shares (`CliError`, the exit codes, finding a step). export
-and import-orbax are in `convert_commands`.
+and import-orbax are beside what they run (`exporting.cmd_export`,
+`importer.cmd_import_orbax`).
 
 Each writes its report to `out` and raises `CliError` for an expected
 failure (one line on stderr, an exit code); `cli.main` parses the arguments

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.restore.data_files import ByteReader
@@ -88,7 +88,7 @@ class LeafWriter:
   """Streams leaves' bytes from the step into open files."""
 
   def __init__(self, step_dir: epath.Path, manifest: manifest_lib.Manifest,
-               backend: backend_lib.Backend, progress: Progress, shown: str):
+               backend: interface.Backend, progress: Progress, shown: str):
     self._reader = ByteReader(step_dir, manifest.files, backend)
     self._where = f"step {manifest.step} in {shown}"  # As the user gave it.
     self._block = manifest.checksum_block_bytes

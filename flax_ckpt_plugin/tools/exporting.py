@@ -32,11 +32,13 @@ Needs no JAX, so `flax-ckpt export` starts quickly.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
 import secrets
 import shutil
+import sys
 from typing import Any, Iterable, Sequence, TextIO
 
 from etils import epath
@@ -48,6 +50,13 @@ from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.tools import export_files
 from flax_ckpt_plugin.tools.export_files import ExportError
+from flax_ckpt_plugin.tools.commands import check_step
+from flax_ckpt_plugin.tools.commands import CliError
+from flax_ckpt_plugin.tools.commands import existing_dir
+from flax_ckpt_plugin.tools.commands import EXIT_EXISTS
+from flax_ckpt_plugin.tools.commands import EXIT_OK
+from flax_ckpt_plugin.tools.commands import EXIT_USAGE
+from flax_ckpt_plugin.tools.commands import finalized
 from flax_ckpt_plugin.tools.verify import human_size
 from flax_ckpt_plugin.tools.verify import Progress
 
@@ -241,3 +250,37 @@ def export(directory: epath.PathLike, out: os.PathLike | str, *,
   return ExportResult(path=out, step=step, format=format, files=tuple(files),
                       arrays=len(arrays), nbytes=nbytes, scalars=scalars,
                       as_file=as_file is not None)
+
+
+# -- the command ---------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+  """`flax-ckpt export` (see `cli`)."""
+  directory = existing_dir(args.directory)
+  if args.step is None:
+    finalized(directory, args.directory)
+  else:
+    check_step(directory, args.directory, args.step)
+  try:
+    result = export(
+        args.directory, args.out, step=args.step, format=args.format,
+        only=args.only or (), max_file_bytes=args.max_file_size,
+        progress=None if args.quiet else sys.stderr)
+  except (ExportError,
+          SafetensorsNotInstalledError) as e:
+    raise CliError(str(e), EXIT_USAGE) from e
+  except FileExistsError as e:
+    raise CliError(str(e), EXIT_EXISTS) from e
+  plural = "" if result.arrays == 1 else "s"
+  out.write(f"exported step {result.step} of {args.directory} to {args.out}"
+            f" ({result.format}): {result.arrays} array{plural},"
+            f" {human_size(result.nbytes)}\n")
+  for path in result.written:
+    out.write(f"  {path}\n")
+  if result.scalars:
+    where = ("the metadata" if result.format == "safetensors"
+             else result.written[-1].name)
+    out.write(f"in {where}: " + ", ".join(
+        f"{k} = {v!r}" for k, v in result.scalars.items()) + "\n")
+  return EXIT_OK

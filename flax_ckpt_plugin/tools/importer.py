@@ -4,7 +4,7 @@
 `StandardSave`/`PyTreeSave`, by a `CheckpointManager` or a bare
 `Checkpointer`) and saves it with our `CheckpointManager(dest)`, so that it
 is finalized and checksummed like any other step; `flax-ckpt import-orbax`
-runs it from a shell. Orbax itself is never imported: `locate` finds the
+(`cmd_import_orbax`) runs it from a shell. Orbax itself is never imported: `locate` finds the
 tree and the step number from the directory's files, and `zarr_tree` reads
 the tree (`read_tree`), its structure from Orbax's JSON metadata and its
 arrays with tensorstore.
@@ -19,18 +19,31 @@ leaf for leaf.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import re
+import sys
+from typing import TextIO
 
 from etils import epath
-import jax
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.tools import zarr_tree
-from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.tools.commands import CliError
+from flax_ckpt_plugin.tools.commands import EXIT_EXISTS
+from flax_ckpt_plugin.tools.commands import EXIT_OK
+from flax_ckpt_plugin.tools.commands import EXIT_USAGE
+from flax_ckpt_plugin.tools.commands import leaf_summary
+from flax_ckpt_plugin.tools.commands import leaf_type
+from flax_ckpt_plugin.tools.commands import PROG
+from flax_ckpt_plugin.tools.commands import read_manifest
+from flax_ckpt_plugin.tools.inventory import table
+from flax_ckpt_plugin.tools.inventory import zero_d_values
+from flax_ckpt_plugin.tools.verify import human_size
 
 # The file of a step of Orbax's CheckpointManager or Checkpointer.
 STEP_FILE = "_CHECKPOINT_METADATA"
@@ -203,6 +216,10 @@ def import_orbax(source: epath.PathLike, dest: epath.PathLike, *,
     TensorstoreNotInstalledError: tensorstore is not installed.
     OrbaxReadError: see `read_tree`.
   """
+  # JAX is imported here, not with the module: the command line imports
+  # this module, and `cmd_import_orbax` keeps JAX on the host first.
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.manager.manager import CheckpointManager  # pylint: disable=g-import-not-at-top
   found = locate(source, item=item, step=step)
   directory, _ = backend_lib.make_path(os.fspath(dest))
   _check_dest(found, directory, os.fspath(dest))
@@ -216,3 +233,61 @@ def import_orbax(source: epath.PathLike, dest: epath.PathLike, *,
   return ImportResult(source=found, directory=manager.directory,
                       path=manager.directory / str(found.step), leaves=leaves,
                       total_bytes=stats.total_bytes)
+
+
+# -- import-orbax --------------------------------------------------------------
+
+# Leaves that import-orbax lists; `show` lists them all.
+_IMPORT_LEAVES_SHOWN = 30
+
+
+def _join(directory: str, step: int) -> str:
+  return f"{directory.rstrip('/')}/{step}"
+
+
+def cmd_import_orbax(args: argparse.Namespace, out: TextIO) -> int:
+  """`flax-ckpt import-orbax` (see `cli`).
+
+  The one command that needs JAX (and tensorstore, for Orbax's arrays). It
+  runs on the host, never on an accelerator a job may be using.
+  """
+  if "jax" not in sys.modules:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  try:
+    result = import_orbax(args.source, args.dest, item=args.item,
+                          step=args.step)
+  except (TensorstoreNotInstalledError, OrbaxImportError) as e:
+    raise CliError(str(e), EXIT_USAGE) from e
+  except FileExistsError as e:
+    raise CliError(str(e), EXIT_EXISTS) from e
+  found, step = result.source, result.source.step
+  m = read_manifest(result.directory, step)
+  values = zero_d_values(result.path, m)
+  if args.json:
+    out.write(json.dumps({
+        "source": args.source, "item": found.item,
+        "tree_dir": os.fspath(found.tree_dir), "directory": args.dest,
+        "step": step, "path": _join(args.dest, step),
+        "total_bytes": m.total_bytes, "leaf_count": len(m.leaves),
+        "leaves": [leaf_summary(leaf, values) for leaf in m.leaves],
+    }, indent=1) + "\n")
+    return EXIT_OK
+  item = "" if found.item is None else f" (Orbax item {found.item!r})"
+  out.write(
+      f"imported {args.source}{item} as step {step} of {args.dest}\n"
+      f"step dir:  {_join(args.dest, step)} (finalized, with"
+      f" {m.checksum_algorithm} checksums)\n"
+      f"size:      {human_size(m.total_bytes)} of array data"
+      f" ({m.total_bytes} bytes)\n"
+      f"leaves:    {len(m.leaves)}\n")
+  shown = m.leaves[:_IMPORT_LEAVES_SHOWN]
+  if shown:
+    rows = [["PATH", "TYPE", "BYTES"]]
+    rows += [[leaf.path, leaf_type(leaf, values),
+              "" if leaf.is_scalar else human_size(leaf.nbytes)]
+             for leaf in shown]
+    table(rows, out, indent="  ")
+  if len(m.leaves) > len(shown):
+    out.write(f"  ... and {len(m.leaves) - len(shown)} more: `{PROG} show"
+              f" {args.dest} {step}` lists them all\n")
+  return EXIT_OK

@@ -18,7 +18,7 @@ import numpy as np
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import Manifest
@@ -51,7 +51,7 @@ def size_and_mtime(path: epath.Path) -> tuple[int, float | None]:
   Files that vanish meanwhile (a step being deleted) are skipped.
   """
   total, newest = 0, None
-  backend = backend_lib.for_path(path)
+  backend = interface.for_path(path)
   try:
     entries = path.walk() if path.is_dir() else [(path.parent, [], [path.name])]
     for root, _, files in entries:
@@ -73,9 +73,9 @@ def committed_unix(step_dir: epath.Path) -> float | None:
   None if the marker is unreadable, or no small regular file of the step.
   """
   try:
-    raw = backend_lib.for_path(step_dir).read_small(
+    raw = interface.for_path(step_dir).read_small(
         step_dir / atomicity.COMMIT_MARKER, within=step_dir,
-        limit=backend_lib.MAX_MARKER_BYTES)
+        limit=interface.MAX_MARKER_BYTES)
     info = json.loads(raw.decode("utf-8"))
     return datetime.datetime.fromisoformat(info["committed_at"]).timestamp()
   except (OSError, ValueError, KeyError, TypeError, RecursionError):
@@ -152,7 +152,7 @@ def zero_d_values(step_dir: epath.Path, m: Manifest
   out = {}
   if not wanted:
     return out
-  reader = ByteReader(step_dir, m.files)
+  reader = ByteReader(step_dir, m.files, interface.for_path(step_dir))
   try:
     for leaf in wanted:
       shard = leaf.shards[0]

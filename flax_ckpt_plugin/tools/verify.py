@@ -15,7 +15,7 @@ import crc32c
 from etils import epath
 import numpy as np
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format.records import LeafRecord
@@ -141,7 +141,8 @@ def verify_step(directory: epath.Path, step: int, manifest: Manifest,
   """Reads every shard of `step`; returns ('ok'|'corrupt'|'error', problems)."""
   step_dir = directory / str(step)
   block = manifest.checksum_block_bytes
-  reader = ByteReader(step_dir, manifest.files)
+  reader = ByteReader(step_dir, manifest.files,
+                      interface.for_path(step_dir))
   problems, errors, bad_files = [], [], set()
   try:
     for name in manifest.files:
@@ -177,7 +178,7 @@ def verify_step(directory: epath.Path, step: int, manifest: Manifest,
           problems.append(problem)
     for record in (manifest.data_states or {}).values():
       try:
-        datastate.load(step_dir, record, backend_lib.for_path(step_dir))
+        datastate.load(step_dir, record, interface.for_path(step_dir))
       except CheckpointCorruptedError as e:
         problems.append(str(e))
       except OSError as e:

@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 from etils import epath
-import jax
 import numpy as np
 
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
@@ -221,6 +220,9 @@ def read_tree(tree_dir: epath.PathLike) -> Any:
     OrbaxReadError: a metadata file or an array cannot be read, or the
       tree holds values that a checkpoint of ours cannot hold (strings).
   """
+  # JAX is imported here: the command line imports this module, and
+  # `importer.cmd_import_orbax` keeps JAX on the host before it reads.
+  import jax  # pylint: disable=g-import-not-at-top
   ts = _import_tensorstore()
   path = epath.Path(tree_dir)
   options, entries = _entries(path)
