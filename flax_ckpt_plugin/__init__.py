@@ -102,13 +102,13 @@ _MOVED = {
                 "read_plan", "share_program", "shared_read", "replicas",
                 "restoring"),
     "manager": ("retention", "schedule"),
-    "tolerance": ("preemption", "liveness", "rescue", "elastic", "peer",
-                  "local_tier"),
+    "tolerance": ("preemption", "liveness", "rescue", "elastic", "peer"),
     "tools": ("cli", "commands", "inventory", "exporting", "importer",
               "zarr_tree", "verify"),
 }
 _NOW = {f"{__name__}.{old}": f"{__name__}.{layer}.{old}"
         for layer, olds in _MOVED.items() for old in olds}
+_NOW[f"{__name__}.local_tier"] = f"{__name__}.tolerance.tiers"
 
 
 class _MovedModules(importlib.abc.MetaPathFinder):

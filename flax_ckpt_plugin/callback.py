@@ -19,7 +19,6 @@ manager.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 import os
 import sys
@@ -27,19 +26,14 @@ from typing import Any, Callable, Iterable
 
 from etils import epath
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.tolerance import elastic as elastic_lib
-from flax_ckpt_plugin.multihost import groups
-from flax_ckpt_plugin.tolerance import generations
-from flax_ckpt_plugin.tolerance import liveness
-from flax_ckpt_plugin.tolerance import local_tier
+from flax_ckpt_plugin.tolerance.tiers import Restored
+from flax_ckpt_plugin.tolerance.tiers import Tiers
 from flax_ckpt_plugin.save.stats import MetricWriter
 from flax_ckpt_plugin.save.stats import SaveMetrics
 from flax_ckpt_plugin.save.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import options
-from flax_ckpt_plugin.manager.manager import CheckpointManager
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.tolerance.preemption import SignalFlag
 from flax_ckpt_plugin.manager.schedule import Triggers
@@ -49,23 +43,6 @@ from flax_ckpt_plugin.tolerance.options import FaultTolerance
 # EX_TEMPFAIL ("temporary failure; retry"), distinct from a crash (1) and from
 # being killed by SIGTERM before saving (143).
 PREEMPTED_EXIT_CODE = os.EX_TEMPFAIL
-
-_TOLERANCE = "tolerance=FaultTolerance({}=...)"
-_RESTORE = "restore_or_initialize(state, {}=...)"
-# Keywords that moved into the option records (or to where the iterator's
-# state is restored): where each is now.
-MOVED = {
-    **options.MANAGER_MOVED,
-    **{k: _TOLERANCE.format(k) for k in (
-        "save_on_preemption", "preemption_signals", "watch_peers",
-        "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",
-        "local_every_steps")},
-    "data_iterator": _RESTORE.format("data_iterator"),
-    "restore_data_state": _RESTORE.format("restore_data_state"),
-    "clock": ("flax_ckpt_plugin.manager.schedule.monotonic, which a test may"
-              " replace"),
-}
-
 
 class CheckpointCallback:
   """Decides when to save, saves asynchronously, and says when to stop.
@@ -128,7 +105,9 @@ class CheckpointCallback:
     restored_extra: the `extra` saved with that step, or None.
     restored_tier: where that step came from: "local", "peer" or
       "persistent"; None when nothing was restored.
-    local: the `local_tier.LocalTier`, or None.
+    local: the `tiers.LocalTier`, or None.
+    tiers: the `tiers.Tiers` it saves through (the manager, the local tier
+      and the watch over the other processes).
 
   Raises:
     ValueError: `every_steps` < 1 or `every_secs` <= 0.
@@ -137,7 +116,7 @@ class CheckpointCallback:
   waiting for the running save).
   """
 
-  @options.moved_keywords("CheckpointCallback", MOVED)
+  @options.moved_keywords("CheckpointCallback", options.CALLBACK_MOVED)
   def __init__(self, directory: epath.PathLike, *,
                every_steps: int | None = None,
                every_secs: float | None = None,
@@ -157,47 +136,16 @@ class CheckpointCallback:
     self.metric_writer = metric_writer
     self.data_iterator: datastate.DataIterator | None = None
     self.restore_data_state = True
-    coordinator, primary_host = commit.coordinator, commit.primary_host
-    watch_peers, elastic = tolerance.watch_peers, tolerance.elastic
-    local_directory = tolerance.local_directory
-    pinned_host_bytes = commit.pinned_host_bytes
-    coord = coordinator or coordinator_lib.default()
-    if watch_peers is None:
-      watch_peers = liveness.recoverability_enabled()
-    watch_peers = watch_peers and coord.process_count > 1
-    # A process relaunched after a loss, which the survivors take back: it
-    # opens its tiers by itself, then waits for them in
-    # `restore_or_initialize` (see `elastic`).
-    job = generations.job_name(os.fspath(directory))
-    rejoins = generations.joining(coord, generations.group_key(job)) if (
-        elastic and watch_peers) else None
-    if rejoins is not None:
-      coord = groups.Survivors(coord, [coord.process_index])
-    self.manager = CheckpointManager(
-        directory, max_to_keep=max_to_keep, retention=retention,
-        commit=dataclasses.replace(
-            commit, coordinator=coord, hooks=(),  # (Added below.)
-            primary_host=primary_host if rejoins is None
-            else rejoins.opening_primary(coord.process_index)))
-    self.local = None if local_directory is None else local_tier.open_tier(
-        local_directory, job, coordinator=coord,
-        timeout_ms=self.manager.barrier_timeout_ms,
-        pinned_host_bytes=pinned_host_bytes)
-    self._warmed_up = False  # See `_warm_up`.
+    self.tiers = Tiers(directory, max_to_keep=max_to_keep,
+                       retention=retention, commit=commit,
+                       tolerance=tolerance, exit_code=PREEMPTED_EXIT_CODE,
+                       metric_writer=metric_writer)
+    self.manager, self.local = self.tiers.manager, self.tiers.local
     # The step `should_save` chose, and whether it saves each tier there.
     self._chosen: tuple[int, bool, bool] | None = None
-    # Started here, on every process at the same point: see `liveness`.
-    self._peers = elastic_lib.Peers(
-        self.manager, self.local, directory,
-        poll_secs=tolerance.watch_poll_secs, exit_code=PREEMPTED_EXIT_CODE,
-        elastic_secs=tolerance.elastic_wait_secs if elastic else None,
-        primary_host=primary_host, group=rejoins,
-        metric_writer=metric_writer) if watch_peers else None
-    # The step at which the group takes back a relaunched process.
-    self._rebuild_at: int | None = None
     self.should_rebuild = False
     self._metrics = SaveMetrics(metric_writer)
-    if metric_writer is not None:  # Before user hooks.
+    if metric_writer is not None:  # Before the user's hooks.
       self.manager.add_commit_hook(self._metrics.record)
     for hook in commit.hooks:
       self.manager.add_commit_hook(hook)
@@ -243,23 +191,18 @@ class CheckpointCallback:
       Exception: the error of an earlier background save (once).
     """
     try:
-      self._warm_up(state)
-      if self._peers is not None and self._peers.rebuild_due(step, state):
-        self._rebuild_at = step  # Saved to the local tier, then rebuilt.
+      self.tiers.warm_up(state)
+      self.tiers.check_rebuild(step, state)
       saved = self.should_save(step)
       if saved:
         self.save(step, state, extra=extra, metrics=metrics)
-      if self._rebuild_at == step:
-        self._local_quietly("save", lambda m: m.wait_until_finished())
+      if self.tiers.rebuild_at == step:
+        self.tiers.quietly("save", lambda m: m.wait_until_finished())
         self.should_rebuild = True
     except Exception as e:
-      self._raise_lost_instead(e)
+      self.tiers.raise_instead(e)
       raise
     return saved
-
-  def _raise_lost_instead(self, error: Exception) -> None:
-    if self._peers is not None:
-      self._peers.raise_instead(error)
 
   def should_save(self, step: int) -> bool:
     """Whether a trigger fires at `step`; call it at every step.
@@ -271,11 +214,10 @@ class CheckpointCallback:
     Raises:
       Exception: the error of an earlier background save (once).
     """
-    if self._peers is not None:
-      self._peers.check()
+    self.tiers.check()
     self._metrics.flush()
     self.manager.check_for_errors()
-    self._local_quietly("save", lambda m: m.check_for_errors())
+    self.tiers.quietly("save", lambda m: m.check_for_errors())
     self._chosen = None
     if self.should_stop:
       return False
@@ -289,7 +231,7 @@ class CheckpointCallback:
       self.should_stop = preempted  # That step is already durable.
       persistent = False
     local = (self.local is not None and not preempted and step > 0
-             and (self.triggers.local(step) or step == self._rebuild_at)
+             and (self.triggers.local(step) or step == self.tiers.rebuild_at)
              and step not in self.local.manager.all_steps())
     if not (persistent or local):
       return False
@@ -315,17 +257,13 @@ class CheckpointCallback:
                         data_state=data)
       self.triggers.saved(self.manager.name)
     if local:
-      self._local_quietly("save", lambda m: m.save(
+      self.tiers.quietly("save", lambda m: m.save(
           step, state, extra=extra, metrics=metrics, data_state=data))
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True
       log.warning("preemption checkpoint of step %d is durable in %s; the"
                   " loop should stop", step, self.directory)
-
-  def _local_quietly(self, what: str, fn: Callable[[Any], Any]) -> None:
-    if self.local is not None:  # See `LocalTier.quietly`.
-      self.local.quietly(what, fn)
 
   def restore_or_initialize(
       self, state: Any, *, cast: bool = False,
@@ -372,44 +310,10 @@ class CheckpointCallback:
     if data_iterator is not None:
       self.data_iterator = data_iterator
     self.restore_data_state = restore_data_state
-    # Pinned memory first (from `state`, if it holds arrays): the restore
-    # then takes its buffers from the same pool.
-    self._warm_up(state)
-    if self._peers is not None:
-      self._peers.first_state(state)
-    state = self._restored_or_initial(state, cast, make_target)
-    self._warm_up(state)
-    return state
-
-  def _restored_or_initial(self, state: Any, cast: bool,
-                           make_target: Callable[[list[Any]], Any] | None
-                           ) -> Any:
-    it = self.data_iterator if self.restore_data_state else None
-    if self._peers is not None and self._peers.rejoining:
-      return self._rejoined(self._peers.rejoin(make_target, state, it),
-                            local_tier.PEER)
-    found = local_tier.restore_for_callback(state, self.local, self.manager,
-                                            data_iterator=it, cast=cast)
-    if found is None:
-      log.info("no checkpoint in %s; starting from the given state",
-               self.directory)
-      return state
-    step, tier, (restored, self.restored_extra) = found
-    self.restored_step, self.restored_tier = step, tier
-    # A warning, so that a plain script shows it: a resume should never
-    # go unnoticed.
-    (log.warning if self.manager.is_primary else log.info)(
-        "resumed: restored step %d from the %s tier of %s", step, tier,
-        self.directory)
-    return restored
-
-  def _warm_up(self, state: Any) -> None:
-    """Once: sets up what saving `state` needs (`CheckpointManager.warm_up`:
-    pinned host memory on accelerators), unless `state` is abstract."""
-    if self._warmed_up:
-      return
-    self._warmed_up = self.manager.warm_up(state)
-    self._local_quietly("warm-up", lambda m: m.warm_up(state))
+    found = self.tiers.restore(
+        state, cast=cast, make_target=make_target,
+        data_iterator=self.data_iterator if restore_data_state else None)
+    return state if found is None else self._restored(found)
 
   def recover(self, make_target: Callable[[list[Any]], Any]
               ) -> tuple[Any, int]:
@@ -437,41 +341,33 @@ class CheckpointCallback:
       cannot restore (see `elastic`); the program should then exit, and
       the survivors save what they hold and end with `PREEMPTED_EXIT_CODE`.
     """
-    it = self.data_iterator if self.restore_data_state else None
-    rebuild, step = self.should_rebuild, self._rebuild_at
-    self.should_rebuild, self._rebuild_at = False, None
+    rebuild, step = self.should_rebuild, self.tiers.rebuild_at
+    self.should_rebuild, self.tiers.rebuild_at = False, None
     if rebuild and sys.exc_info()[1] is None:
       self.wait_until_finished()  # Its error is the loop's, not the rejoin's.
-      done = self._peers.rejoin(make_target, None, None)
+      done = self.tiers.rejoin(make_target)
       if done is None:  # It failed (logged): go on as before.
-        return self._peers.kept, step
-      return self._rejoined(done, local_tier.LOCAL), done.step
-    if self._peers is None:
-      error = elastic_lib.caught_error()
-      error.add_note("recover() needs a callback made with tolerance="
-                     "FaultTolerance(elastic=True, local_directory=...) and"
-                     " several processes")
-      raise error
-    done = self._peers.recover(make_target, elastic_lib.caught_error(), it)
-    return self._rejoined(done, local_tier.LOCAL), done.step
+        return self.tiers.peers.kept, step
+    else:
+      done = self.tiers.recover(
+          make_target,
+          self.data_iterator if self.restore_data_state else None)
+    return self._restored(done), done.step
 
-  def _rejoined(self, done: elastic_lib.Recovered, tier: str) -> Any:
-    """After `Peers.recover` or `Peers.rejoin`: the callback goes on with
-    the new group from `done.step`."""
-    self.triggers.regroup(self.manager.coordinator,
-                          is_primary=self.manager.is_primary)
-    self.restored_step, self.restored_tier = done.step, tier
+  def _restored(self, done: Restored) -> Any:
+    """The callback goes on from `done.step` (with the new group of
+    processes, after a loss or a rejoin)."""
+    if done.regrouped:
+      self.triggers.regroup(self.manager.coordinator,
+                            is_primary=self.manager.is_primary)
+    self.restored_step, self.restored_tier = done.step, done.tier
     self.restored_extra, self._chosen = done.extra, None
     return done.state
 
   def wait_until_finished(self) -> None:
     """Blocks until the running save is durable; raises its error."""
     try:
-      self.manager.wait_until_finished()
-      self._local_quietly("save", lambda m: m.wait_until_finished())
-    except Exception as e:
-      self._raise_lost_instead(e)
-      raise
+      self.tiers.wait_until_finished()
     finally:
       self._metrics.flush()
 
@@ -483,19 +379,9 @@ class CheckpointCallback:
     """
     self._signals.uninstall()
     try:
-      try:
-        self.manager.close()
-      finally:
-        self._local_quietly("save", lambda m: m.close())
-    except Exception as e:
-      self._raise_lost_instead(e)
-      raise
+      self.tiers.close()
     finally:
       self._metrics.flush()
-      if self._peers is not None:
-        self._peers.close()
-    if self._peers is not None:
-      self._peers.check()
 
   def __enter__(self) -> "CheckpointCallback":
     return self
@@ -506,9 +392,6 @@ class CheckpointCallback:
       return
     self._signals.uninstall()
     try:
-      self.manager.__exit__(exc_type, exc, tb)
-      self._local_quietly("save", lambda m: m.close())
+      self.tiers.exit(exc_type, exc, tb)
     finally:
       self._metrics.flush()
-      # The watcher goes on: the error may be a collective's with a peer
-      # that is dying, which the exit hook then learns (see `rescue`).

@@ -28,6 +28,7 @@ import pytest
 
 from flax_ckpt_plugin.tolerance import elastic
 from flax_ckpt_plugin.tolerance import generations
+from flax_ckpt_plugin.tolerance import tiers
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup
@@ -316,4 +317,4 @@ def test_a_relaunched_primary_opens_its_tiers_as_another_process():
 
 def test_recover_outside_an_except_block_says_how_to_call_it():
   with pytest.raises(RuntimeError, match="except"):
-    elastic.caught_error()
+    tiers.caught_error()

@@ -16,7 +16,6 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import Commit
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
-from flax_ckpt_plugin import callback as callback_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.manager import options as manager_options
 
@@ -29,13 +28,13 @@ def test_the_callback_takes_ten_keywords_at_most():
   assert {"retention", "tolerance", "commit"} <= set(params)
 
 
-@pytest.mark.parametrize("old", sorted(callback_lib.MOVED))
+@pytest.mark.parametrize("old", sorted(manager_options.CALLBACK_MOVED))
 def test_a_moved_keyword_of_the_callback_names_where_it_is_now(tmp_path, old):
   with pytest.raises(TypeError) as info:
     CheckpointCallback(tmp_path, **{old: None})
   message = str(info.value)
   assert f"no longer takes {old!r}" in message
-  assert callback_lib.MOVED[old] in message
+  assert manager_options.CALLBACK_MOVED[old] in message
   assert not (tmp_path / "0").exists()
 
 
@@ -49,7 +48,7 @@ def test_a_moved_keyword_of_the_manager_names_where_it_is_now(tmp_path, old):
 def test_each_moved_keyword_names_a_field_of_its_record():
   fields = {record.__name__: {f.name for f in dataclasses.fields(record)}
             for record in (Retention, FaultTolerance, Commit)}
-  for old, where in callback_lib.MOVED.items():
+  for old, where in manager_options.CALLBACK_MOVED.items():
     if "=" not in where or where.startswith("restore_or_initialize"):
       continue
     record, field = where.split("=", 1)[1].split("(", 1)

@@ -118,7 +118,9 @@ def test_bad_policies_are_refused_with_a_clear_error(tmp_path, kwargs,
 
 
 def test_a_recorded_policy_round_trips_and_bad_ones_are_ignored():
-  policy = Policy(3, 10, 2, "acc", "max", False)
+  policy = Policy(max_to_keep=3, keep_every_n_steps=10, keep_best=2,
+                  best_metric="acc", best_mode="max",
+                  keep_without_metric=False)
   assert Policy.from_json(json.loads(json.dumps(policy.to_json()))) == policy
   assert Policy.from_json({"keep_best": 2}) is None  # No metric: not one.
   assert Policy.from_json("newest") is None
@@ -138,7 +140,8 @@ def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
   assert finalized_steps_on_disk(tmp_path) == [200, 400, 600]
   recorded = Policy.from_json(manifest_lib.read(tmp_path / "600",
                                                 600).retention)
-  assert recorded == Policy(1, None, 2, "loss", "min", True)
+  assert recorded == Policy(max_to_keep=1, keep_best=2,
+                           best_metric="loss")
 
 
 def test_a_restarted_job_ranks_the_steps_of_the_earlier_run(tmp_path):
@@ -239,8 +242,9 @@ def test_usage_doc_example_and_the_list_it_shows(tmp_path, capsys,
 
   assert cli.main(["list", "best", "--json"]) == 0
   listing = json.loads(capsys.readouterr().out)
-  assert listing["retention"] == Policy(2, None, 2, "loss", "min",
-                                        False).to_json()
+  assert listing["retention"] == Policy(
+      max_to_keep=2, keep_best=2, best_metric="loss",
+      keep_without_metric=False).to_json()
   by_step = {e["step"]: e for e in listing["steps"]}
   assert by_step[200]["kept_by"] == ["best 2 by loss (min)"]
   assert by_step[200]["metrics"] == {"loss": 0.5}

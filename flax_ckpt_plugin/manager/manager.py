@@ -15,7 +15,6 @@ import functools
 import hashlib
 import operator
 import os
-import threading
 import time
 from typing import Any
 
@@ -34,7 +33,6 @@ from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.commit import CommitHook
-from flax_ckpt_plugin.save.stats import RestoreStats
 from flax_ckpt_plugin.save.stats import SaveStats
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
@@ -67,7 +65,7 @@ class CheckpointManager(Restoring):
       directory at every query, so it sees steps finalized after it opened,
       and it talks to other processes only in `restore_newest_valid`.
     scope: save, for the process it names, every distinct shard that
-      process holds, alone (the local tier's steps; see `local_tier`).
+      process holds, alone (the local tier's steps; see `tiers.LocalTier`).
     share_reads: in restores that every process makes together
       (`restore_newest_valid`, the callback's), split the reading of what
       several processes need and share it over JAX collectives, so that
@@ -112,39 +110,34 @@ class CheckpointManager(Restoring):
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
-    self.directory, self.backend = backend_lib.make_path(given,
-                                                         commit.backend)
+    directory, backend = backend_lib.make_path(given, commit.backend)
     self.atomicity = atomicity_lib.resolve_atomicity(given, commit.atomicity,
-                                                     self.backend)
+                                                     backend)
     self.primary_host = primary_host
-    self.read_only = read_only
-    self.scope = scope
-    self.share_reads = share_reads
-    self.is_primary = self.coordinator.process_index == primary_host
-    self.barrier_timeout_ms = int(commit.barrier_timeout_secs * 1000)
     base = commit.name or hashlib.sha1(given.encode()).hexdigest()[:12]
-    self._base = f"flax_ckpt_plugin/{base}"
+    super().__init__(
+        directory, backend, coordinator=self.coordinator,
+        is_primary=self.coordinator.process_index == primary_host,
+        read_only=read_only, share_reads=share_reads, scope=scope,
+        barrier_timeout_ms=int(commit.barrier_timeout_secs * 1000),
+        base=f"flax_ckpt_plugin/{base}",
+        committer=AsyncCommitter(f"flax_ckpt_plugin-commit-{base}"),
+        # Host copies of CPU shards, reused by each save (see staging.py).
+        # A directory of this process alone may hold its snapshots (tmpfs).
+        staging=HostStaging(arena=None if scope is None
+                            else backend.staging_arena(directory)))
     self.name = self._base
-    self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
-    # Host copies of CPU shards, reused by each save (see staging.py).
-    # A directory of this process alone may hold its snapshots (tmpfs).
-    self._staging = HostStaging(arena=None if scope is None else
-                                self.backend.staging_arena(self.directory))
     # Accelerator shards' pinned host memory (see pinned.py).
     self._pinned = pinned.PinnedStaging(commit.pinned_host_bytes)
-    self._saves, self._closed, self._lock = 0, False, threading.Lock()
+    self._saves = 0
     self.last_save_stats: SaveStats | None = None
-    self.last_restore_stats: RestoreStats | None = None
     self._commit_hooks: list[CommitHook] = []
     for hook in commit.hooks:
       self.add_commit_hook(hook)
-    self._steps: list[int] = []
     self._writers: list[int] | None = None  # None: every process.
     # The primary's recorded metrics of each step, for `keep_best` (steps
     # of earlier runs are read from their manifests when first needed).
     self._metrics: dict[int, Any] = {}
-    # The newest step known to restore (-1: none); retention keeps it.
-    self._known_good = -1
     if not read_only:  # The writer's token names every later key.
       token, steps = commit_lib.open_for_writing(
           self.coordinator, self.directory, self.backend, self._base,

@@ -84,6 +84,22 @@ MANAGER_MOVED = {
     "commit_hooks": _COMMIT.format("hooks"),
 }
 
+_TOLERANCE = "tolerance=FaultTolerance({}=...)"
+_RESTORE = "restore_or_initialize(state, {}=...)"
+# The callback's keywords that moved into the option records (or to where
+# the iterator's state is restored): where each is now.
+CALLBACK_MOVED = {
+    **MANAGER_MOVED,
+    **{k: _TOLERANCE.format(k) for k in (
+        "save_on_preemption", "preemption_signals", "watch_peers",
+        "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",
+        "local_every_steps")},
+    "data_iterator": _RESTORE.format("data_iterator"),
+    "restore_data_state": _RESTORE.format("restore_data_state"),
+    "clock": ("flax_ckpt_plugin.manager.schedule.monotonic, which a test may"
+              " replace"),
+}
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

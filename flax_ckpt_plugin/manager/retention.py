@@ -67,36 +67,8 @@ class Retention:
   keep_without_metric: bool = True
 
   def __post_init__(self):
-    Policy.of(None, self)  # Checks the values.
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-  """The retention rules of one checkpoint directory.
-
-  Attributes:
-    max_to_keep: keep the newest N finalized steps (None: this rule keeps
-      none besides the newest).
-    keep_every_n_steps: also keep every step divisible by N, forever.
-    keep_best: also keep the N steps with the best `best_metric`.
-    best_metric: the key of `metrics=` that ranks steps for `keep_best`.
-    best_mode: 'min' (a loss) or 'max' (an accuracy).
-    keep_without_metric: with `keep_best`, whether steps saved without a
-      value of `best_metric` are kept (True) or left to the other rules.
-  """
-  max_to_keep: int | None = None
-  keep_every_n_steps: int | None = None
-  keep_best: int | None = None
-  best_metric: str | None = None
-  best_mode: BestMode = "min"
-  keep_without_metric: bool = True
-
-  def __post_init__(self):
-    for name in ("max_to_keep", "keep_every_n_steps", "keep_best"):
-      value = getattr(self, name)
-      if value is not None and (not isinstance(value, int)
-                                or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    for name in ("keep_every_n_steps", "keep_best"):
+      _check_count(name, getattr(self, name))
     if self.keep_best is not None and not self.best_metric:
       raise ValueError(
           f"keep_best={self.keep_best} needs best_metric, the name of the"
@@ -110,10 +82,33 @@ class Policy:
       raise ValueError("keep_without_metric must be True or False, got"
                        f" {self.keep_without_metric!r}")
 
+
+def _check_count(name: str, value: Any) -> None:
+  if value is not None and (not isinstance(value, int)
+                            or isinstance(value, bool) or value < 1):
+    raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(Retention):
+  """The retention rules of one checkpoint directory: `max_to_keep`, and
+  the rules of `Retention` (its attributes).
+
+  Attributes:
+    max_to_keep: keep the newest N finalized steps (None: this rule keeps
+      none besides the newest).
+  """
+  max_to_keep: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_count("max_to_keep", self.max_to_keep)
+
   @classmethod
   def of(cls, max_to_keep: int | None, rules: Retention | None) -> "Policy":
     """The policy of `max_to_keep` and the other rules."""
-    return cls(max_to_keep, **dataclasses.asdict(rules or Retention()))
+    return cls(max_to_keep=max_to_keep,
+               **dataclasses.asdict(rules or Retention()))
 
   @property
   def deletes(self) -> bool:
@@ -187,8 +182,9 @@ class Policy:
             if not rules]
 
   def to_json(self) -> dict[str, Any]:
-    """The policy as recorded in a manifest's 'retention' entry."""
-    return dataclasses.asdict(self)
+    """The policy as recorded in a manifest's 'retention' entry
+    (`max_to_keep` first)."""
+    return {"max_to_keep": self.max_to_keep, **dataclasses.asdict(self)}
 
   @classmethod
   def from_json(cls, value: Any) -> "Policy | None":
@@ -209,7 +205,8 @@ def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
 
   Never the newest, nor `protect` (the newest step known to restore).
   """
-  return Policy(max_to_keep, keep_every_n_steps).to_delete(
+  return Policy(max_to_keep=max_to_keep,
+                keep_every_n_steps=keep_every_n_steps).to_delete(
       steps, protect=protect)
 
 

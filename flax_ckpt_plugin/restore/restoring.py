@@ -4,9 +4,9 @@
 same, called on every process, with the reading of what several processes
 need split among them (`shared_read`); `restore_newest_valid` is the
 agreement of all processes on the newest step that restores on every one
-of them (`fallback`), which sets damaged steps aside. `Restoring` is a base
-class of `CheckpointManager`: the manager's `__init__` sets the attributes
-listed on it, and its save side keeps the step list that `set_aside` and
+of them (`fallback`), which sets damaged steps aside. `Restoring` is the
+reading side of a directory's steps, and `CheckpointManager` adds the
+writing side: its save side keeps the step list that `set_aside` and
 `discard` take steps out of.
 """
 
@@ -39,29 +39,45 @@ from flax_ckpt_plugin.save.stats import StepMetadata
 
 
 class Restoring:
-  """Lists and restores the steps of one directory; see `CheckpointManager`,
-  its one subclass."""
+  """Lists and restores the steps of one directory; `CheckpointManager`
+  adds saving to it.
 
-  # Set by `CheckpointManager.__init__`.
-  directory: epath.Path
-  backend: interface.Backend
-  coordinator: coordinator_lib.Coordinator
-  is_primary: bool
-  read_only: bool
-  share_reads: bool
-  scope: Any  # A local tier's managers: one process's own copy.
-  barrier_timeout_ms: int
-  last_restore_stats: RestoreStats | None
-  _base: str  # The prefix of the keys that restores meet at.
-  _committer: AsyncCommitter
-  _staging: HostStaging
-  _lock: threading.Lock
-  _steps: list[int]  # A writer's finalized steps.
-  _known_good: int  # The newest step known to restore (-1: none).
+  Args:
+    directory: the checkpoint directory.
+    backend: its storage backend.
+    coordinator: the processes that restores meet.
+    is_primary: whether this process is the primary host.
+    read_only: list the directory anew at each query (a reader of a
+      directory another job writes), and change nothing in it.
+    share_reads: see `CheckpointManager`.
+    scope: see `CheckpointManager` (a local tier's steps).
+    barrier_timeout_ms: how long restores wait for the other processes.
+    base: the prefix of the keys that restores meet at.
+    committer: the background commit, whose error a restore raises first.
+    staging: the snapshots' host memory, which a restore frees first.
+  """
 
-  check_still_writer: Callable[..., None]  # Writers only.
-  # Whether `restore` said once that `restore_together` reads less.
-  _hinted_together = False
+  def __init__(self, directory: epath.Path, backend: interface.Backend, *,
+               coordinator: coordinator_lib.Coordinator, is_primary: bool,
+               read_only: bool, share_reads: bool, scope: Any,
+               barrier_timeout_ms: int, base: str,
+               committer: AsyncCommitter, staging: HostStaging):
+    self.directory, self.backend = directory, backend
+    self.coordinator, self.is_primary = coordinator, is_primary
+    self.read_only, self.share_reads = read_only, share_reads
+    self.scope, self.barrier_timeout_ms = scope, barrier_timeout_ms
+    self._base = base
+    self._committer, self._staging = committer, staging
+    self._closed, self._lock = False, threading.Lock()
+    self._steps: list[int] = []  # A writer's finalized steps.
+    # The newest step known to restore (-1: none); retention keeps it.
+    self._known_good = -1
+    self.last_restore_stats: RestoreStats | None = None
+    # Whether `restore` said once that `restore_together` reads less.
+    self._hinted_together = False
+    # Raises `ConcurrentWriterError` once another job claimed the
+    # directory (a writer's, set when it opens the directory).
+    self.check_still_writer: Callable[..., None] | None = None
 
   # -- queries ---------------------------------------------------------------
 

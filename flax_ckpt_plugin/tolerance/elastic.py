@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
@@ -71,7 +70,7 @@ from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
+  from flax_ckpt_plugin.tolerance import tiers
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
 # error (a runtime, timeout or connection error) came first: a collective
@@ -111,20 +110,17 @@ class Peers:
       survivors wait for the loop's `recover` before they save and leave.
     primary_host: the primary the user asked for (kept when a member).
     group: the running group this process rejoins (`joining`), or None.
-    metric_writer: the callback's, for `announce`.
   """
 
   def __init__(self, manager: CheckpointManager,
-               local: local_tier_lib.LocalTier | None, directory: Any, *,
+               local: tiers.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
-               primary_host: int, group: generations.Group | None = None,
-               metric_writer: Any = None):
+               primary_host: int, group: generations.Group | None = None):
     self._manager, self._local = manager, local
     self._key = generations.group_key(
         generations.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
-    self._metric_writer = metric_writer
     count = manager.coordinator.process_count
     self.rejoining = group is not None
     self.group = group or generations.Group(tuple(range(count)), 0,
@@ -140,7 +136,8 @@ class Peers:
       if elastic_secs is not None:
         self._record()
     elif manager.coordinator.process_index in group.members:
-      self._show_restart()
+      generations.show_restart(manager.coordinator, self._key, self.group,
+                               RESTART_POLL_SECS)
     self._proposed: int | None = None  # This survivor's vote.
     self._rebuild: tuple[int, list[int]] | None = None  # Agreed: at, who.
     self._joins_refused = False  # A rejoin into this group failed.
@@ -178,17 +175,6 @@ class Peers:
   def _record(self) -> None:
     generations.record(self._manager.coordinator, self._key, self.group,
                        self._lists)
-
-  def _show_restart(self) -> None:
-    generations.show_restart(self._manager.coordinator, self._key,
-                             self.group, RESTART_POLL_SECS)
-
-  def _await_survivors(self) -> None:
-    """A relaunched process that is still a member of the recorded group:
-    waits until the survivors recovered without it (the next group)."""
-    self.group = generations.next_group_without(
-        self._manager.coordinator, self._key, self.group,
-        self._manager.barrier_timeout_ms)
 
   def check(self) -> None:
     """Raises `PeerLostError` once a peer was lost."""
@@ -293,8 +279,6 @@ class Peers:
     # Newer local steps belong to the timeline the loss ended: the loop
     # computes those steps anew, and saves them anew.
     self._local.discard_newer(done.step)
-    announce(done, self._metric_writer if self._manager.is_primary
-             else None)
     return done
 
   def rebuild_due(self, step: int, state: Any) -> bool:
@@ -348,8 +332,9 @@ class Peers:
     if local is None:
       raise RuntimeError("rejoining needs a local tier"
                          " (FaultTolerance(local_directory=...))")
-    if self.rejoining:
-      self._await_survivors()
+    if self.rejoining:  # Waits until the survivors went on without it.
+      self.group = generations.next_group_without(coord, self._key,
+                                                  self.group, timeout_ms)
       key = f"{self._key}/{self.group.gen}"
       coord.kv_set(f"{key}/join/{me}", "1")
       step, survivors, members = json.loads(coord.kv_get(
@@ -377,8 +362,8 @@ class Peers:
             f" {coordinator_lib.describe_failures(outcome.failures)}")
       devices, built = outcome.result
       state, extra = peer.restore(
-          group, f"{key}/peer", step, survivors, local.directory,
-          built, timeout_ms=timeout_ms, devices=devices)
+          group, f"{key}/peer", step, survivors, local, built,
+          timeout_ms=timeout_ms, devices=devices)
     except Exception as e:  # pylint: disable=broad-except
       self._rebuild = self._proposed = None
       if self.rejoining:
@@ -407,32 +392,3 @@ class Peers:
     return self._done(Recovered(state, step, extra, members, {},
                                 sorted(set(members) - set(survivors)),
                                 time.monotonic() - t0))
-
-
-def announce(done: Recovered, metric_writer: Any) -> None:
-  """The log line of a recovery or a rejoin, and its metrics
-  (`metric_writer`: the callback's, on the primary; else None)."""
-  devices = sum(d.process_index in done.members for d in jax.devices())
-  if done.joined:
-    log.warning("process(es) %s rejoined at step %d in %.2fs: processes %s"
-                " (%d devices)", done.joined, done.step, done.secs,
-                done.members, devices)
-  else:
-    log.warning("lost process(es) %s; recovered in place at step %d in"
-                " %.2fs on processes %s (%d devices)", sorted(done.lost),
-                done.step, done.secs, done.members, devices)
-  if metric_writer is not None:
-    metric_writer.write_scalars(done.step, {
-        ("elastic/rejoin_secs" if done.joined else "elastic/recover_secs"):
-            done.secs,
-        "elastic/live_processes": len(done.members)})
-
-
-def caught_error() -> BaseException:
-  """The exception being handled (`recover` is called from a handler)."""
-  error = sys.exc_info()[1]
-  if error is None:
-    raise RuntimeError("recover() is called from the loop's `except` block"
-                       " for PeerLostError or the runtime's error, or when"
-                       " should_rebuild is set")
-  return error

@@ -26,7 +26,7 @@ send (checksums verified); then all run the program.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import jax
 from jax.sharding import NamedSharding
@@ -45,6 +45,9 @@ from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.save.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 from flax_ckpt_plugin.format.treepaths import normalize_index
+
+if TYPE_CHECKING:
+  from flax_ckpt_plugin.backends import interface
 
 
 def _agree(coord: coordinator_lib.Coordinator, key: str, fn, where: str,
@@ -102,7 +105,7 @@ def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
 
 
 def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
-            holders: list[int], local_dir: Any, target: Any, *,
+            holders: list[int], local: Any, target: Any, *,
             timeout_ms: int, devices: list[Any] | None = None
             ) -> tuple[Any, Any]:
   """Restores `step` like `target`, from the local tiers of `holders`.
@@ -114,7 +117,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
     key: a prefix of keys no earlier call used (same on every process).
     step: the step.
     holders: the processes whose local tier holds it (sorted).
-    local_dir: this process's local tier directory (`LocalTier.directory`).
+    local: this process's local tier (`tiers.LocalTier`).
     target: what to restore into, as for `CheckpointManager.restore`.
     timeout_ms: how long to wait for the others at each phase.
     devices: the devices that receive the leaves that travel whole, in
@@ -131,19 +134,20 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
   me, source = coord.process_index, holders[0]
   holding = me in holders
   where = f"step {step} from the local tiers of processes {holders}"
-  step_dir = local_dir / str(step)
+  step_dir = local.directory / str(step)
+  backend = local.manager.backend
 
   def share():
     if me == source:
       groups.share_text(coord, f"{key}/manifest",
-                        local_read(step_dir).decode("utf-8"))
+                        local_read(step_dir, backend).decode("utf-8"))
 
   _agree(coord, f"{key}/shared", share, where, timeout_ms)
 
   def prepare():
     saved = manifest_lib.parse(groups.fetch_text(
         coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
-    return _prepare(saved, target, step_dir if holding else None,
+    return _prepare(saved, target, step_dir if holding else None, backend,
                     me == source, set(holders), where,
                     devices or jax.devices())
 
@@ -151,17 +155,16 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
   return _run(*prepared)
 
 
-def local_read(step_dir: Any) -> bytes:
+def local_read(step_dir: Any, backend: interface.Backend) -> bytes:
   """The raw manifest of a local step (bounded, as every read of one)."""
-  from flax_ckpt_plugin.backends import backend as backend_lib  # pylint: disable=g-import-not-at-top
-  return backend_lib.for_local_path(step_dir).read_small(
+  return backend.read_small(
       step_dir / manifest_lib.MANIFEST, within=step_dir,
       limit=manifest_lib.MAX_MANIFEST_BYTES)
 
 
 def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
-             is_source: bool, holders: set[int], where: str,
-             devices: list[Any]):
+             backend: interface.Backend, is_source: bool,
+             holders: set[int], where: str, devices: list[Any]):
   """Checks the target, plans every leaf, reads the bytes this process
   sends, and builds and compiles the program, so that anything that can
   fail here fails before any process enters a collective. Returns the
@@ -173,11 +176,8 @@ def _prepare(saved: manifest_lib.Manifest, target: Any, step_dir: Any,
   targets = [(p, placement.on_context_mesh(p, t)) for p, _, t in targets]
   mine = None
   if step_dir is not None:  # The bytes come from this process's own copy.
-    from flax_ckpt_plugin.backends import backend as backend_lib  # pylint: disable=g-import-not-at-top
-    mine = manifest_lib.read(step_dir, saved.step,
-                             backend_lib.for_local_path(step_dir))
-    reader = ByteReader(step_dir, mine.files,
-                        backend_lib.for_local_path(step_dir))
+    mine = manifest_lib.read(step_dir, saved.step, backend)
+    reader = ByteReader(step_dir, mine.files, backend)
   own = mine.leaf_by_path if mine is not None else {}
 
   def leaf_reader(path: str) -> LeafReader:

@@ -49,7 +49,7 @@ from flax_ckpt_plugin.save.snapshot import ShardData
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.tolerance import local_tier as local_tier_lib
+  from flax_ckpt_plugin.tolerance import tiers
 
 # How long the main thread has, once the survivors' save is done, to reach
 # the exit hook by itself before the process ends anyway.
@@ -71,7 +71,7 @@ SETTLE_SECS = 600.0
 
 
 def watch(manager: CheckpointManager,
-          local: local_tier_lib.LocalTier | None, *, poll_secs: float,
+          local: tiers.LocalTier | None, *, poll_secs: float,
           exit_code: int, elastic_secs: float | None = None,
           members: Any = None, join_key: str | None = None,
           lost_key: str | None = None
@@ -106,7 +106,7 @@ class Rescue:
   """
 
   def __init__(self, manager: CheckpointManager,
-               local: local_tier_lib.LocalTier | None, *, exit_code: int,
+               local: tiers.LocalTier | None, *, exit_code: int,
                elastic_secs: float | None = None):
     self._manager = manager
     self._local = local
@@ -312,7 +312,7 @@ def _agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
 
 
 def common_step(group: groups.Survivors, key: str,
-                 local: local_tier_lib.LocalTier, manager: CheckpointManager,
+                 local: tiers.LocalTier, manager: CheckpointManager,
                  timeout_ms: int) -> tuple[int | None, int | None]:
   """The newest local step that every survivor holds, and the newest
   persistent step any survivor knows of (the same on every survivor)."""
@@ -327,7 +327,7 @@ def common_step(group: groups.Survivors, key: str,
 
 
 def _assigned(group: groups.Survivors, key: str,
-              local: local_tier_lib.LocalTier, step: int, timeout_ms: int
+              local: tiers.LocalTier, step: int, timeout_ms: int
               ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
   that holds it writes it), the step's `extra`, and this survivor's data

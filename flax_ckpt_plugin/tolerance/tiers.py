@@ -1,0 +1,336 @@
+"""The tiers a callback saves to and restores from, opened together.
+
+`Tiers` holds what `CheckpointCallback` saves through: the persistent
+tier's `CheckpointManager`, this process's `LocalTier` (or None), and the
+watch over the other processes (`elastic.Peers`, or None: one process, or
+`FaultTolerance(watch_peers=False)`). The callback decides when to save
+and which tier saves; the tiers open on every process at the same point,
+restore the newest step from the fastest tier that has it whole
+(`tier_restore`), go on after a lost process (`elastic`), and wait and close
+together.
+
+A process relaunched after a loss, which the survivors take back
+(`FaultTolerance(elastic=True)`), opens its tiers by itself (it meets
+nobody yet, and never claims the directory the survivors write to), then
+waits for them in `restore`.
+
+The local tier (`LocalTier`): every `local_every_steps`, each process
+saves every distinct shard it holds (replicas included) under
+`<local_directory>/<job>/process_NNNNN/`, in the same format, through a
+`CheckpointManager` of its own that meets no other process. On a file
+system in memory (`/dev/shm`) nothing is fsynced
+(`backend.MemoryBackend`). The newest `keep` steps are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable, NamedTuple
+
+from etils import epath
+import jax
+
+from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.format import datastate
+from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.manager.options import Commit
+from flax_ckpt_plugin.manager.retention import Retention
+from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.tolerance import elastic as elastic_lib
+from flax_ckpt_plugin.tolerance import generations
+from flax_ckpt_plugin.tolerance import liveness
+from flax_ckpt_plugin.tolerance import tier_restore
+from flax_ckpt_plugin.tolerance.options import FaultTolerance
+
+
+class LocalTier:
+  """This process's steps in the local tier. Made on every process.
+
+  Args:
+    directory: the per-host path (a local SSD, or `/dev/shm`).
+    job: a name for the job (see `generations.job_name`).
+    coordinator: the job's coordinator (names this process).
+    keep: how many of the newest steps to keep.
+    pinned_host_bytes: see `Commit`.
+  """
+
+  def __init__(self, directory: epath.PathLike, job: str, *,
+               coordinator: coordinator_lib.Coordinator, keep: int = 2,
+               pinned_host_bytes: int | None = None):
+    pid = coordinator.process_index
+    path = epath.Path(os.path.abspath(os.fspath(directory)))
+    path = path / job / f"process_{pid:05d}"
+    self.manager = CheckpointManager(
+        path, max_to_keep=keep, commit=Commit(
+            coordinator=groups.SoloCoordinator(),
+            backend=backend_lib.for_local_path(path),
+            name=f"local/{job}/{pid}", pinned_host_bytes=pinned_host_bytes),
+        scope=storage.Scope(pid, coordinator.process_count))
+
+  @property
+  def directory(self) -> epath.Path:
+    return self.manager.directory
+
+  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+              ) -> None:
+    """`fn(self.manager)`; an error is logged, never raised: the local
+    tier is this process's alone, and a loop that stopped on one process
+    would leave the others waiting for it in the next collective. A step
+    it failed to save is simply missing there (restores fall through)."""
+    try:
+      fn(self.manager)
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("the local tier's %s in %s failed (training goes on; the"
+                " persistent tier is unaffected): %r", what, self.directory,
+                e)
+
+  def discard_newer(self, step: int | None) -> None:
+    """Drops the local steps newer than `step` (every one, with None): a
+    restore or a loss ended the timeline they belong to, and the loop
+    computes those steps anew."""
+    newer = [s for s in self.manager.all_steps() if step is None or s > step]
+    self.quietly("discard", lambda m: m.discard(newer))
+
+
+def open_tier(directory: epath.PathLike, job: str, *,
+              coordinator: coordinator_lib.Coordinator, timeout_ms: int,
+              pinned_host_bytes: int | None = None) -> LocalTier | None:
+  """Every process opens its local tier; None on all if any failed.
+
+  All processes must take the same path through a restore (see
+  `restore_newest`), so a tier that cannot open on one process (a path
+  not writable there) is off everywhere, with an error in the log.
+  """
+  outcome = coordinator_lib.agree(
+      coordinator, f"flax_ckpt_plugin/local/{job}/open/"
+      f"{coordinator.next_round(f'local/{job}/open')}",
+      lambda: LocalTier(directory, job, coordinator=coordinator,
+                        pinned_host_bytes=pinned_host_bytes),
+      timeout_ms=timeout_ms)
+  if not outcome.failures:
+    return outcome.result
+  if outcome.result is not None:
+    outcome.result.manager.close()
+  log.error("the local tier in %s is off: it failed to open on %s",
+            directory, coordinator_lib.describe_failures(outcome.failures))
+  return None
+
+
+class Restored(NamedTuple):
+  """A restored step, and where it came from."""
+  state: Any
+  step: int
+  tier: str  # `tier_restore.LOCAL`, `PEER` or `PERSISTENT`.
+  extra: Any  # The step's `extra`.
+  regrouped: bool  # The processes met from now on changed (`elastic`).
+
+
+class Tiers:
+  """The persistent tier, the local tier and the peers' watch of one
+  callback; made on every process at the same point.
+
+  Args:
+    directory: the persistent tier's directory.
+    max_to_keep, retention, commit: the persistent tier's manager's
+      (`CheckpointManager`); `commit.hooks` are not added.
+    tolerance: the local tier and the peers' watch (`FaultTolerance`).
+    exit_code: the exit code of survivors that save for a relaunch.
+    metric_writer: where the primary writes a recovery's figures.
+  """
+
+  def __init__(self, directory: epath.PathLike, *, max_to_keep: int | None,
+               retention: Retention | None, commit: Commit,
+               tolerance: FaultTolerance, exit_code: int,
+               metric_writer: Any = None):
+    coord = commit.coordinator or coordinator_lib.default()
+    watch_peers = tolerance.watch_peers
+    if watch_peers is None:
+      watch_peers = liveness.recoverability_enabled()
+    watch_peers = watch_peers and coord.process_count > 1
+    elastic = tolerance.elastic
+    job = generations.job_name(os.fspath(directory))
+    rejoins = generations.joining(coord, generations.group_key(job)) if (
+        elastic and watch_peers) else None
+    if rejoins is not None:
+      coord = groups.Survivors(coord, [coord.process_index])
+    self.manager = CheckpointManager(
+        directory, max_to_keep=max_to_keep, retention=retention,
+        commit=dataclasses.replace(
+            commit, coordinator=coord, hooks=(),
+            primary_host=commit.primary_host if rejoins is None
+            else rejoins.opening_primary(coord.process_index)))
+    self.local = None if tolerance.local_directory is None else open_tier(
+        tolerance.local_directory, job, coordinator=coord,
+        timeout_ms=self.manager.barrier_timeout_ms,
+        pinned_host_bytes=commit.pinned_host_bytes)
+    # Started here, on every process at the same point: see `liveness`.
+    self.peers = elastic_lib.Peers(
+        self.manager, self.local, directory,
+        poll_secs=tolerance.watch_poll_secs, exit_code=exit_code,
+        elastic_secs=tolerance.elastic_wait_secs if elastic else None,
+        primary_host=commit.primary_host, group=rejoins) if watch_peers \
+        else None
+    self._metric_writer = metric_writer
+    self._warmed_up = False  # See `warm_up`.
+    # The step at which the group takes back a relaunched process (saved
+    # to the local tier first; see `check_rebuild`).
+    self.rebuild_at: int | None = None
+
+  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+              ) -> None:
+    """`fn` on the local tier's manager, if there is one (see
+    `LocalTier.quietly`)."""
+    if self.local is not None:
+      self.local.quietly(what, fn)
+
+  def warm_up(self, state: Any) -> None:
+    """Once: sets up what saving `state` needs in each tier
+    (`CheckpointManager.warm_up`: pinned host memory on accelerators),
+    unless `state` is abstract."""
+    if self._warmed_up:
+      return
+    self._warmed_up = self.manager.warm_up(state)
+    self.quietly("warm-up", lambda m: m.warm_up(state))
+
+  def check(self) -> None:
+    """Raises `PeerLostError` once a peer was lost."""
+    if self.peers is not None:
+      self.peers.check()
+
+  def raise_instead(self, error: Exception) -> None:
+    """Raises `PeerLostError` instead of `error` once a peer was lost."""
+    if self.peers is not None:
+      self.peers.raise_instead(error)
+
+  def check_rebuild(self, step: int, state: Any) -> None:
+    """Survivors, at every call of the callback: sets `rebuild_at` to
+    `step` when the group takes processes back there
+    (`elastic.Peers.rebuild_due`)."""
+    if self.peers is not None and self.peers.rebuild_due(step, state):
+      self.rebuild_at = step
+
+  def restore(self, state: Any, *, cast: bool,
+              make_target: Callable[[list[Any]], Any] | None,
+              data_iterator: datastate.DataIterator | None
+              ) -> Restored | None:
+    """The newest good step like `state`, from the fastest tier that has
+    it whole (`tier_restore.restore_for_callback`), or None; a relaunched
+    process instead waits until the survivors take it back (see
+    `CheckpointCallback.restore_or_initialize`). Pins host memory first,
+    from `state` if it holds arrays, so that the restore takes its buffers
+    from the same pool."""
+    self.warm_up(state)
+    if self.peers is not None:
+      self.peers.first_state(state)
+    if self.peers is not None and self.peers.rejoining:
+      found = self._announced(self.peers.rejoin(make_target, state,
+                                                data_iterator),
+                              tier_restore.PEER)
+    else:
+      found = tier_restore.restore_for_callback(
+          state, self.local, self.manager, data_iterator=data_iterator,
+          cast=cast)
+      if found is None:
+        log.info("no checkpoint in %s; starting from the given state",
+                 self.manager.directory)
+        return None
+      step, tier, (restored, extra) = found
+      # A warning, so that a plain script shows it: a resume should never
+      # go unnoticed.
+      (log.warning if self.manager.is_primary else log.info)(
+          "resumed: restored step %d from the %s tier of %s", step, tier,
+          self.manager.directory)
+      found = Restored(restored, step, tier, extra, regrouped=False)
+    self.warm_up(found.state)
+    return found
+
+  def recover(self, make_target: Callable[[list[Any]], Any],
+              data_iterator: datastate.DataIterator | None
+              ) -> Restored:
+    """After a loss, from the loop's handler of its error: the newest local
+    step that every survivor holds, on the live devices (see
+    `CheckpointCallback.recover`)."""
+    if self.peers is None:
+      error = caught_error()
+      error.add_note("recover() needs a callback made with tolerance="
+                     "FaultTolerance(elastic=True, local_directory=...) and"
+                     " several processes")
+      raise error
+    return self._announced(self.peers.recover(make_target, caught_error(),
+                                              data_iterator),
+                           tier_restore.LOCAL)
+
+  def rejoin(self, make_target: Callable[[list[Any]], Any]
+             ) -> Restored | None:
+    """Once the survivors agreed to take processes back: the step just
+    saved, on the devices of every process; None if that failed (logged:
+    go on with `peers.kept`)."""
+    done = self.peers.rejoin(make_target, None, None)
+    return None if done is None else self._announced(done, tier_restore.LOCAL)
+
+  def _announced(self, done: elastic_lib.Recovered, tier: str) -> Restored:
+    """The log line of a recovery or a rejoin, and its figures (written by
+    the primary)."""
+    devices = sum(d.process_index in done.members for d in jax.devices())
+    if done.joined:
+      log.warning("process(es) %s rejoined at step %d in %.2fs: processes"
+                  " %s (%d devices)", done.joined, done.step, done.secs,
+                  done.members, devices)
+    else:
+      log.warning("lost process(es) %s; recovered in place at step %d in"
+                  " %.2fs on processes %s (%d devices)", sorted(done.lost),
+                  done.step, done.secs, done.members, devices)
+    if self._metric_writer is not None and self.manager.is_primary:
+      self._metric_writer.write_scalars(done.step, {
+          ("elastic/rejoin_secs" if done.joined
+           else "elastic/recover_secs"): done.secs,
+          "elastic/live_processes": len(done.members)})
+    return Restored(done.state, done.step, tier, done.extra, regrouped=True)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until each tier's running save is durable; raises its error
+    (`PeerLostError` instead, once a peer was lost)."""
+    try:
+      self.manager.wait_until_finished()
+      self.quietly("save", lambda m: m.wait_until_finished())
+    except Exception as e:
+      self.raise_instead(e)
+      raise
+
+  def close(self) -> None:
+    """Waits for each tier's running save and closes it, then stops
+    watching the peers; raises the save's error, or `PeerLostError`."""
+    try:
+      try:
+        self.manager.close()
+      finally:
+        self.quietly("save", lambda m: m.close())
+    except Exception as e:
+      self.raise_instead(e)
+      raise
+    finally:
+      if self.peers is not None:
+        self.peers.close()
+    self.check()
+
+  def exit(self, exc_type, exc, tb) -> None:
+    """Closes the tiers as the loop leaves with `exc`. The watcher goes on:
+    the error may be a collective's with a peer that is dying, which the
+    exit hook then learns (see `rescue`)."""
+    self.manager.__exit__(exc_type, exc, tb)
+    self.quietly("save", lambda m: m.close())
+
+
+def caught_error() -> BaseException:
+  """The exception being handled (`recover` is called from a handler)."""
+  error = sys.exc_info()[1]
+  if error is None:
+    raise RuntimeError("recover() is called from the loop's `except` block"
+                       " for PeerLostError or the runtime's error, or when"
+                       " should_rebuild is set")
+  return error
