@@ -67,6 +67,14 @@ def test_records_are_immutable_and_check_their_values():
     Retention(keep_best=2)
   with pytest.raises(ValueError, match="watch_poll_secs must be > 0"):
     FaultTolerance(watch_poll_secs=0)
+  with pytest.raises(ValueError, match="elastic_wait_secs must be > 0"):
+    FaultTolerance(elastic_wait_secs=-1)
+  with pytest.raises(ValueError, match="local_every_steps must be an int"):
+    FaultTolerance(local_directory="/tmp/x", local_every_steps=2.5)
+  with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):
+    Commit(pinned_host_bytes=-1)
+  with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):
+    Commit(pinned_host_bytes=1.5e9)
   assert FaultTolerance(preemption_signals=[signal.SIGUSR1]) == (
       FaultTolerance(preemption_signals=(signal.SIGUSR1,)))
 

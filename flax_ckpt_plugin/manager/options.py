@@ -67,6 +67,12 @@ class Commit:
     if not self.barrier_timeout_secs > 0:
       raise ValueError("barrier_timeout_secs must be > 0, got"
                        f" {self.barrier_timeout_secs!r}")
+    if self.pinned_host_bytes is not None and (
+        isinstance(self.pinned_host_bytes, bool)
+        or not isinstance(self.pinned_host_bytes, int)
+        or self.pinned_host_bytes < 0):
+      raise ValueError("pinned_host_bytes must be an int >= 0 or None, got"
+                       f" {self.pinned_host_bytes!r}")
     object.__setattr__(self, "hooks", tuple(self.hooks))
 
 

@@ -36,10 +36,10 @@ class FaultTolerance:
       above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
       that long in a collective with the dead process).
     local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
-      local tier (see `tiers.LocalTier`): every `local_every_steps` steps each
-      process also saves there every shard it holds, apart from the other
-      processes and from the persistent tier's schedule, keeping the newest
-      2 steps. A restore then takes the newest step from the fastest tier
+      local tier (see `tiers.LocalTier`): every `local_every_steps` steps
+      each process also saves there every shard it holds, apart from the
+      other processes and from the persistent tier's schedule, keeping the
+      newest 2 steps. A restore then takes the newest step from the fastest tier
       that has it (see `CheckpointCallback.restored_tier`). The path must
       belong to this job. A failure of the local tier is logged, never
       raised (see docs/fault_tolerance.md).
@@ -61,9 +61,12 @@ class FaultTolerance:
       raise ValueError(
           "local_directory and local_every_steps go together; got"
           f" {self.local_directory!r} and {self.local_every_steps!r}")
-    if self.local_every_steps is not None and self.local_every_steps < 1:
-      raise ValueError(
-          f"local_every_steps must be >= 1, got {self.local_every_steps}")
-    if not self.watch_poll_secs > 0:
-      raise ValueError(
-          f"watch_poll_secs must be > 0, got {self.watch_poll_secs!r}")
+    if self.local_every_steps is not None and (
+        isinstance(self.local_every_steps, bool)
+        or not isinstance(self.local_every_steps, int)
+        or self.local_every_steps < 1):
+      raise ValueError("local_every_steps must be an int >= 1, got"
+                       f" {self.local_every_steps!r}")
+    for name in ("watch_poll_secs", "elastic_wait_secs"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
