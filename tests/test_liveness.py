@@ -196,3 +196,22 @@ def test_a_wait_without_abort_still_has_its_deadline():
     deadlines.DEADLINES.call(release.wait, 0.2)
   release.set()
   assert deadlines.DEADLINES.call(lambda: 7, 5, lambda: None) == 7
+
+
+def test_a_large_job_polls_less_often_so_its_polls_stay_bounded():
+  """Up to 400 processes poll at the period asked for; above, the period
+  grows so that the job polls at most `JOB_POLLS_PER_SEC` times a second
+  (the simulator measures it at 4,096: benchmarks/control_plane.py)."""
+  assert liveness.period(0.5, 2) == 0.5
+  assert liveness.period(0.5, 400) == 0.5
+  assert liveness.period(0.5, 4096) == pytest.approx(5.12)
+  assert 4096 / liveness.period(0.5, 4096) <= 4096 / 5
+  assert liveness.period(10.0, 4096) == 10.0  # A longer one is kept.
+  big = ScriptedCoordinator([{p: p for p in range(1000)}], count=1000)
+  watcher = liveness.Watcher(big, "k", poll_secs=0.5).start()
+  try:
+    assert _wait_for(lambda: big.polls >= 1)
+    time.sleep(0.5)
+    assert big.polls == 1  # The next poll comes after 1.25 s.
+  finally:
+    watcher.close()

@@ -14,7 +14,11 @@ waiting out its timeout for a process that will never come.
 How fast: the service declares a process dead once it has missed
 heartbeats for `heartbeat_timeout_seconds` (an argument of
 `jax.distributed.initialize`, 100 s by default); the watcher learns of it
-then, plus at most one poll.
+then, plus at most one poll. How often: every `poll_secs` (0.5 s), but
+the polls of the whole job stay under `JOB_POLLS_PER_SEC` a second, so
+that the service hosted by process 0 answers as many polls at 4,096
+processes as at 400: above 400 processes the period grows with the job
+(`period`: 5.1 s at 4,096, measured by `benchmarks/control_plane.py`).
 
 Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
 barrier over the live processes, with no timeout, so every process polls
@@ -50,6 +54,15 @@ def recoverability_enabled() -> bool:
 
 # How long `Watcher.close` waits for the last poll of every process.
 CLOSE_SECS = 10.0
+# The most polls a second of every watcher of a job together.
+JOB_POLLS_PER_SEC = 800
+
+
+def period(poll_secs: float, watched: int) -> float:
+  """The period of each of `watched` processes' polls: `poll_secs`, or
+  longer, so that all of them poll at most `JOB_POLLS_PER_SEC` times a
+  second (the same on every process)."""
+  return max(poll_secs, watched / JOB_POLLS_PER_SEC)
 
 
 class Watcher:
@@ -59,7 +72,7 @@ class Watcher:
     coord: the processes' coordinator (`Coordinator.live_processes`).
     key: a key-value prefix unique to this watcher (the same on every
       process), under which processes record that they closed.
-    poll_secs: the period of the polls.
+    poll_secs: the period of the polls (longer in a large job: `period`).
     on_lost: called on the watcher's thread with the lost processes, once
       they are reported (see `rescue`).
     members: the processes watched (all by default; the survivors of an
@@ -84,7 +97,7 @@ class Watcher:
     self._on_lost = on_lost
     self.rounds = 0  # Polls answered so far.
     self._key = key
-    self._poll_secs = poll_secs
+    self._poll_secs = period(poll_secs, len(self.members))
     self._stop = threading.Event()
     self._lock = threading.Lock()
     self._lost: dict[int, str] = {}
