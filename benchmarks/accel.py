@@ -79,6 +79,19 @@ def _peak_rss_gb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def _rounded(figures: dict) -> dict:
+  return {k: round(v, 2) for k, v in figures.items()}
+
+
+def _rss_gb() -> float:
+  """This process's resident memory now (pinned host memory included)."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) * 1024 / 1e9
+  return float("nan")
+
+
 def _build(args: argparse.Namespace):
   """bench.py's TrainState (its creation, not run), its donating step, and
   the digest."""
@@ -161,11 +174,15 @@ def _save_worker(args: argparse.Namespace) -> dict:
     return time.perf_counter() - t
 
   out["step_secs"] = steps(20) / 20
+  # Where host memory goes: after JAX, the state and the step; after the
+  # warm-up; after the first save; at the end (and the peak).
+  rss = out["rss_gb_at"] = {"trained": _rss_gb()}
   mngr = open_manager(os.path.join(args.ckpt_root, "ckpt"))
   if ours:  # As CheckpointCallback.restore_or_initialize does.
     t = time.perf_counter()
     mngr.warm_up(state)
     out["warm_up_secs"] = time.perf_counter() - t
+    rss["warmed_up"] = _rss_gb()
   steps(math.ceil(args.first_after_secs / out["step_secs"]))
   digests = {}
   saved_at = 0
@@ -185,6 +202,7 @@ def _save_worker(args: argparse.Namespace) -> dict:
 
   out["first_save_blocking_secs"], out["first_save_durable_secs"] = save_now(
       1, True)
+  rss["first_saved"] = _rss_gb()
   out["isolated_save_blocking_secs"], out["isolated_save_durable_secs"] = (
       save_now(2, True))
   every = max(args.every, math.ceil(
@@ -214,6 +232,7 @@ def _save_worker(args: argparse.Namespace) -> dict:
       out.get("synced_blocking_secs", []) + out.get("unsynced_blocking_secs",
                                                     []))
   mngr.close()
+  rss["closed"] = _rss_gb()
   out["peak_rss_gb"] = _peak_rss_gb()
   with open(os.path.join(args.ckpt_root, DIGESTS), "w") as f:
     json.dump({"last": saved_at,
@@ -235,10 +254,13 @@ def _restore_worker(args: argparse.Namespace) -> dict:
   if args.phase == "cold":  # The step's files leave the page cache.
     out["evicted_bytes"] = _evict(os.path.join(args.ckpt_root, "ckpt"))
   mngr = open_manager(os.path.join(args.ckpt_root, "ckpt"))
+  rss = {"opened": _rss_gb()}
   t = time.perf_counter()
   restored = restore(mngr, saved["last"], target)
   jax.block_until_ready(restored)
   out["first_restore_secs"] = time.perf_counter() - t
+  rss["restored"] = _rss_gb()
+  rss["peak_first"] = _peak_rss_gb()
   if args.phase == "cold":
     mngr.close()
     return {"cold_first_restore_secs": out["first_restore_secs"],
@@ -259,6 +281,7 @@ def _restore_worker(args: argparse.Namespace) -> dict:
       identical.append(got == expected)
     out["saves_bit_identical"] = identical
   mngr.close()
+  out["restore_rss_gb_at"] = rss
   out["peak_rss_gb"] = _peak_rss_gb()
   return out
 
@@ -574,8 +597,9 @@ def main() -> None:
               f" restore {run['first_restore_secs']:.3f} s (evicted"
               f" {run.get('cold_first_restore_secs', float('nan')):.3f} s),"
               f" later {_median(run['later_restore_secs']):.3f} s;"
-              f" identical {run.get('saves_bit_identical', 'not checked')}",
-              flush=True)
+              f" identical {run.get('saves_bit_identical', 'not checked')};"
+              f" RSS GB {_rounded(run['rss_gb_at'])}, restore"
+              f" {_rounded(run['restore_rss_gb_at'])}", flush=True)
   except RuntimeError as e:
     sys.exit(str(e))
   summary = summarize(results)

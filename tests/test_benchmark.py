@@ -257,9 +257,18 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
     # A difference of two loops' times: a few ms below 0 on a tiny state.
     assert math.isfinite(run["synced_overhead_per_save_secs"]), system
     assert len(run["later_save_blocking_secs"]) == 2  # One per loop.
+    stages = ["trained", "first_saved", "closed"]
     if system != "orbax":
       assert run["pinned_path"] is True
       assert run["saves_bit_identical"] == [True] * 4, system
+      stages.insert(1, "warmed_up")
+    assert list(run["rss_gb_at"]) == stages, system
+    assert list(run["restore_rss_gb_at"]) == ["opened", "restored",
+                                              "peak_first"], system
+    # (The kernel's counts of resident pages and of its peak are each
+    # summed lazily over threads: they differ by a fraction of a percent.)
+    assert all(0 < gb <= 1.02 * run["peak_rss_gb"]
+               for gb in run["rss_gb_at"].values()), system
   for key in ("d2h_pinned_gbps", "h2d_pinned_gbps", "d2h_pageable_gbps",
               "disk_read_gbps", "page_cache_read_gbps"):
     assert result["rates"][key] > 0, key

@@ -45,8 +45,9 @@ class LocalBackend(Backend):
       step from the disk, done by the disk (no copy; the page cache gives
       the memory back when it needs it), after a quiet spell as long as the
       save's commit; a save that begins first in the same directory drops
-      it, so saves that follow each other closely are not slowed, and a
-      closing writer has its newest step read back at once (a process that
+      it, so saves that follow each other closely are not slowed; it runs
+      at most 32 MB ahead of the disk, so a save that begins while it reads
+      finds little queued before its writes; and a closing writer has its newest step read back at once (a process that
       ends without `close()` may leave it on the disk). False leaves the
       files on the disk only.
   """
