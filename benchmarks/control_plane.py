@@ -12,7 +12,14 @@ counts every call, its caller and its key-value bytes, and can answer each
 call after a latency. No arrays move between devices: each process saves a
 small host state, so only the protocol runs. `--watchers` runs N liveness
 watchers (`liveness.Watcher`) instead, stops one process, and measures the
-calls per second and the time until every survivor knows.
+calls per second and the time until every survivor knows. `--write-plan`
+times one process's write plan (`writeplan.plan`: who writes which bytes)
+for `--leaves` arrays of a transformer-like state on a (data, model) mesh of
+N processes x 8 devices, whose devices stand in for JAX's (`MeshSharding`).
+`--elastic` runs the survivors' agreements of an elastic job instead: the
+newest local step they all hold (`groups.common_newest`, at a recovery) and
+the vote on the step that takes a relaunched process back
+(`generations.vote`, called at every step until it is agreed).
 
 Prints one row per run (per save: operations in total and per process, the
 largest fan-in of one barrier or key, the key-value bytes, the wall time)
@@ -38,6 +45,9 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.manager.options import Commit
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
 
 
@@ -239,13 +249,14 @@ def _figures(service: Service, n: int, saves: int, secs: float) -> dict:
 def simulate_saves(n: int, *, saves: int = 3, latency_ms: float = 0.0,
                    directory: str | None = None) -> dict:
   """`saves` saves of N simulated processes, each through a real
-  `CheckpointManager`; the figures per save (the opening of the directory
-  is not counted) and every process's list of steps."""
+  `CheckpointManager`; the figures per save, those of opening the
+  directory apart (`opening`), and every process's list of steps."""
   service = Service(n, latency_ms / 1000)
   state = {"step": 0, "w": np.zeros(8, np.float32)}
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     opened = threading.Barrier(n)
     marks: dict[str, float] = {}
+    opening: dict[str, Any] = {}  # What opening the directory asked.
     finalized: list[int] = []  # By the commit hooks (the primary's).
 
     def work(coord: SimCoordinator) -> list[int]:
@@ -255,6 +266,13 @@ def simulate_saves(n: int, *, saves: int = 3, latency_ms: float = 0.0,
               barrier_timeout_secs=600, name="sim",
               hooks=[lambda stats: finalized.append(stats.step)])) as manager:
         if opened.wait() == 0:  # One thread starts the counts.
+          opening.update(
+              ops=sum(service.ops.values()),
+              ops_per_process_max=max(service.by_process.values(),
+                                      default=0),
+              kv_bytes=service.kv_bytes,
+              by_kind=dict(service.ops),
+              most_reads_of_one_key=max(service.reads.values(), default=0))
           service.reset()
           marks["start"] = time.perf_counter()
         opened.wait()
@@ -270,7 +288,7 @@ def simulate_saves(n: int, *, saves: int = 3, latency_ms: float = 0.0,
     steps = run_threads(service.coordinators(), work)
   figures = _figures(service, n, saves, marks["end"] - marks["start"])
   figures.update(processes=n, latency_ms=latency_ms, saves=saves,
-                 finalized=finalized, steps=steps[0],
+                 opening=opening, finalized=finalized, steps=steps[0],
                  steps_agree=all(s == steps[0] for s in steps))
   return figures
 
@@ -336,6 +354,183 @@ def _watch(n: int, *, poll_secs: float = 0.5,
   }
 
 
+def simulate_elastic(n: int, *, latency_ms: float = 0.0,
+                     seed: int = 0) -> dict:
+  """The N - 1 survivors of process N - 1 agree on their newest common
+  local step (as a recovery does), then vote
+  on the step that takes the lost one back: each survivor notices the
+  request at a step of its own (0 to 3) and calls the vote at every step
+  from then on, the steps kept in lockstep as a loop's collectives keep
+  them (a barrier outside the service, not counted). Figures per survivor:
+  the service's operations and key-value bytes of each agreement."""
+  service = Service(n, latency_ms / 1000)
+  coords = service.coordinators()
+  members = list(range(n - 1))
+  rng = np.random.default_rng(seed)
+  noticed = {p: int(rng.integers(0, 4)) for p in members}
+  steps_held = {p: sorted({3, 4, 5} | ({6} if p % 2 else set()))
+                for p in members}
+  group = generations.Group(tuple(members), 1, 0)
+  lockstep = threading.Barrier(len(members))
+  phases: dict[str, dict[str, float]] = {}
+
+  def recover(coord: SimCoordinator) -> Any:
+    survivors = groups.Survivors(coord, members)
+    common = getattr(groups, "common_newest", None)
+    if common is not None:
+      return common(survivors, "sim/1/recover", steps_held[coord.process_index],
+                    None, timeout_ms=600_000)
+    from flax_ckpt_plugin.tolerance import rescue  # pylint: disable=g-import-not-at-top
+
+    class _Tier:  # (Before groups.common_newest: the same, by the tiers.)
+      class manager:  # pylint: disable=invalid-name
+        all_steps = staticmethod(lambda: steps_held[coord.process_index])
+      latest_step = staticmethod(lambda: None)
+    return rescue.common_step(survivors, "sim/1/recover", _Tier, _Tier,
+                              600_000)
+
+  def vote(coord: SimCoordinator) -> Any:
+    me, proposed = coord.process_index, False
+    for step in range(8):
+      lockstep.wait()
+      if step < noticed[me]:
+        continue
+      propose = None if proposed else step + 2
+      proposed = True
+      agreed = generations.vote(coord, "sim/1/votes", group, step, propose,
+                                [n - 1])
+      if agreed is not None:
+        result = agreed
+        # The others go on to the agreed step too (no more calls).
+        for _ in range(step + 1, 8):
+          lockstep.wait()
+        return result
+    raise RuntimeError("no step agreed")
+
+  for name, fn in (("common_step", recover), ("vote", vote)):
+    service.reset()
+    t = time.perf_counter()
+    results = run_threads(coords[:n - 1], fn)
+    secs = time.perf_counter() - t
+    if len({json.dumps(r) for r in results}) != 1:
+      raise AssertionError(f"{name}: the survivors disagree: {results[:4]}")
+    per = [service.by_process[p] for p in members]
+    phases[name] = {
+        "result": results[0], "secs": secs,
+        "ops": sum(service.ops.values()), "ops_per_process_max": max(per),
+        "kv_bytes": service.kv_bytes,
+        "kv_bytes_per_process": service.kv_bytes / len(members),
+        "ops_by_kind": dict(service.ops)}
+  return {"processes": n, "latency_ms": latency_ms, **phases}
+
+
+class FakeDevice:
+  """A device of a simulated job: all the write plan reads of one."""
+  __slots__ = ("id", "process_index")
+
+  def __init__(self, id_: int, process_index: int):
+    self.id, self.process_index = id_, process_index
+
+  def __repr__(self):
+    return f"FakeDevice({self.id}, process {self.process_index})"
+
+
+class MeshSharding:
+  """A stand-in for `jax.sharding.NamedSharding` over devices no JAX
+  process can have: a mesh of `devices` (row-major over `axes`, a tuple of
+  (name, size)) and a spec naming, per dimension of an array, the mesh axes
+  it is cut along (None, a name or a tuple of names). Its
+  `devices_indices_map` gives each device its slices as JAX does. Compared and hashed by identity (as cheap as
+  JAX's cached hash)."""
+
+  def __init__(self, devices: Sequence[FakeDevice],
+               axes: tuple[tuple[str, int], ...], spec: tuple[Any, ...]):
+    self.devices, self.axes, self.spec = tuple(devices), axes, spec
+    self.device_set = frozenset(self.devices)
+    self._maps: dict[tuple[int, ...], dict[Any, tuple[slice, ...]]] = {}
+    self.cpu_secs = 0.0  # Spent listing indices (JAX's part, not the plan's).
+
+  def devices_indices_map(self, shape: tuple[int, ...]
+                          ) -> dict[Any, tuple[slice, ...]]:
+    shape = tuple(shape)
+    if len(self.spec) > len(shape):  # As JAX: a spec longer than the rank.
+      raise ValueError(f"spec {self.spec} is longer than shape {shape}")
+    if shape not in self._maps:
+      t = time.process_time()
+      sizes = dict(self.axes)
+      out = {}
+      for n, device in enumerate(self.devices):
+        coord, rest = {}, n
+        for name, size in reversed(self.axes):
+          coord[name], rest = rest % size, rest // size
+        index = []
+        for dim, size in enumerate(shape):
+          names = self.spec[dim] if dim < len(self.spec) else None
+          names = (() if names is None else
+                   (names,) if isinstance(names, str) else tuple(names))
+          part, parts = 0, 1
+          for name in names:
+            part, parts = part * sizes[name] + coord[name], parts * sizes[name]
+          step = -(-size // parts)  # (Uneven: the last ones short.)
+          index.append(slice(min(part * step, size),
+                             min((part + 1) * step, size)))
+        out[device] = tuple(index)
+      self._maps[shape] = out
+      self.cpu_secs += time.process_time() - t
+    return self._maps[shape]
+
+
+def transformer_arrays(n: int, leaves: int, devices_per_process: int = 8,
+                       model: int = 8) -> list[tuple[Any, tuple[int, ...],
+                                                     np.dtype]]:
+  """`leaves` arrays of a transformer-like state with Adam on a (data,
+  model) mesh of `n` processes x `devices_per_process` devices, the model
+  axis `model` devices wide (within a process when it is at most
+  `devices_per_process`): kernels cut along both axes (FSDP with tensor
+  parallelism), kernels cut along the model axis alone and replicated over
+  data, biases cut along the model axis, norm scales and step counts
+  replicated everywhere."""
+  devices = [FakeDevice(i, i // devices_per_process)
+             for i in range(n * devices_per_process)]
+  data = n * devices_per_process // model
+  axes = (("data", data), ("model", model))
+  both = MeshSharding(devices, axes, ("data", "model"))
+  tensor = MeshSharding(devices, axes, (None, "model"))
+  vector = MeshSharding(devices, axes, ("model",))
+  replicated = MeshSharding(devices, axes, ())
+  f32 = np.dtype(np.float32)
+  rows = data * 2  # Every kernel's first dimension divides by the data axis.
+  layer = [(both, (rows, 4096), f32), (tensor, (4096, 1024), f32),
+           (vector, (4096,), f32), (replicated, (4096,), f32),
+           (replicated, (), np.dtype(np.int32))]
+  return [layer[k % len(layer)] for k in range(leaves)]
+
+
+def time_write_plan(n: int, leaves: int, process: int | None = None
+                    ) -> dict:
+  """One process's write plan for `transformer_arrays(n, leaves)`, timed
+  from cold caches (as a job's first save), and the pieces it gets."""
+  arrays = tuple(transformer_arrays(n, leaves))
+  process = n // 2 if process is None else process
+  for cache in (writeplan.plan, getattr(writeplan, "_held", None),
+                getattr(writeplan, "_grid", None)):
+    if cache is not None:
+      cache.cache_clear()
+  t = time.process_time()
+  planned = writeplan.plan(arrays, process, n)
+  secs = time.process_time() - t
+  listing = sum(s.cpu_secs for s in {id(a[0]): a[0] for a in arrays}.values())
+  return {"processes": n, "devices": n * 8, "leaves": leaves,
+          "plan_cpu_secs": secs,
+          # Of which the stand-in shardings' own listing of every device's
+          # indices (JAX's part with real shardings).
+          "indices_cpu_secs": listing,
+          "pieces": sum(len(p) for p in planned),
+          "bytes": int(sum(writeplan._volume(p.index) * d.itemsize  # pylint: disable=protected-access
+                           for pieces, (_, _, d) in zip(planned, arrays)
+                           for p in pieces))}
+
+
 def _rounded(counts: dict[str, float]) -> dict[str, float]:
   return {k: round(v, 1) for k, v in counts.items()}
 
@@ -350,13 +545,39 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--watchers", action="store_true",
                       help="simulate the liveness watchers instead")
+  parser.add_argument("--elastic", action="store_true",
+                      help="simulate the survivors' agreements instead")
+  parser.add_argument("--write-plan", action="store_true",
+                      help="time one process's write plan instead")
+  parser.add_argument("--leaves", type=int, default=100_000)
   parser.add_argument("--dir", default="/dev/shm" if os.path.isdir(
       "/dev/shm") else None, help="where the steps go (a tmpfs)")
   parser.add_argument("--json", default=None, help="write all figures here")
   args = parser.parse_args(argv)
   rows = []
   for n in args.processes:
+    if args.write_plan:
+      row = time_write_plan(n, args.leaves)
+      print(f"N={n:6d} ({row['devices']} devices), {args.leaves} leaves:"
+            f" one process's write plan took {row['plan_cpu_secs']:.3f} s of"
+            f" CPU (of which {row['indices_cpu_secs']:.3f} s listing every"
+            f" device's indices); it writes {row['pieces']} pieces,"
+            f" {row['bytes'] / 1e6:.1f} MB", flush=True)
+      rows.append(row)
+      continue
     for latency in args.latency_ms:
+      if args.elastic:
+        row = simulate_elastic(n, latency_ms=latency)
+        for name in ("common_step", "vote"):
+          f = row[name]
+          print(f"N={n:6d} latency={latency:5.1f} ms: {name:11s}"
+                f" {f['ops']:8d} ops, per survivor at most"
+                f" {f['ops_per_process_max']:3d},"
+                f" {f['kv_bytes'] / 1e3:10.1f} kB of key-value"
+                f" ({f['kv_bytes_per_process'] / 1e3:7.2f} kB a survivor),"
+                f" {f['secs']:6.2f} s; agreed {f['result']}", flush=True)
+        rows.append(row)
+        continue
       if args.watchers:
         row = simulate_watchers(n, latency_ms=latency)
         print(f"N={n:6d} latency={latency:5.1f} ms: a poll every"
@@ -377,7 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f" most reads of one key {row['most_reads_of_one_key']},"
               f" {row['kv_bytes_per_save'] / 1e3:9.1f} kB of key-value,"
               f" {row['secs_per_save']:7.3f} s; by kind"
-              f" {_rounded(row['ops_by_kind_per_save'])}", flush=True)
+              f" {_rounded(row['ops_by_kind_per_save'])}; opening the"
+              f" directory: {row['opening']['ops']} ops, per process at most"
+              f" {row['opening']['ops_per_process_max']},"
+              f" {row['opening']['kv_bytes'] / 1e3:.1f} kB", flush=True)
       rows.append(row)
   if args.json:
     with open(args.json, "w") as f:

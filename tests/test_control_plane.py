@@ -31,6 +31,8 @@ def test_64_processes_finalize_every_save_once(sim, tmp_path):
   per = row["ops_by_kind_per_save"]
   assert per["barrier"] >= 3 * 64, per  # Every phase meets every process.
   assert row["ops_per_process_per_save_max"] >= 3, row
+  assert row["ops_per_process_per_save_max"] <= 10, row  # Issue 37's limit.
+  assert 0 < row["opening"]["ops_per_process_max"] <= 10, row["opening"]
 
 
 @pytest.mark.timeout(120)
@@ -56,3 +58,32 @@ def test_the_service_counts_and_times_out_like_the_real_one(sim):
   assert service.ops["kv_set"] == 1 and service.ops["barrier"] == 1
   assert service.by_process[1] == 4  # get, dir, the get that timed out, dir.
   assert service.reads["x/1"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_63_survivors_agree_with_a_few_small_calls_each(sim):
+  """The survivors' agreements of an elastic job: the newest local step
+  they all hold, and the step that takes a relaunched process back, each
+  the same on every survivor, for a few calls and a few hundred bytes of
+  key-value traffic a survivor (the first member reads every one's)."""
+  row = sim.simulate_elastic(64)
+  assert list(row["common_step"]["result"]) == [5, None]
+  assert list(row["vote"]["result"]) == [5, [63]]  # Last noticed at 3, + 2.
+  for name in ("common_step", "vote"):
+    figures = row[name]
+    assert figures["ops_per_process_max"] <= 8, (name, figures)
+    assert figures["kv_bytes_per_process"] < 300, (name, figures)
+
+
+def test_a_survivor_past_the_agreed_step_is_told(sim):
+  """A loop that skipped calls of the callback finds itself past the step
+  the survivors agreed on: an error saying so, not a silent mismatch."""
+  from flax_ckpt_plugin.tolerance import generations  # pylint: disable=g-import-not-at-top
+  coords = sim.Service(2).coordinators()
+  group = generations.Group((0, 1), 1, 0)
+  assert generations.vote(coords[1], "v", group, 10, 12, [2]) is None
+  assert generations.vote(coords[0], "v", group, 10, 12, [2]) is None
+  assert generations.vote(coords[0], "v", group, 11, None, [2]) is None
+  with pytest.raises(RuntimeError, match="at step 13: the loop must call"):
+    generations.vote(coords[1], "v", group, 13, None, [2])
+  assert generations.vote(coords[0], "v", group, 12, None, [2]) == (12, [2])

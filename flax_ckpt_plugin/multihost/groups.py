@@ -10,6 +10,7 @@ any size through the key-value store, in chunks.
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
@@ -120,6 +121,29 @@ class Survivors:
 
   def preemption_notifier_installed(self) -> bool:
     return self._coord.preemption_notifier_installed()
+
+
+def common_newest(group: Survivors, key: str, steps: Sequence[int],
+                  latest: int | None, timeout_ms: int
+                  ) -> tuple[int | None, int | None]:
+  """Every member of `group` gives its `steps` (a tier's, say) and its
+  `latest` (another's newest step, or None); all get the newest step that
+  every member has, and the newest `latest` of any (None where there is
+  none). The first member reads every member's and records the answer:
+  one small read for each other member, whatever their number (each
+  reading every member's list is O(members) each, O(members^2) for the
+  coordination service)."""
+  me = group.process_index
+  group.kv_set(f"{key}/steps/{me}", json.dumps([list(steps), latest]))
+  group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
+  if me == group.members[0]:
+    listed = [json.loads(v) for v in group.kv_dir(f"{key}/steps").values()]
+    common = set.intersection(*(set(s) for s, _ in listed))
+    group.kv_set(f"{key}/common", json.dumps([max(common, default=None), max(
+        (s for _, s in listed if s is not None), default=None)]))
+  step, newest = json.loads(group.kv_get(f"{key}/common",
+                                         timeout_ms=timeout_ms))
+  return step, newest
 
 
 def share_text(coord: coordinator_lib.Coordinator, key: str,

@@ -4,28 +4,44 @@ A shard that several processes hold (a replicated array in data
 parallelism; the replicas of HSDP) needs writing once. Leaving it to the
 process of replica 0 puts a replicated state on process 0 alone: at 64
 hosts a save takes as long as one host's link needs for the whole state
-while the other links idle. The plan here spreads those bytes:
+while the other links idle. The plan here spreads those bytes among the
+processes that hold them (a shard's holders):
 
 * a shard under `SPLIT_BYTES`, or one that cannot be split evenly, is
-  written whole by the holder with the fewest bytes so far;
+  written whole by the holder that has the fewest bytes so far among its
+  holders;
 * a larger one is cut along its first axis into contiguous row ranges,
-  one per holder (at most), given to the least loaded holders first.
+  one per holder (at most), dealt out in turn from where the last cut of
+  the same holders stopped.
 
 Every process computes the same plan alone, from the shardings (their
 devices and their order are the same on every process for a global
-array): no communication. The cuts of one array are the same in each of
-its shards, so the pieces of an array still tile it as a grid (what
-`manifest.check_grid` and every reader accept): a piece is one more shard
-entry of the manifest, with its own index range, and the format does not
-change. Computed once per list of (sharding, shape, dtype) and cached, so
-a save of the same tree pays a dictionary lookup.
+array): no communication. And each process looks only at the shards it
+holds: what a set of holders writes depends on the shards they hold
+alone, which every one of them sees in the same order. So a process's
+plan costs O(its shards) per array, not O(the job's devices): at 4,096
+processes of 8 devices and 100,000 leaves, 0.6 s of CPU (see
+docs/performance.md, *The write plan at 100,000 leaves*). How a
+sharding cuts arrays of one rank is worked out once per (sharding, rank)
+from JAX's own indices of one array (`_grid`); an array whose dimensions
+its cuts do not divide falls back to that array's indices.
+
+The cuts of one array are the same in each of its shards, so the pieces
+of an array still tile it as a grid (what `manifest.check_grid` and every
+reader accept): a piece is one more shard entry of the manifest, with its
+own index range, and the format does not change. Computed once per list
+of (sharding, shape, dtype) and cached, so a save of the same tree pays a
+dictionary lookup.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
+import heapq
 import math
+import threading
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -61,6 +77,155 @@ def _volume(index: Index) -> int:
   return math.prod(stop - start for start, stop in index)
 
 
+class Holders:
+  """The processes that hold a shard (ascending), as one object per set:
+  a process's plan keys its balancing by it, and a tuple of thousands of
+  processes would be hashed at every shard. `rank`: where the planning
+  process is among them."""
+  __slots__ = ("procs", "rank")
+
+  def __init__(self, procs: tuple[int, ...], process: int):
+    self.procs = procs
+    self.rank = bisect.bisect_left(procs, process)
+
+
+_HOLDERS: dict[tuple[tuple[int, ...], int], Holders] = {}
+
+
+_HOLDERS_LOCK = threading.Lock()
+
+
+def _holders(procs: tuple[int, ...], process: int) -> Holders:
+  """The one `Holders` of `procs` (seen by `process`): every shard with
+  these holders shares their balancing, whichever array it is of."""
+  with _HOLDERS_LOCK:
+    found = _HOLDERS.get((procs, process))
+    if found is None:
+      found = _HOLDERS[(procs, process)] = Holders(procs, process)
+    return found
+
+
+class _Grid(NamedTuple):
+  """How a sharding cuts every array of one rank, seen from one process.
+
+  Attributes:
+    tiles: the number of shards along each dimension.
+    mine: per shard this process holds, by its coordinates in that grid
+      (in order): the processes holding it (ascending) and this process's
+      first device holding it, in the sharding's device order.
+    least_holders: the fewest processes holding any one shard.
+  """
+  tiles: tuple[int, ...]
+  mine: tuple[tuple[tuple[int, ...], Holders, Any], ...]
+  least_holders: int
+
+
+@functools.lru_cache(maxsize=256)
+def _grid(sharding: Any, ndim: int, process: int) -> _Grid | None:
+  """`sharding`'s grid for arrays of rank `ndim`, or None where JAX's
+  indices are not a regular grid. Read from the indices JAX gives an array
+  each of whose dimensions is the sharding's device count (which any count
+  of shards along a dimension divides): one pass over the devices, once
+  per sharding and rank, in numpy (32,768 devices: about 0.1 s)."""
+  size = len(sharding.device_set)
+  try:
+    indices = sharding.devices_indices_map((size,) * ndim)
+  except (AssertionError, IndexError, TypeError, ValueError):
+    return None  # A sharding that takes some shapes only (pmap's, say).
+  devices = list(indices)
+  procs = np.fromiter((d.process_index for d in devices), np.int64,
+                      len(devices))
+  # Per device and dimension: start, stop and step of its slice.
+  bounds = np.fromiter(
+      (v for index in indices.values() for sl in index
+       for v in sl.indices(size)), np.int64, len(devices) * ndim * 3
+  ).reshape(len(devices), ndim, 3)
+  starts, stops = bounds[:, :, 0], bounds[:, :, 1]
+  tiles = tuple(len(np.unique(starts[:, dim])) for dim in range(ndim))
+  if any(size % t for t in tiles) or (bounds[:, :, 2] != 1).any():
+    return None
+  steps = size // np.array(tiles, np.int64)
+  if (starts % steps).any() or (stops - starts != steps).any():
+    return None
+  coords = starts // steps
+  keys = (np.ravel_multi_index(tuple(coords.T), tiles) if ndim
+          else np.zeros(len(devices), np.int64))
+  # The distinct (shard, process) pairs, by shard then process.
+  base = int(procs.max()) + 1
+  pairs = np.unique(keys * base + procs)
+  counts = np.bincount(pairs // base, minlength=math.prod(tiles))
+  if not counts.all():
+    return None
+  first = np.concatenate([[0], np.cumsum(counts)])
+  holder_procs = pairs % base
+  mine: dict[int, int] = {}  # Shard: this process's first device's place.
+  for at in np.nonzero(procs == process)[0].tolist():
+    mine.setdefault(int(keys[at]), at)
+  return _Grid(tiles, tuple(
+      (tuple(coords[at].tolist()),
+       _holders(tuple(holder_procs[first[key]:first[key + 1]].tolist()),
+                process), devices[at])
+      for key, at in sorted(mine.items())), int(counts.min()))
+
+
+class _Held(NamedTuple):
+  """The shards of one array that this process holds, worked out once per
+  (sharding, shape, dtype): those it alone holds, as the pieces it writes;
+  those others hold too, each with its region, holders, this process's
+  device holding it and bytes; into how many row ranges each of the
+  array's shards is cut (1: none); and the row ranges' pieces made so far
+  (by shard and range)."""
+  own: tuple[Piece, ...]
+  shared: tuple[tuple[Index, Holders, Any, int], ...]
+  parts: int
+  ranges: dict[tuple[int, int], Piece]
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(sharding: Any, shape: tuple[int, ...], itemsize: int,
+          process: int, split_bytes: int) -> _Held:
+  grid = _grid(sharding, len(shape), process)
+  if grid is not None and all(
+      size >= t and size % t == 0 for size, t in zip(shape, grid.tiles)):
+    sizes = [size // t for size, t in zip(shape, grid.tiles)]
+    shards = [(tuple((c * n, (c + 1) * n) for c, n in zip(coord, sizes)),
+               holders, device) for coord, holders, device in grid.mine]
+    least, volume = grid.least_holders, math.prod(sizes)
+    rows = sizes[0] if shape else 0
+  else:  # From this array's own indices: every device, once per shape.
+    by_index: dict[Index, list[Any]] = collections.defaultdict(list)
+    for device, (index, _) in shard_plan(sharding, shape).items():
+      by_index[index].append(device)
+    procs = {index: tuple(sorted({d.process_index for d in devices}))
+             for index, devices in by_index.items()}
+    shards = [(index, _holders(procs[index], process),
+               next(d for d in by_index[index] if d.process_index == process))
+              for index in sorted(by_index) if process in procs[index]]
+    least = min(len(p) for p in procs.values())
+    volume = min(_volume(index) for index in by_index)
+    rows = min(index[0][1] - index[0][0] for index in by_index) if shape else 0
+  parts = 1
+  if shape and least > 1 and volume * itemsize >= split_bytes:
+    parts = max(1, min(least, rows))
+  return _Held(
+      tuple(Piece(index, device, None) for index, holders, device in shards
+            if len(holders.procs) == 1),
+      tuple((index, holders, device, _volume(index) * itemsize)
+            for index, holders, device in shards if len(holders.procs) > 1),
+      parts, {})
+
+
+def _first_loads(procs: tuple[int, ...]) -> list[tuple[int, int, int]]:
+  """A heap of (bytes, order of ties, process) for the holders `procs`:
+  ties go round from a place that the set itself picks, the same on every
+  holder, so that holder sets sharing a process do not all give it their
+  first shard (3 processes in pairs {0, 1}, {0, 2}, {1, 2} write one shard
+  each of an array, where ties to the lowest would give 2, 1 and 0). Over
+  many arrays each set shares its bytes evenly whatever the order."""
+  first = sum(procs) % len(procs)
+  return sorted((0, (k - first) % len(procs), p) for k, p in enumerate(procs))
+
+
 @functools.lru_cache(maxsize=64)
 def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
          process: int, process_count: int,
@@ -78,41 +243,43 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
     Per array, the pieces this process writes (none for most arrays of a
     process that holds nothing of them).
   """
-  load = [0] * process_count
+  del process_count  # (Each set of holders is balanced on its own.)
+  # Per set of holders: a heap of (bytes written whole, order of ties,
+  # process), and where the next shard's cuts start dealing among them.
+  loads: dict[Holders, list[tuple[int, int, int]]] = {}
+  turn: dict[Holders, int] = collections.defaultdict(int)
   out = []
   for sharding, shape, dtype in arrays:
-    itemsize = np.dtype(dtype).itemsize
-    holders: dict[Index, list[Any]] = collections.defaultdict(list)
-    for device, (index, _) in shard_plan(sharding, shape).items():
-      holders[index].append(device)
-    procs = {index: sorted({d.process_index for d in devices})
-             for index, devices in holders.items()}
-    parts = min(len(p) for p in procs.values())
-    if shape and parts > 1:
-      parts = min(parts, min(index[0][1] - index[0][0] for index in holders))
-      if min(_volume(index) for index in holders) * itemsize < split_bytes:
-        parts = 1
-    else:
-      parts = 1
-    mine = []
-    for index in sorted(holders):
-      by_load = sorted(procs[index], key=lambda p: (load[p], p))
-      start = index[0][0] if shape else 0
-      shard_rows = index[0][1] - start if shape else 0
-      ranges = cuts(shard_rows, parts) if parts > 1 else [None]
-      row_bytes = (_volume(index) // shard_rows * itemsize if shard_rows
-                   else _volume(index) * itemsize)
-      for proc, cut in zip(by_load, ranges):
-        if cut is None:
-          load[proc] += _volume(index) * itemsize
-          region = index
-        else:
-          load[proc] += (cut[1] - cut[0]) * row_bytes
-          region = ((start + cut[0], start + cut[1]),) + tuple(index[1:])
-        if proc == process:
-          device = next(d for d in holders[index]
-                        if d.process_index == process)
-          mine.append(Piece(region, device, cut))
+    held = _held(sharding, tuple(shape), np.dtype(dtype).itemsize, process,
+                 split_bytes)
+    if not held.shared:
+      out.append(held.own)
+      continue
+    mine = list(held.own)
+    parts = held.parts
+    for k, (index, holders, device, nbytes) in enumerate(held.shared):
+      if parts > 1:  # Cut: dealt out in turn among its holders.
+        count = len(holders.procs)
+        first = turn[holders]
+        turn[holders] = (first + parts) % count
+        j = (holders.rank - first) % count
+        if j < parts:
+          piece = held.ranges.get((k, j))
+          if piece is None:
+            start, stop = index[0]
+            cut = ((stop - start) * j // parts,
+                   (stop - start) * (j + 1) // parts)  # (As `cuts`.)
+            piece = held.ranges[(k, j)] = Piece(
+                ((start + cut[0], start + cut[1]),) + index[1:], device, cut)
+          mine.append(piece)
+        continue
+      heap = loads.get(holders)
+      if heap is None:
+        heap = loads[holders] = _first_loads(holders.procs)
+      load, order, writer = heapq.heappop(heap)
+      heapq.heappush(heap, (load + nbytes, order, writer))
+      if writer == process:
+        mine.append(Piece(index, device, None))
     out.append(tuple(mine))
   return tuple(out)
 

@@ -35,7 +35,7 @@ relaunched with the same id finds that it is not a member: its callback
 opens its tiers by itself (it meets nobody yet), starts no watcher, and its
 `restore_or_initialize` asks to join and waits. The survivors' watcher
 reads the request after a poll; at the next calls of the callback they
-agree on a step (`_Vote`), save it to their local tiers, and set
+agree on a step (`generations.vote`), save it to their local tiers, and set
 `should_rebuild`; the loop calls `recover(make_target)`, and then every
 process, the newcomer too, restores that step from the survivors' local
 tiers over JAX collectives (`peer`) onto a mesh of all the live devices in
@@ -251,7 +251,8 @@ class Peers:
 
     try:
       local.quietly("save", lambda m: m.wait_until_finished())
-      step, _ = rescue_lib.common_step(group, key, local, manager, timeout_ms)
+      step, _ = groups.common_newest(group, key, local.manager.all_steps(),
+                                     manager.latest_step(), timeout_ms)
       if step is None:
         raise RuntimeError("the survivors hold no common step in their local"
                            f" tiers ({local.directory})")
@@ -286,12 +287,15 @@ class Peers:
     back the processes that asked to join (see `liveness.Watcher.joining`)
     at this step. Every survivor answers True at the same step.
 
-    Each survivor that saw a request votes for the step after its own; the
-    group rebuilds at the highest vote, once every survivor voted. A
-    survivor reads the votes only after its step's computation finished,
+    Each survivor that saw a request votes for the step two after its
+    own; the group rebuilds at the highest vote, once every survivor voted
+    (`generations.vote`: the first member counts and records the result).
+    A survivor reads the votes only after its step's computation finished,
     which needs every survivor to have started that step (its collectives
-    meet them all): so a vote for step `s` is always read by step `s`, and
-    no survivor passes the agreed step unaware.
+    meet them all): so the first member counts every vote at the latest
+    one step after the last, every member reads the result by the step
+    after that, the agreed step or earlier, and no survivor passes the
+    agreed step unaware.
     """
     watcher = self.watcher
     if (self._elastic_secs is None or watcher is None or self._rebuild
@@ -301,7 +305,7 @@ class Peers:
     jax.block_until_ready(state)
     propose = None
     if self._proposed is None:
-      self._proposed = propose = step + 1
+      self._proposed = propose = step + 2
     self._rebuild = generations.vote(
         self._manager.coordinator, f"{self._key}/{self.group.gen}/votes",
         self.group, step, propose, watcher.joining)

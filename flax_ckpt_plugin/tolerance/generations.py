@@ -267,28 +267,44 @@ def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
          ) -> tuple[int, list[int]] | None:
   """The survivors' vote on the step at which the group takes back the
   processes that asked to join: this survivor votes for `propose` (given
-  once, recorded under `key`); once every member voted, the highest vote
-  is the step. Returns (that step, the processes taken back) at that step,
+  once, recorded under `key`). The group's first member counts the votes
+  at each call; once every member voted, it records the highest vote, the
+  step, and who is taken back (`key`/result), which every member reads at
+  its calls. Returns (that step, the processes taken back) at that step,
   else None.
+
+  So each call costs a member one read of one small key, and the first
+  member one listing of the votes, whatever the group's size (each member
+  listing every vote at every call was O(members) per member). A vote is
+  for two steps after the voter's: the first member counts at the latest
+  one step after the last vote (see `Peers.rebuild_due`), so the result is
+  there before any member reaches the agreed step.
 
   Raises:
     RuntimeError: this survivor is past the agreed step (the loop skipped
       a call of the callback).
   """
+  me = coord.process_index
   if propose is not None:
-    coord.kv_set(f"{key}/{coord.process_index}",
-                 json.dumps([propose, sorted(joining)]))
-  votes = [json.loads(v) for v in coord.kv_dir(key).values()]
-  if len(votes) < len(group.members):
+    coord.kv_set(f"{key}/by/{me}", json.dumps([propose, sorted(joining)]))
+  found = coord.kv_dir(f"{key}/result")
+  if not found and me == group.members[0]:
+    votes = [json.loads(v) for v in coord.kv_dir(f"{key}/by").values()]
+    if len(votes) == len(group.members):
+      result = json.dumps([max(v[0] for v in votes),
+                           sorted(set().union(*(v[1] for v in votes)))])
+      coord.kv_set(f"{key}/result/0", result)
+      found = {f"{key}/result/0": result}
+  if not found:
     return None
-  at = max(v[0] for v in votes)
+  at, joined = json.loads(next(iter(found.values())))
   if step < at:
     return None
   if step > at:
     raise RuntimeError(f"the survivors agreed to take processes back at"
                        f" step {at}, but this one is at step {step}: the"
                        " loop must call the callback at every step")
-  return at, sorted(set().union(*(v[1] for v in votes)))
+  return at, joined
 
 
 def record_first_lists(coord: coordinator_lib.Coordinator, key: str,

@@ -252,7 +252,9 @@ class Rescue:
     key = f"{manager.name}/rescue/{'-'.join(map(str, members))}"
     timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
                      * 1000)
-    step, latest = common_step(group, key, local, manager, timeout_ms)
+    step, latest = groups.common_newest(
+        group, key, local.manager.all_steps(), manager.latest_step(),
+        timeout_ms)
     if step is None or (latest is not None and latest >= step):
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
@@ -309,21 +311,6 @@ def _agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
                 coordinator_lib.describe_failures(outcome.failures))
     return None
   return outcome.result
-
-
-def common_step(group: groups.Survivors, key: str,
-                 local: tiers.LocalTier, manager: CheckpointManager,
-                 timeout_ms: int) -> tuple[int | None, int | None]:
-  """The newest local step that every survivor holds, and the newest
-  persistent step any survivor knows of (the same on every survivor)."""
-  me = group.process_index
-  group.kv_set(f"{key}/steps/{me}", json.dumps(
-      [local.manager.all_steps(), manager.latest_step()]))
-  group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
-  listed = [json.loads(v) for v in group.kv_dir(f"{key}/steps").values()]
-  common = set.intersection(*(set(steps) for steps, _ in listed))
-  latest = [s for _, s in listed if s is not None]
-  return max(common, default=None), max(latest, default=None)
 
 
 def _assigned(group: groups.Survivors, key: str,
