@@ -16,6 +16,8 @@ calls per second and the time until every survivor knows. `--write-plan`
 times one process's write plan (`writeplan.plan`: who writes which bytes)
 for `--leaves` arrays of a transformer-like state on a (data, model) mesh of
 N processes x 8 devices, whose devices stand in for JAX's (`MeshSharding`).
+`--shares` runs the survivors' choice, for their save after a loss, of who
+writes which shard of their newest local step (`shares.assigned`), and
 `--elastic` runs the survivors' agreements of an elastic job instead: the
 newest local step they all hold (`groups.common_newest`, at a recovery) and
 the vote on the step that takes a relaunched process back
@@ -33,10 +35,12 @@ import collections
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -424,6 +428,65 @@ def simulate_elastic(n: int, *, latency_ms: float = 0.0,
   return {"processes": n, "latency_ms": latency_ms, **phases}
 
 
+def simulate_shares(n: int, *, leaves: int = 100,
+                    directory: str | None = None) -> dict:
+  """The survivors' save for a relaunch, its first part: the N - 1
+  survivors of process N - 1 learn which shards of their newest local step
+  each writes (`shares.assigned`, the lowest holder of each shard), from
+  local steps of `leaves` arrays that every survivor holds whole (data
+  parallelism). Each survivor's local tier is a copy (hard links) of one
+  step written by a real local-tier manager. Figures: the service's
+  operations and key-value bytes, per survivor and in all, and which
+  survivors write anything."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.tolerance import rescue  # pylint: disable=g-import-not-at-top
+  try:
+    from flax_ckpt_plugin.tolerance import shares  # pylint: disable=g-import-not-at-top
+    assign = shares.assigned
+  except ImportError:  # (Before `shares`: the same, in `rescue`.)
+    assign = rescue._assigned  # pylint: disable=protected-access
+  service = Service(n, 0.0)
+  members = list(range(n - 1))
+  state = {f"w{k:05d}": np.full((4, 4), k, np.float32)
+           for k in range(leaves)}
+  with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    first = os.path.join(tmp, "local", "0")
+    with CheckpointManager(first, commit=Commit(
+        coordinator=groups.SoloCoordinator(), backend=backend_lib.MEMORY,
+        name="sim-local")) as manager:
+      manager.save(7, state)
+    for p in members[1:]:
+      os.makedirs(os.path.join(tmp, "local", str(p)))
+      subprocess.run(["cp", "-al", os.path.join(first, "7"),
+                      os.path.join(tmp, "local", str(p), "7")], check=True)
+
+    class Tier:  # What the survivors' save reads of a local tier.
+
+      def __init__(self, p: int):
+        self.directory = epath.Path(os.path.join(tmp, "local", str(p)))
+        self.manager = types.SimpleNamespace(
+            backend=backend_lib.MEMORY, coordinator=groups.SoloCoordinator())
+
+    def work(coord: SimCoordinator) -> list[int]:
+      group = groups.Survivors(coord, members)
+      found = assign(group, "sim/rescue", Tier(coord.process_index), 7,
+                     600_000)
+      assert found is not None, "the survivors found a shard missing"
+      return sum(len(leaf.shards) for leaf in found[0])
+
+    t = time.perf_counter()
+    written = run_threads(service.coordinators()[:n - 1], work)
+    secs = time.perf_counter() - t
+  per = [service.by_process[p] for p in members]
+  per_bytes = service.kv_bytes / len(members)
+  return {"processes": n, "leaves": leaves, "secs": secs,
+          "ops": sum(service.ops.values()), "ops_per_process_max": max(per),
+          "ops_per_process_of_the_others": max(per[1:], default=0),
+          "kv_bytes": service.kv_bytes, "kv_bytes_per_process": per_bytes,
+          "writers": [p for p, w in zip(members, written) if w],
+          "shards_written": sum(written)}
+
+
 class FakeDevice:
   """A device of a simulated job: all the write plan reads of one."""
   __slots__ = ("id", "process_index")
@@ -545,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--watchers", action="store_true",
                       help="simulate the liveness watchers instead")
+  parser.add_argument("--shares", action="store_true",
+                      help="simulate the survivors' choice of who writes"
+                      " what instead")
   parser.add_argument("--elastic", action="store_true",
                       help="simulate the survivors' agreements instead")
   parser.add_argument("--write-plan", action="store_true",
@@ -563,6 +629,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" CPU (of which {row['indices_cpu_secs']:.3f} s listing every"
             f" device's indices); it writes {row['pieces']} pieces,"
             f" {row['bytes'] / 1e6:.1f} MB", flush=True)
+      rows.append(row)
+      continue
+    if args.shares:
+      row = simulate_shares(n, leaves=min(args.leaves, 10_000),
+                            directory=args.dir)
+      print(f"N={n:6d}, {row['leaves']} leaves: who writes what:"
+            f" {row['ops']} ops, per survivor at most"
+            f" {row['ops_per_process_max']} (the first), of the others"
+            f" {row['ops_per_process_of_the_others']},"
+            f" {row['kv_bytes'] / 1e6:.2f} MB of key-value"
+            f" ({row['kv_bytes_per_process'] / 1e3:.2f} kB a survivor),"
+            f" {row['secs']:.2f} s; {len(row['writers'])} writer(s),"
+            f" {row['shards_written']} shards", flush=True)
       rows.append(row)
       continue
     for latency in args.latency_ms:

@@ -87,3 +87,16 @@ def test_a_survivor_past_the_agreed_step_is_told(sim):
   with pytest.raises(RuntimeError, match="at step 13: the loop must call"):
     generations.vote(coords[1], "v", group, 13, None, [2])
   assert generations.vote(coords[0], "v", group, 12, None, [2]) == (12, [2])
+
+
+@pytest.mark.timeout(120)
+def test_63_survivors_learn_who_writes_what_without_each_others_lists(
+    sim, tmp_path):
+  """The survivors' save after a loss: every shard of their local step
+  written once, by its lowest holder (the first survivor, where all hold
+  everything), and each other survivor asks the service a few small
+  things, not every survivor's list of shards."""
+  row = sim.simulate_shares(64, leaves=50, directory=str(tmp_path))
+  assert row["writers"] == [0] and row["shards_written"] == 50, row
+  assert row["ops_per_process_of_the_others"] <= 15, row
+  assert row["kv_bytes_per_process"] < 1000, row

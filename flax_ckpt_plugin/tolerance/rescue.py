@@ -7,11 +7,12 @@ survivor:
    and the persistent tier's at once (its waits obey the watcher);
 2. lists its local steps to the other survivors; they pick the newest step
    that all of them hold, unless the persistent tier has it or a newer one;
-3. shares which shards of it it holds; if together they hold every shard
-   (the lost process's shards have replicas on survivors, as in data
-   parallelism), each writes from its local tier the shards it is the
-   lowest holder of, and the step is committed to the persistent tier as
-   a save is (`commit.commit`), with barriers over the survivors only;
+3. learns which shards of it it writes (`shares`: the lowest survivor
+   holding a shard writes it); if together they hold every shard (the
+   lost process's shards have replicas on survivors, as in data
+   parallelism), each writes those from its local tier, and the step is
+   committed to the persistent tier as a save is (`commit.commit`), with
+   barriers over the survivors only;
 4. ends the process with `PREEMPTED_EXIT_CODE`, so that the launcher starts
    the job again: from the exit hook at once if the program is exiting
    (its loop raised `PeerLostError`, or the error of a collective with the
@@ -26,7 +27,6 @@ local tiers (the lost process's too, if its host lives) serve the restart.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -36,16 +36,10 @@ from typing import Any, TYPE_CHECKING
 
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import liveness
-from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.tolerance import shares
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.restore.data_files import ByteReader
-from flax_ckpt_plugin.restore.reader import LeafReader
-from flax_ckpt_plugin.save.snapshot import LeafSnapshot
-from flax_ckpt_plugin.save.snapshot import ShardData
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
@@ -259,7 +253,7 @@ class Rescue:
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
       return
-    found = _assigned(group, key, local, step, timeout_ms)
+    found = shares.assigned(group, key, local, step, timeout_ms)
     if found is None:
       return
     leaves, extra, data_state = found
@@ -300,87 +294,3 @@ def _leave(code: int) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)  # pylint: disable=protected-access
-
-
-def _agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
-            what: str) -> Any:
-  """`fn()` on every survivor; None on all of them if it failed on any."""
-  outcome = coordinator_lib.agree(group, key, fn, timeout_ms=timeout_ms)
-  if outcome.failures:
-    log.warning("the survivors' save stops: %s failed: %s", what,
-                coordinator_lib.describe_failures(outcome.failures))
-    return None
-  return outcome.result
-
-
-def _assigned(group: groups.Survivors, key: str,
-              local: tiers.LocalTier, step: int, timeout_ms: int
-              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
-  """This survivor's share of `step` (for each shard, the lowest survivor
-  that holds it writes it), the step's `extra`, and this survivor's data
-  state (`datastate.Encoded`, or None). None (on every survivor) if they
-  do not hold every shard, or one failed to read.
-
-  Reads the local step from disk: the loop may have closed the managers.
-  """
-  me = group.process_index
-  step_dir = local.directory / str(step)
-
-  def share() -> manifest_lib.Manifest:
-    m = manifest_lib.read(step_dir, step, local.manager.backend)
-    groups.share_text(group, f"{key}/held/{me}", json.dumps(
-        {leaf.path: [s.index_list for s in leaf.shards] for leaf in m.leaves
-         if leaf.is_array}))
-    return m
-
-  m = _agreed(group, f"{key}/held", share, timeout_ms,
-              f"reading local step {step}")
-  if m is None:
-    return None
-  owner: dict[str, dict[tuple, int]] = {}
-  for p in reversed(group.members):  # The lowest holder wins.
-    held = json.loads(groups.fetch_text(group, f"{key}/held/{p}", timeout_ms))
-    for path, indices in held.items():
-      for index in indices:
-        owner.setdefault(path, {})[tuple(map(tuple, index))] = p
-  for leaf in m.leaves:
-    if not leaf.is_array:
-      continue
-    try:
-      manifest_lib.check_grid(
-          [list(map(list, i)) for i in owner.get(leaf.path, {})],
-          list(leaf.shape), leaf.path)
-    except ValueError as e:
-      log.warning("the survivors do not hold all of step %d (%s); the local"
-                  " tiers serve the restart", step, e)
-      return None
-
-  def read() -> tuple[list[LeafSnapshot], datastate.Encoded | None]:
-    reader = ByteReader(step_dir, m.files, local.manager.backend)
-    try:
-      leaves = [_leaf_share(leaf, owner.get(leaf.path, {}), me, reader, m)
-                for leaf in m.leaves]
-    finally:
-      reader.close()
-    data = datastate.of_step(step_dir, m, local.manager.coordinator,
-                             local.manager.backend)
-    return leaves, None if data is None else datastate.encode(data)
-
-  found = _agreed(group, f"{key}/read", read, timeout_ms,
-                  f"reading the shards of local step {step}")
-  return None if found is None else (found[0], m.extra, found[1])
-
-
-def _leaf_share(leaf: manifest_lib.LeafRecord, owner: dict[tuple, int],
-                me: int, reader: ByteReader, m: manifest_lib.Manifest
-                ) -> LeafSnapshot:
-  shards = []
-  if leaf.is_array:
-    lr = LeafReader(reader=reader, leaf=leaf, where=f"local step {m.step}",
-                    verify=True, block=m.checksum_block_bytes)
-    shards = [ShardData(s.index, lr.read(s.index)) for s in leaf.shards
-              if owner[s.index] == me]
-  return LeafSnapshot(
-      leaf.path, list(leaf.keys), leaf.kind,
-      None if leaf.dtype is None else str(leaf.dtype), leaf.shape, shards,
-      value=leaf.value, key_impl=leaf.key_impl)
