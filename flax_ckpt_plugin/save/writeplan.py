@@ -67,10 +67,14 @@ class Piece(NamedTuple):
   rows: tuple[int, int] | None
 
 
+def cut(rows: int, parts: int, j: int) -> tuple[int, int]:
+  """The `j`th of `cuts(rows, parts)`."""
+  return rows * j // parts, rows * (j + 1) // parts
+
+
 def cuts(rows: int, parts: int) -> list[tuple[int, int]]:
   """`rows` cut into `parts` contiguous ranges whose sizes differ by <= 1."""
-  bounds = [rows * j // parts for j in range(parts + 1)]
-  return list(zip(bounds[:-1], bounds[1:]))
+  return [cut(rows, parts, j) for j in range(parts)]
 
 
 def _volume(index: Index) -> int:
@@ -267,10 +271,10 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
           piece = held.ranges.get((k, j))
           if piece is None:
             start, stop = index[0]
-            cut = ((stop - start) * j // parts,
-                   (stop - start) * (j + 1) // parts)  # (As `cuts`.)
+            rows = cut(stop - start, parts, j)
             piece = held.ranges[(k, j)] = Piece(
-                ((start + cut[0], start + cut[1]),) + index[1:], device, cut)
+                ((start + rows[0], start + rows[1]),) + index[1:], device,
+                rows)
           mine.append(piece)
         continue
       heap = loads.get(holders)
