@@ -1,8 +1,9 @@
-"""The commit thread: started before a save's snapshot, reused, restarted.
+"""The commit thread: started when a manager opens, reused, restarted.
 
-A save starts the commit thread before it takes its snapshot (`prepare`),
-while the cores are idle; the snapshot's copies then hold them, and a
-thread started after would wait for one. These tests run the real
+A writing manager starts its commit thread when it opens, and a save
+starts it again before its snapshot if it exited while idle (`prepare`):
+a save comes right after a train step, whose runtime threads still hold
+the cores for a few milliseconds, and a thread started then waits for one. These tests run the real
 `AsyncCommitter` with real threads and check what its users rely on.
 """
 
@@ -71,3 +72,16 @@ def test_a_save_refused_after_prepare_leaves_the_manager_usable(
   while _workers(name) and time.monotonic() < deadline:
     time.sleep(0.01)
   assert not _workers(name)
+
+
+def test_a_writing_manager_starts_its_commit_thread_when_it_opens(ckpt_dir):
+  """So that its first save does not (a read-only manager starts none)."""
+  manager = CheckpointManager(ckpt_dir)
+  name = manager._committer._name  # pylint: disable=protected-access
+  (worker,) = _workers(name)
+  reader = CheckpointManager(ckpt_dir, read_only=True)
+  assert _workers(reader._committer._name) == [worker]  # pylint: disable=protected-access
+  manager.close()
+  reader.close()
+  worker.join(10)
+  assert not worker.is_alive()

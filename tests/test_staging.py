@@ -17,6 +17,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.save import copies as copies_lib
+from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format import treepaths
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -64,19 +65,67 @@ def _assert_equal(restored, expected):
                                   err_msg=str(path))
 
 
-def test_saves_of_thousands_of_small_leaves_compile_nothing(tmp_path):
-  tree = _many_leaves(2000)
-  expected = jax.tree.map(np.array, tree)
+def test_small_leaves_are_packed_by_a_few_programs_compiled_in_the_background(
+    tmp_path, monkeypatch):
+  """Thousands of small leaves of hundreds of shapes and 4 dtypes: the first
+  save compiles nothing on the thread that saves (the runtime copies them
+  while a program per `PACK_COUNT` of them compiles), later saves pack
+  them all with those programs into the same memory, and every save
+  restores bit for bit."""
+  n = 1000
+  tree = _bump(_many_leaves(n))  # (`_bump` compiled here, before counting.)
+  packed = []  # Per save: how many shards were packed.
+  real = HostStaging.copy_on_devices
+
+  def spy(self, *args, **kwargs):
+    out = real(self, *args, **kwargs)
+    packed.append(sum(isinstance(c, copies_lib.Packed) for c in out))
+    return out
+
+  monkeypatch.setattr(HostStaging, "copy_on_devices", spy)
+  manager = CheckpointManager(tmp_path / "ckpt")
+  expected, pointers = {}, []
+  with _Compiles() as compiles:
+    for step in (1, 2, 3, 4):
+      if step == 3:
+        copies_lib.PROGRAMS.wait()
+      expected[step] = jax.tree.map(np.array, tree)
+      manager.save(step, tree)
+      tree = _bump(tree)
+      manager.wait_until_finished()
+      pointers.append(sorted(
+          a.unsafe_buffer_pointer()
+          for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
+  assert packed[0] == 0 and packed[2] == packed[3] == n
+  assert 0 < len(compiles.threads) <= math.ceil(n / copies_lib.PACK_COUNT)
+  assert all(name.startswith("flax_ckpt_plugin-compile")
+             for name in compiles.threads), compiles.threads
+  assert pointers[2] and pointers[2] == pointers[3]  # The packs' memory.
+  for step in (1, 2, 3, 4):
+    _assert_equal(manager.restore(jax.eval_shape(lambda: tree), step),
+                  expected[step])
+  manager.close()
+
+
+def test_a_warmed_up_manager_copies_its_first_save_with_programs(tmp_path):
+  """`warm_up` (the callback's `restore_or_initialize` calls it) queues the
+  compiles of the copy programs, so that the first save does not have the
+  runtime copy every shard on the thread that saves."""
+  tree = _bump({"big": jnp.ones((1100, 1024), jnp.float32),  # 4.5 MB
+                "small": _many_leaves(40)})
   manager = CheckpointManager(tmp_path / "ckpt")
   with _Compiles() as compiles:
-    manager.save(1, tree)
-    manager.wait_until_finished()
-    manager.save(2, tree)
-    manager.wait_until_finished()
-    # Restores of them compile nothing either.
-    restored = manager.restore(jax.eval_shape(lambda: tree), 1)
-  assert compiles.threads == []
-  _assert_equal(restored, expected)
+    manager.warm_up(tree)
+    copies_lib.PROGRAMS.wait()
+  assert all(name.startswith("flax_ckpt_plugin-compile")
+             for name in compiles.threads), compiles.threads
+  expected = jax.tree.map(np.array, tree)
+  manager.save(1, tree)
+  manager.wait_until_finished()
+  reused = manager._staging._device  # pylint: disable=protected-access
+  kinds = sorted(key[0] for _, key in reused)
+  assert kinds == [copies_lib.PACK, copies_lib.REUSE], kinds
+  _assert_equal(manager.restore(jax.eval_shape(lambda: tree), 1), expected)
   manager.close()
 
 

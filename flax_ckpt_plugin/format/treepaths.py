@@ -18,6 +18,11 @@ KeyEntry = dict[str, Any]
 Index = tuple[tuple[int, int], ...]
 
 
+def extents(index: Index) -> tuple[int, ...]:
+  """The shape of the block of an array at `index`."""
+  return tuple(stop - start for start, stop in index)
+
+
 def key_entry(key: Any) -> KeyEntry:
   """A JSON form of one `jax.tree_util` key path entry."""
   if isinstance(key, jax.tree_util.DictKey):

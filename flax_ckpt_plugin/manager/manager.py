@@ -38,7 +38,7 @@ from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.restoring import Restoring
 from flax_ckpt_plugin.save.staging import HostStaging
-from flax_ckpt_plugin.save.snapshot import pinned_pieces
+from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
 
 
@@ -147,6 +147,9 @@ class CheckpointManager(Restoring):
           directory_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
       self._steps = steps
+      # Not at the first save: that comes right after a train step, whose
+      # runtime threads hold the cores a few ms more (a start waits 3-7 ms).
+      self._committer.prepare()
     self._opened_name = self.name  # `regroup` names its groups under it.
 
   def add_commit_hook(self, hook: CommitHook) -> None:
@@ -237,9 +240,11 @@ class CheckpointManager(Restoring):
   def warm_up(self, state: Any) -> bool:
     """Sets up what saving `state` needs that the first save would
     otherwise wait for: on accelerators, the pinned host memory its shards
-    are copied into (see `pinned`; about 0.5 s per GB, once per process).
-    Blocks until done. Optional: without it, the first save pins that
-    memory itself. The callback calls it from `restore_or_initialize`.
+    are copied into (see `pinned`; about 0.5 s per GB, once per process),
+    which blocks; on the CPU, the compiles of its copy programs, queued
+    (see `copies`). Optional: without it, the first save pins that memory
+    itself, or has the runtime copy CPU shards while the programs compile.
+    The callback calls it from `restore_or_initialize`.
 
     Returns:
       Whether `state` holds arrays to take the measure of (False for an
@@ -248,10 +253,10 @@ class CheckpointManager(Restoring):
     if self.read_only:
       return True
     try:
-      pieces = pinned_pieces(
+      pieces = prepare(
           state, process_count=self.coordinator.process_count,
-          is_primary=self.is_primary, pinned_staging=self._pinned,
-          own_copy=self.scope is not None)
+          is_primary=self.is_primary, staging=self._staging,
+          own_copy=self.scope is not None, pinned_staging=self._pinned)
     except (TypeError, ValueError) as e:  # The save will say it better.
       log.info("no warm-up for saving %s: %s", self.directory, e)
       return True

@@ -57,7 +57,7 @@ class CommitInputs(NamedTuple):
   step: int
   key: str  # Unique prefix of this save's barrier and key-value keys.
   tmp: atomicity_lib.TemporaryPath  # Where the step is written.
-  leaves: list[LeafSnapshot]  # This process's snapshot.
+  leaves: Sequence[LeafSnapshot]  # This process's snapshot.
   extra: Any  # JSON-ready `extra` and `metrics`.
   metrics: dict[str, Any] | None
   blocking_secs: float

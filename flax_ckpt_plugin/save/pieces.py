@@ -33,35 +33,15 @@ def _is_prng_dtype(dtype: Any) -> bool:
   return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _check_array_alive(path: str, arr: jax.Array) -> None:
-  if arr.is_deleted():
-    raise ValueError(
-        f"leaf {path!r} of the state to save was deleted (donated to a"
-        " jitted step before save was called?). Save the state that the step"
-        " returned, before passing it to the next step.")
+def cut(data: jax.Array, rows: tuple[int, int] | None) -> jax.Array:
+  """A piece as an array of its own: the shard `data`, or its `rows`.
 
-
-class Piece(NamedTuple):
-  """A shard, or rows of it, that this process writes."""
-  index: Index  # Its place in the global array.
-  data: jax.Array  # The shard, on one device.
-  device: Any
-  rows: tuple[int, int] | None  # [start, stop) of its first axis; None: all.
-
-  @property
-  def nbytes(self) -> int:
-    if self.rows is None:
-      return self.data.nbytes
-    start, stop = self.rows
-    return self.data.nbytes // max(1, self.data.shape[0]) * (stop - start)
-
-  def cut(self) -> jax.Array:
-    """The piece as an array of its own. A part of a shard is cut on its
-    device by a slice, which the runtime runs before the next step, into
-    memory of its own: the donation of the state's buffers stays safe."""
-    if self.rows is None:
-      return self.data
-    return jax.lax.slice_in_dim(self.data, *self.rows)
+  A part of a shard is cut on its device by a slice, which the runtime runs
+  before the next step, into memory of its own: the donation of the
+  state's buffers stays safe."""
+  if rows is None:
+    return data
+  return jax.lax.slice_in_dim(data, *rows)
 
 
 # Where a piece is: (its shard's place among the array's single-device
@@ -91,23 +71,76 @@ def _planned_specs(arr: jax.Array, pieces: tuple[writeplan.Piece, ...]
   return [(place[p.device], p.index, p.device, p.rows) for p in pieces]
 
 
-class Leaf(NamedTuple):
+class LeafLayout(NamedTuple):
+  """What a save knows of an array leaf before looking at its values."""
   path: str
   keys: list[KeyEntry]
-  leaf: Any
-  arr: jax.Array | None  # The array to write (a key array's data), if any.
+  dtype: np.dtype  # Of the array written (a key array's data).
+  shape: tuple[int, ...]
+  weak_type: bool
+  single: bool  # On one device, with a `SingleDeviceSharding`.
   impl: str | None  # A typed PRNG key array's implementation.
-  pieces: list[Piece] | None
-
-
-class _LeafLayout(NamedTuple):
-  """What `_plan` knows of a leaf before looking at its values."""
-  impl: str | None
   specs: tuple[_PieceSpec, ...]
 
 
+class Layout:
+  """What saving one layout of a tree takes, worked out at its first save.
+
+  `names[i]` is leaf i's (path, keys); `leaves[i]` its `LeafLayout`, or
+  None for a leaf that is not a `jax.Array` (its value is looked at in
+  every save: `host` lists them). `memo` keeps what users of the layout
+  work out from it once (see `snapshot`).
+  """
+
+  def __init__(self, names: list[tuple[str, list[KeyEntry]]],
+               leaves: list[LeafLayout | None]):
+    self.names = names
+    self.leaves = leaves
+    self.host = [i for i, lay in enumerate(leaves) if lay is None]
+    self.memo: dict[Any, Any] = {}
+    self._lock = threading.Lock()
+
+  def remember(self, key: Any, make) -> Any:
+    """`memo[key]`, made by `make()` the first time."""
+    with self._lock:
+      if key not in self.memo:
+        self.memo[key] = make()
+      return self.memo[key]
+
+
+class Plan(NamedTuple):
+  """One save's tree: its leaves' values in flattening order, and its
+  layout."""
+  values: list[Any]
+  layout: Layout
+
+  def shards(self, where: Any, fresh: bool = False) -> list[jax.Array]:
+    """The shards of the pieces at `where` ((leaf number, piece number, its
+    shard's place, rows) each): single-device arrays.
+
+    A leaf on one device is its own shard, unless `fresh`: then, as for
+    every other leaf, a new `jax.Array` object of the same buffer is made
+    (what `np.asarray` caches on it goes with it, not with the state).
+    """
+    out = []
+    last, arrays = None, None
+    for i, _, k, _ in where:
+      lay, value = self.layout.leaves[i], self.values[i]
+      if lay.impl is not None:
+        value = jax.random.key_data(value)
+      elif lay.single and not fresh:
+        out.append(value)
+        continue
+      if i != last:
+        last, arrays = i, _single_arrays(value)
+      out.append(arrays[k])
+    return out
+
+
 # Layouts of the trees saved lately (see the module's docstring).
-_LAYOUTS: collections.OrderedDict[Any, list[_LeafLayout | None]] = (
+# By structure: the signature of its arrays, and their layout (the newest
+# for that structure).
+_LAYOUTS: collections.OrderedDict[Any, tuple[tuple[Any, ...], Layout]] = (
     collections.OrderedDict())
 _LAYOUTS_LOCK = threading.Lock()
 _LAYOUTS_KEPT = 8
@@ -122,10 +155,10 @@ def _single_arrays(arr: jax.Array) -> list[jax.Array]:
 
 
 def _layout(leaves: list[tuple[str, list[KeyEntry], Any]], process_count: int,
-            is_primary: bool, own_copy: bool) -> list[_LeafLayout | None]:
-  out: list[_LeafLayout | None] = []
+            is_primary: bool, own_copy: bool) -> Layout:
+  out: list[LeafLayout | None] = []
   shared = []  # (place in out, array) of the arrays `writeplan` spreads.
-  for _, _, leaf in leaves:
+  for path, keys, leaf in leaves:
     if not isinstance(leaf, jax.Array):
       out.append(None)
       continue
@@ -144,51 +177,63 @@ def _layout(leaves: list[tuple[str, list[KeyEntry], Any]], process_count: int,
       specs = _own_copy_specs(arr)
     else:
       shared.append((len(out), arr))
-    out.append(_LeafLayout(impl, tuple(specs or ())))
+    out.append(LeafLayout(
+        path, keys, np.dtype(arr.dtype), tuple(arr.shape), arr.weak_type,
+        type(arr.sharding) is jax.sharding.SingleDeviceSharding, impl,
+        tuple(specs or ())))
   if shared:
     planned = writeplan.plan(
         tuple((arr.sharding, tuple(arr.shape), np.dtype(arr.dtype))
               for _, arr in shared), jax.process_index(), jax.process_count())
     for (at, arr), mine in zip(shared, planned):
       out[at] = out[at]._replace(specs=tuple(_planned_specs(arr, mine)))
-  return out
+  return Layout([(path, keys) for path, keys, _ in leaves], out)
 
 
 def plan(tree: Any, process_count: int, is_primary: bool, own_copy: bool
-          ) -> list[Leaf]:
-  """Every leaf of `tree`, with the pieces of it this process writes."""
-  leaves, treedef = leaf_paths(tree)
+         ) -> Plan:
+  """Every leaf of `tree`, with the layout of what this process writes.
+
+  Raises:
+    ValueError: an array leaf was deleted (donated before the save).
+  """
+  values, treedef = jax.tree_util.tree_flatten(tree)
   sig = []
-  for path, _, leaf in leaves:
-    if isinstance(leaf, jax.Array):
-      _check_array_alive(path, leaf)
-      sig.append((leaf.shape, leaf.dtype, leaf.sharding))
+  for value in values:
+    if isinstance(value, jax.Array):
+      if value.is_deleted():
+        _raise_deleted(tree)
+      sig.append((value.shape, value.dtype, value.sharding))
     else:
       sig.append(None)
-  key = (treedef, tuple(sig), process_count, is_primary, own_copy)
+  # Found by the tree's structure, then its arrays compared one by one (a
+  # shape, dtype or sharding that is the one saved before is compared by
+  # identity): a hash of the whole signature would hash every sharding.
+  key = (treedef, process_count, is_primary, own_copy)
+  sig = tuple(sig)
   try:
     hash(key)
   except TypeError:  # Static data of a node that cannot be hashed.
     key = None
-  with _LAYOUTS_LOCK:
-    layout = _LAYOUTS.get(key) if key is not None else None
-    if layout is not None:
-      _LAYOUTS.move_to_end(key)
+  with _LAYOUTS_LOCK:  # (Oldest out first: a lookup compares treedefs.)
+    known = _LAYOUTS.get(key) if key is not None else None
+    layout = known[1] if known is not None and known[0] == sig else None
   if layout is None:
+    leaves, _ = leaf_paths(tree)
     layout = _layout(leaves, process_count, is_primary, own_copy)
     if key is not None:
       with _LAYOUTS_LOCK:
-        _LAYOUTS[key] = layout
+        _LAYOUTS.pop(key, None)
+        _LAYOUTS[key] = (sig, layout)
         while len(_LAYOUTS) > _LAYOUTS_KEPT:
           _LAYOUTS.popitem(last=False)
-  out = []
-  for (path, keys, leaf), lay in zip(leaves, layout):
-    if lay is None:
-      out.append(Leaf(path, keys, leaf, None, None, None))
-      continue
-    arr = leaf if lay.impl is None else jax.random.key_data(leaf)
-    arrays = _single_arrays(arr)
-    out.append(Leaf(path, keys, leaf, arr, lay.impl,
-                     [Piece(index, arrays[k], device, rows)
-                      for k, index, device, rows in lay.specs]))
-  return out
+  return Plan(values, layout)
+
+
+def _raise_deleted(tree: Any) -> None:
+  for path, _, leaf in leaf_paths(tree)[0]:
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise ValueError(
+          f"leaf {path!r} of the state to save was deleted (donated to a"
+          " jitted step before save was called?). Save the state that the"
+          " step returned, before passing it to the next step.")

@@ -17,7 +17,15 @@ buffers, because it never refers to them once the runtime has run what
   `copy_to_host_async()` is started before the first one is awaited.
 * On the CPU backend every shard is copied into reused staging buffers by
   a program the runtime runs before the next step that donates the state
-  (see `staging`); `take_snapshot` does not wait for the copy.
+  (large shards one for one, small ones packed together: see `staging`);
+  `take_snapshot` does not wait for the copy.
+
+Which way each piece goes depends on the tree's layout alone, and is
+worked out at its first save (`routes`); a later save only gathers the
+leaves' arrays and starts the copies. The records of the snapshot
+(`LeafSnapshot`, `ShardData`) are made from the copies when the commit
+first reads them (`Snapshot`), on its own thread: measured with 1500
+leaves, the save call's own time went from 83 ms to 12-17 ms.
 
 Why not keep numpy views of the state's own buffers, which costs nothing?
 A view pins the buffer, so the next step's donation is declined and that
@@ -29,18 +37,24 @@ memory: measured with a 0.98 GB state on 2 cores, the step after a save took
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import jax
 import numpy as np
 
+from flax_ckpt_plugin.save import copies
 from flax_ckpt_plugin.save import pieces as pieces_lib
 from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
-from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.save.copies import Packed
+from flax_ckpt_plugin.save.pieces import cut
 from flax_ckpt_plugin.save.staging import HostStaging
+from flax_ckpt_plugin.format.treepaths import extents
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import KeyEntry
 
@@ -52,9 +66,10 @@ class ShardData:
   # A C-contiguous host array of the shard's values, or a copy still being
   # made: in pinned host memory (see `pinned`), or (CPU backend) a staging
   # copy, a jax.Array of the values or of their bits as unsigned integers
-  # of the same width (a copy in reused memory, see `staging`); `host()`
+  # of the same width (a copy in reused memory, see `staging`), or the
+  # shard's bits in a pack of small shards (`copies.Packed`); `host()`
   # waits for it.
-  data: np.ndarray | jax.Array
+  data: np.ndarray | jax.Array | Packed
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
   # The CRC-32C of each `layout.CHECKSUM_BLOCK` bytes, when the copy took
   # them (`HostStaging.copy_summed`); else the writer does.
@@ -71,6 +86,8 @@ class ShardData:
     if isinstance(self.data, np.ndarray):
       return self.data.ctypes.data
     try:
+      if isinstance(self.data, Packed):
+        return self.data.pack.unsafe_buffer_pointer() + self.data.offset
       return self.data.unsafe_buffer_pointer()
     except Exception:  # pylint: disable=broad-except
       return None
@@ -85,6 +102,11 @@ class ShardData:
     """
     if isinstance(self.data, np.ndarray):
       return self.data
+    if isinstance(self.data, Packed):  # Reused: DLPack, as below.
+      packed = self.data
+      flat = np.from_dlpack(packed.pack.block_until_ready())
+      return flat[packed.offset:packed.offset + packed.nbytes].view(
+          self.dtype).reshape(extents(self.index))
     self.data.block_until_ready()
     if self.data.dtype == self.dtype:  # Not reused: its view pins nothing.
       return np.asarray(self.data)
@@ -120,37 +142,85 @@ class LeafSnapshot:
     return entry
 
 
-def _to_pin(plans: list[pieces_lib.Leaf], staging: pinned.PinnedStaging
-            ) -> list[tuple[int, int, pieces_lib.Piece]]:
-  """(leaf number, piece number, piece) of the pieces that go through
-  pinned host memory, within the budget."""
-  takes: dict[Any, bool] = {}
-  todo = []
-  for i, leaf in enumerate(plans):
-    if leaf.arr is None or not leaf.pieces or not pinned.fits(leaf.arr.dtype):
-      continue
-    for j, p in enumerate(leaf.pieces):
-      if p.device not in takes:
-        takes[p.device] = pinned.takes(p.device)
-      if takes[p.device]:
-        todo.append((i, j, p))
-  return todo[:staging.split([p.nbytes for *_, p in todo])]
+def prepare(tree: Any, *, process_count: int, is_primary: bool,
+            staging: HostStaging, own_copy: bool = False,
+            pinned_staging: pinned.PinnedStaging | None = None
+            ) -> list[jax.Array]:
+  """Queues the compiles of the programs that a save of `tree` copies its
+  CPU shards with (see `copies.groups`: its first save then finds them
+  ready, instead of having the runtime copy every shard), and returns the
+  arrays that it copies onto pinned host memory (see
+  `pinned.PinnedStaging.warm_up`). Does not wait."""
+  plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
+  routes = routes_lib.of(plan, staging, pinned_staging)
+  for key, _ in routes.groups:
+    copies.programs_of(key)
+  return [cut(shard, rows) for shard, (*_, rows) in zip(
+      plan.shards(routes.pinned), routes.pinned)]
 
 
-def pinned_pieces(tree: Any, *, process_count: int, is_primary: bool,
-                  pinned_staging: pinned.PinnedStaging,
-                  own_copy: bool = False) -> list[jax.Array]:
-  """The arrays that a save of `tree` copies onto pinned host memory (see
-  `pinned.PinnedStaging.warm_up`)."""
-  plans = pieces_lib.plan(tree, process_count, is_primary, own_copy)
-  return [p.cut() for *_, p in _to_pin(plans, pinned_staging)]
+class Snapshot(collections.abc.Sequence):
+  """One save's snapshot on this process: a `LeafSnapshot` per leaf, in
+  flattening order, on every process (so every process knows the whole
+  tree's metadata).
+
+  The save call only starts the copies; the records are made from them
+  when first read, by the commit, so that the call pays nothing per leaf
+  for them.
+  """
+
+  def __init__(self, layout: pieces_lib.Layout, routes: routes_lib.Routes,
+               made: list[Any], copied: list[Any],
+               host: dict[int, LeafSnapshot]):
+    """`made[n]`: (data, dtype, checksums) of piece n, or None for those
+    `routes.programs` copied, in that order, into `copied`."""
+    self._layout, self._routes = layout, routes
+    self._made, self._copied, self._host = made, copied, host
+    self._records: list[LeafSnapshot] | None = None
+    self._lock = threading.Lock()
+
+  def _all(self) -> list[LeafSnapshot]:
+    with self._lock:
+      if self._records is None:
+        self._records = self._make()
+        self._made = self._copied = []
+      return self._records
+
+  def _make(self) -> list[LeafSnapshot]:
+    leaves, first = self._layout.leaves, self._routes.first
+    for (i, j, _, _), copy in zip(self._routes.programs, self._copied):
+      self._made[first[i] + j] = (copy, leaves[i].dtype, None)
+    out = []
+    for i, lay in enumerate(self._layout.leaves):
+      if lay is None:
+        out.append(self._host[i])
+        continue
+      at = self._routes.first[i]
+      shards = []
+      for (_, index, _, _), made in zip(
+          lay.specs, self._made[at:at + len(lay.specs)]):
+        data, dtype, sums = made
+        shards.append(ShardData(index, data, dtype, sums))
+      out.append(LeafSnapshot(lay.path, lay.keys, "array",
+                              _dtype_name(lay.dtype), lay.shape, shards,
+                              key_impl=lay.impl))
+    return out
+
+  def __getitem__(self, i):
+    return self._all()[i]
+
+  def __iter__(self):
+    return iter(self._all())
+
+  def __len__(self) -> int:
+    return len(self._layout.leaves)
 
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                   staging: HostStaging, own_copy: bool = False,
                   pinned_staging: pinned.PinnedStaging | None = None
-                  ) -> list[LeafSnapshot]:
-  """Copies the shards this process writes to host memory.
+                  ) -> Snapshot:
+  """Starts copying the shards this process writes to host memory.
 
   Args:
     tree: the state to save (e.g. a Flax `TrainState`).
@@ -164,83 +234,69 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       (see `pinned`); None: the plain transfer.
 
   Returns:
-    One `LeafSnapshot` per leaf, in flattening order, on every process (so
-    every process knows the whole tree's metadata).
-  """
-  plans = pieces_lib.plan(tree, process_count, is_primary, own_copy)
-  # Each piece's ShardData, by (leaf number, piece number), filled below.
-  done: dict[tuple[int, int], ShardData] = {}
+    The snapshot: one `LeafSnapshot` per leaf, in flattening order.
 
-  # Onto pinned host memory: one batched copy, not awaited (see `pinned`).
-  if pinned_staging is not None:
-    todo = _to_pin(plans, pinned_staging)
-    copies = pinned_staging.copy([p.cut() for *_, p in todo]) if todo else []
-    for (i, j, p), copy in zip(todo, copies or ()):
-      done[i, j] = ShardData(p.index, copy, np.dtype(plans[i].arr.dtype))
+  Raises:
+    ValueError: an array leaf was deleted (donated before the call).
+    TypeError: a leaf's type or dtype cannot be saved.
+  """
+  plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
+  layout = plan.layout
+  host = {i: _host_leaf(*layout.names[i], plan.values[i], is_primary)
+          for i in layout.host}
+  routes = routes_lib.of(plan, staging, pinned_staging)
+  # What each piece's ShardData is made of: (data, dtype, checksums).
+  made: list[Any] = [None] * routes.count
+  first = routes.first
+
+  # Onto pinned host memory: one batched call, not awaited (see `pinned`).
+  if routes.pinned:
+    copied = pinned_staging.copy([cut(shard, rows) for shard, (*_, rows) in zip(
+        plan.shards(routes.pinned), routes.pinned)])
+    if copied is None:  # Refused: this save and the later ones go plainly.
+      routes = routes_lib.of(plan, staging, pinned_staging)
+    else:
+      for (i, j, _, _), copy in zip(routes.pinned, copied):
+        made[first[i] + j] = (copy, layout.leaves[i].dtype, None)
 
   # Off the CPU, the rest: every device-to-host transfer is started before
   # the first is waited for.
-  rest = [(i, j, p, p.device.platform == "cpu") for i, leaf in
-          enumerate(plans) if leaf.arr is not None
-          for j, p in enumerate(leaf.pieces) if (i, j) not in done]
-  transfers = [(i, j, p.index, p.cut()) for i, j, p, on_cpu in rest
-               if not on_cpu]
-  for *_, data in transfers:
+  transfers = [cut(shard, rows) for shard, (*_, rows) in zip(
+      plan.shards(routes.transfers, fresh=True), routes.transfers)]
+  for data in transfers:
     data.copy_to_host_async()
 
-  # CPU shards: copied on their devices into staging memory (enqueued, not
-  # awaited), or, for dtypes that cannot travel as unsigned bits and for
-  # every dtype where the staging memory is an arena (`memfile`), copied
-  # by threads from views of the runtime's buffers right here. A part of a
-  # shard is cut by a slice into memory of its own, which the writer waits
-  # for.
-  on_device, cpu_items = [], []
-  for i, j, p, on_cpu in rest:
-    if not on_cpu:
-      continue
-    dtype = np.dtype(plans[i].arr.dtype)
-    if p.rows is not None:
-      done[i, j] = ShardData(p.index, p.cut(), dtype)
-    elif bits_dtype(dtype) is not None and staging.arena is None:
-      on_device.append((i, j, p))
+  # CPU shards: a part of a shard is cut by a slice into memory of its own,
+  # which the writer waits for; dtypes that cannot travel as unsigned bits,
+  # and every dtype where the staging memory is an arena (`memfile`), are
+  # copied by threads from views of the runtime's buffers right here; the
+  # rest on their devices, last.
+  for (i, j, _, rows), shard in zip(routes.cuts, plan.shards(routes.cuts)):
+    made[first[i] + j] = (cut(shard, rows), layout.leaves[i].dtype, None)
+  if routes.threads:
+    srcs = [((layout.leaves[i].path, layout.leaves[i].specs[j][1]),
+             np.asarray(shard)) for (i, j, _, _), shard in zip(
+                 routes.threads, plan.shards(routes.threads, fresh=True))]
+    summed = None if staging.arena is None else staging.copy_summed(
+        [src for _, src in srcs], CHECKSUM_BLOCK)
+    if summed is None:
+      for (i, j, _, _), copy in zip(routes.threads, staging.copy(srcs)):
+        made[first[i] + j] = (copy, None, None)
     else:
-      cpu_items.append((i, j, p))
-  srcs = [((plans[i].path, p.index), np.asarray(p.data))
-          for i, _, p in cpu_items]
-  summed = None if staging.arena is None else staging.copy_summed(
-      [src for _, src in srcs], CHECKSUM_BLOCK)
-  if summed is None:
-    for (i, j, p), copy in zip(cpu_items, staging.copy(srcs)):
-      done[i, j] = ShardData(p.index, copy)
-  else:
-    for (i, j, p), copy, sums in zip(cpu_items, *summed):
-      done[i, j] = ShardData(p.index, copy, crc32c=sums)
-  del srcs  # No view of a runtime buffer outlives this call.
+      for (i, j, _, _), copy, sums in zip(routes.threads, *summed):
+        made[first[i] + j] = (copy, None, sums)
+    del srcs  # No view of a runtime buffer outlives this call.
 
-  for i, j, index, data in transfers:
-    done[i, j] = ShardData(index, _c_order(np.asarray(data)))
+  for (i, j, _, _), data in zip(routes.transfers, transfers):
+    made[first[i] + j] = (_c_order(np.asarray(data)), None, None)
 
-  out = []
-  for i, leaf in enumerate(plans):
-    if leaf.arr is None:
-      out.append(_host_leaf(leaf.path, leaf.keys, leaf.leaf, is_primary))
-      continue
-    out.append(LeafSnapshot(
-        leaf.path, leaf.keys, "array", _dtype_name(leaf.arr.dtype),
-        tuple(leaf.arr.shape),
-        [done.get((i, j)) for j in range(len(leaf.pieces))],
-        key_impl=leaf.impl))
   # The staging copies last: the runtime's threads start copying at once,
   # on every core, and the call should be over by then; all that is left
   # to do after them is worked out before.
-  places = [(out[i].shards, j, p.index, np.dtype(plans[i].arr.dtype))
-            for i, j, p in on_device]
-  srcs = [p.data for *_, p in on_device]
-  devices = [p.device for *_, p in on_device]
-  for (shards, j, index, dtype), copy in zip(
-      places, staging.copy_on_devices(srcs, devices)):
-    shards[j] = ShardData(index, copy, dtype)
-  return out
+  copied = staging.copy_on_devices(
+      plan.shards(routes.programs),
+      groups=routes.groups) if routes.programs else []
+  return Snapshot(layout, routes, made, copied, host)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,21 +7,20 @@ kinds of copy, so that the first save after a start compiles nothing and no
 save's cost grows faster than its number of leaves:
 
 * Every shard is first copied by the runtime itself (`copies.fresh_copies`:
-  no program, so nothing to compile, whatever the tree). Small shards are
-  always copied that way: the C allocator serves their memory from its own
-  pool, already mapped, save after save.
-* A shard of at least `copies.REUSE_BYTES` would get freshly mapped memory
-  from the allocator at every save, and new memory costs a page fault per
-  4 KiB (0.7 s per GB on one core here, taken from the train loop). From
-  its third save on, it is copied by a compiled program into the staging
-  buffer of the save before, donated back to the program, so no memory is
-  mapped anew. The programs (`copies.PROGRAMS`) copy up to `copies._GROUP`
-  shards of one device each, are keyed by the shards' shapes and dtypes (a
-  model's layers share them), compiled on a background thread after the
-  save that first needs them, and cached for the process, across managers:
+  no program, so nothing to compile, whatever the tree), about 25 us of
+  the save call per shard.
+* From then on, shards are copied by compiled programs into the staging
+  memory of the save before, donated back to them, so no memory is mapped
+  anew (new memory costs a page fault per 4 KiB: 0.7 s per GB on one core
+  here, taken from the train loop). A shard of at least
+  `copies.REUSE_BYTES` has a buffer of its own, up to `copies._GROUP` of
+  them per program; smaller ones are packed, up to `copies.PACK_COUNT`
+  into one buffer per program (about 4 us per shard). The programs
+  (`copies.PROGRAMS`) are keyed by the shards' shapes and dtypes, compiled
+  on a background thread after the save that first needs them (or when
+  the manager is warmed up), and cached for the process, across managers:
   a save never waits for a compiler, and the compile cost is bounded by
-  the number of distinct groups of large shards, not by the number of
-  leaves.
+  the number of groups, not by the number of distinct shapes.
 
 Dtypes that cannot be copied as unsigned bits of the same width (complex,
 sub-byte types) are copied by threads into numpy buffers instead (`copy`),
@@ -85,44 +84,53 @@ class HostStaging:
         self._pool = None
 
   def copy_on_devices(self, srcs: list[jax.Array],
-                      devices: list[Any] | None = None) -> list[jax.Array]:
+                      devices: list[Any] | None = None,
+                      groups: Any = None) -> list[Any]:
     """Starts a copy of each single-device CPU array (on `devices`, if the
-    caller knows them); returns the copies.
+    caller knows them, in `copies.groups` of them, if it knows those);
+    returns the copies.
 
-    A copy holds either the source's values (made by the runtime) or its
-    bits as unsigned integers (`copies.bits_dtype` must accept the dtype;
-    made by a compiled program into reused memory). Reused copies of the
-    previous call are donated to this one; those not reused are freed. The
-    handles of both go by `release_spent` (the commit thread's), or at the next
-    call: dropping a donated handle waits for the runtime (2.5 ms for 24
-    of them here), which the caller should not.
+    A copy is a `jax.Array` that holds either the source's values (made by
+    the runtime) or its bits as unsigned integers (made by a compiled
+    program into reused memory), or a `copies.Packed` (its bits in a pack
+    of small shards, made by a compiled program); `copies.bits_dtype` must
+    accept every dtype. Reused copies of the previous call are donated to
+    this one; those not reused are freed. The handles of both go by
+    `release_spent` (the commit thread's), or at the next call: dropping a
+    donated handle waits for the runtime (2.5 ms for 24 of them here),
+    which the caller should not.
     """
     with self._lock:
       old, self._device = self._device, {}
       spent, self._spent = self._spent, [old]
       out: list[Any] = [None] * len(srcs)
-      if devices is None:
-        devices = [next(iter(src.devices())) for src in srcs]
-      started = []
-      for key, idx in copies_lib.large_groups(srcs, devices).items():
-        device, sig = key
-        programs = copies_lib.PROGRAMS.get(
-            key, copies_lib.group_specs(device, sig))
-        if programs is None:
-          continue  # Compiling in the background: the runtime copies.
+      if groups is None:
+        if devices is None:
+          devices = [next(iter(src.devices())) for src in srcs]
+        groups = copies_lib.groups(
+            tuple((s.shape, s.dtype, s.weak_type) for s in srcs),
+            tuple(devices))
+      started, by_runtime = [], []
+      for n, (key, idx) in enumerate(groups):
+        device = key[1]
+        programs = copies_lib.programs_of(key)
+        if programs is None:  # Compiling in the background.
+          by_runtime += idx
+          continue
         pad = self._pads.get(device)
         if pad is None:
           pad = self._pads[device] = jax.device_put(
               copies_lib.ENQUEUE_PAD, device)
-        started.append((key, idx, programs, pad))
+        started.append(((n, key), idx, programs, pad))
       # The runtime's copies first, the programs last: once a program runs,
       # the runtime's threads take every core, and this thread may wait
       # for one (measured: up to a scheduler's slice, 4 ms, on 2 cores).
-      self._runtime_copies(srcs, sorted(set(range(len(srcs))).difference(
-          i for _, idx, _, _ in started for i in idx)), out)
-      for key, idx, programs, pad in started:
+      self._runtime_copies(srcs, by_runtime, out)
+      for place, idx, programs, pad in started:
         group = [srcs[i] for i in idx]
-        prev = old.pop(key, None)
+        prev = old.pop(place, None)
+        if prev is None and programs[0] is None:  # A pack's first memory.
+          prev = copies_lib.new_pack(*place[1][1:])
         try:
           if prev is None:
             copies = programs[0](group, pad)[0]
@@ -133,9 +141,14 @@ class HostStaging:
           continue
         self._spent.append(prev)
         del prev
-        self._device[key] = copies
-        for i, c in zip(idx, copies):
-          out[i] = c
+        self._device[place] = copies
+        if place[1][0] == copies_lib.PACK:
+          for i, offset, nbytes in zip(
+              idx, *copies_lib.pack_offsets(place[1][2])):
+            out[i] = copies_lib.Packed(copies[0], offset, nbytes)
+        else:
+          for i, c in zip(idx, copies):
+            out[i] = c
       del old
     del spent  # Only if `release_spent` was not called since the last call.
     return out
