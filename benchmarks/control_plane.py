@@ -594,6 +594,82 @@ def time_write_plan(n: int, leaves: int, process: int | None = None
                            for p in pieces))}
 
 
+class _MeshOf:
+  """What a restore's read plan reads of a mesh (names, device array)."""
+
+  def __init__(self, sharding: MeshSharding):
+    self.axis_names = tuple(name for name, _ in sharding.axes)
+    self.devices = np.empty([size for _, size in sharding.axes], object)
+    for k, device in enumerate(sharding.devices):
+      self.devices.flat[k] = device
+
+
+def time_read_plan(n: int, leaves: int, process: int | None = None) -> dict:
+  """One process's plan of a restore made together (`read_plan`: who reads
+  which rows of the leaves several processes need) for
+  `transformer_arrays(n, leaves)`, timed as a restore makes it: once per
+  leaf, in order, with one load and, where the library has it, one memo.
+  JAX's `replica_axes` is replaced by its arithmetic on the stand-ins."""
+  from flax_ckpt_plugin.restore import read_plan  # pylint: disable=g-import-not-at-top
+  del process  # Every process makes the same plan.
+  arrays = transformer_arrays(n, leaves)
+  meshes: dict[int, _MeshOf] = {}
+  load: dict[Any, int] = {}
+  statics: dict[Any, Any] = {}
+  shared, whole = 0, {}  # Leaves shared; leaves read whole, per process.
+  t = time.process_time()
+  listing0 = sum(s.cpu_secs for s in {id(a[0]): a[0]
+                                       for a in arrays}.values())
+  for sharding, shape, dtype in arrays:
+    if not shape:
+      continue  # 0-d leaves are read by every process.
+    if id(sharding) not in meshes:
+      meshes[id(sharding)] = _MeshOf(sharding)
+    mesh = meshes[id(sharding)]
+    used = {a for e in sharding.spec for a in
+            ((e,) if isinstance(e, str) else e or ())}
+    spare = tuple(a for a in mesh.axis_names if a not in used)
+    replicas = int(np.prod([size for name, size in sharding.axes
+                            if name in spare]))
+    key = (id(sharding), shape, dtype)
+    if hasattr(read_plan, "_planned"):  # Once per kind of leaf.
+      if key not in statics:
+        statics[key] = _static_of(read_plan, sharding, mesh, spare, shape,
+                                  dtype, replicas)
+      plan = (None if statics[key] is None
+              else read_plan._planned(statics[key], load))  # pylint: disable=protected-access
+    else:  # Before: every leaf looked at every device.
+      plan = read_plan._gathered(  # pylint: disable=protected-access
+          _by_region(sharding, shape), mesh, spare, shape, dtype, None,
+          replicas, load)
+    shared += plan is not None
+    if plan is not None and len(plan.index) == plan.rows:  # Read whole:
+      reader = next(iter(plan.parts)).process_index  # by one process.
+      whole[reader] = whole.get(reader, 0) + 1
+  secs = time.process_time() - t
+  listing = sum(s.cpu_secs for s in {id(a[0]): a[0]
+                                      for a in arrays}.values()) - listing0
+  return {"processes": n, "devices": n * 8, "leaves": leaves,
+          "plan_cpu_secs": secs, "indices_cpu_secs": listing,
+          "shared_leaves": shared, "read_whole_by": whole}
+
+
+def _by_region(sharding: MeshSharding, shape: tuple[int, ...]) -> dict:
+  from flax_ckpt_plugin.format.treepaths import normalize_index  # pylint: disable=g-import-not-at-top
+  out: dict = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    out.setdefault(normalize_index(index, shape), []).append(device)
+  return out
+
+
+def _static_of(read_plan, sharding, mesh, spare, shape, dtype, replicas):
+  by_region = _by_region(sharding, shape)
+  if all(len({d.process_index for d in ds}) < 2 for ds in by_region.values()):
+    return None
+  return read_plan._analyzed(by_region, mesh, spare, shape, dtype, None,  # pylint: disable=protected-access
+                             replicas)
+
+
 def _rounded(counts: dict[str, float]) -> dict[str, float]:
   return {k: round(v, 1) for k, v in counts.items()}
 
@@ -615,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="simulate the survivors' agreements instead")
   parser.add_argument("--write-plan", action="store_true",
                       help="time one process's write plan instead")
+  parser.add_argument("--read-plan", action="store_true",
+                      help="time one process's plan of a restore made"
+                      " together instead")
   parser.add_argument("--leaves", type=int, default=100_000)
   parser.add_argument("--dir", default="/dev/shm" if os.path.isdir(
       "/dev/shm") else None, help="where the steps go (a tmpfs)")
@@ -622,6 +701,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   rows = []
   for n in args.processes:
+    if args.read_plan:
+      row = time_read_plan(n, args.leaves)
+      print(f"N={n:6d} ({row['devices']} devices), {args.leaves} leaves:"
+            f" one process's read plan took {row['plan_cpu_secs']:.3f} s of"
+            f" CPU (of which {row['indices_cpu_secs']:.3f} s listing every"
+            f" device's indices); {row['shared_leaves']} leaves shared",
+            flush=True)
+      rows.append(row)
+      continue
     if args.write_plan:
       row = time_write_plan(n, args.leaves)
       print(f"N={n:6d} ({row['devices']} devices), {args.leaves} leaves:"

@@ -272,3 +272,25 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
   for key in ("d2h_pinned_gbps", "h2d_pinned_gbps", "d2h_pageable_gbps",
               "disk_read_gbps", "page_cache_read_gbps"):
     assert result["rates"][key] > 0, key
+
+
+def test_tiny_save_call_benchmark_reports_every_call(tmp_path):
+  """save_call.py, tiny: every save's call and its CPU time, both shapes,
+  and nothing left under --dir."""
+  script = pathlib.Path(__file__).parent.parent / "benchmarks" / "save_call.py"
+  for args, calls in ((["--layers", "2", "--width", "128", "--managers", "2",
+                        "--saves", "2"], 4),
+                      (["--shape", "many", "--leaves", "100", "--state-mb",
+                        "2", "--saves", "2"], 2)):
+    out = tmp_path / "save_call.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--dir", str(tmp_path),
+         "--json", str(out)], capture_output=True, text=True, timeout=300,
+        check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["calls"]) == calls, result
+    assert all(wall > 0 and cpu >= 0 for *_, wall, cpu in result["calls"])
+    assert f"median of {calls}" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["save_call.json"]
+    out.unlink()

@@ -100,3 +100,16 @@ def test_63_survivors_learn_who_writes_what_without_each_others_lists(
   assert row["writers"] == [0] and row["shards_written"] == 50, row
   assert row["ops_per_process_of_the_others"] <= 15, row
   assert row["kv_bytes_per_process"] < 1000, row
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_made_together_at_64_processes_shares_and_balances(sim):
+  """The plan of a restore made together (`read_plan`) on a (data, model)
+  mesh of 64 processes x 8 devices: kernels replicated over data and the
+  replicated norm scales are shared (2 of every 5 leaves), and the small
+  ones are read whole by the processes in turn, each by one."""
+  row = sim.time_read_plan(64, 1000)
+  assert row["shared_leaves"] == 400, row
+  readers = row["read_whole_by"]
+  assert sum(readers.values()) == 200 and len(readers) == 64, readers
+  assert max(readers.values()) - min(readers.values()) <= 1, readers

@@ -43,6 +43,12 @@ def _regions(mesh: _Mesh, halves: bool, rows: int) -> dict:
   return out
 
 
+def _plan(by_region, mesh, spare, shape, replicas, load):
+  static = read_plan._analyzed(  # pylint: disable=protected-access
+      by_region, mesh, spare, shape, np.dtype(np.float32), None, replicas)
+  return read_plan._planned(static, load)  # pylint: disable=protected-access
+
+
 def test_small_regions_stay_shared_and_balanced_on_several_devices_a_process():
   """A replicated 32 KiB leaf, then leaves split over 'model' whose halves
   (32 KiB) each live on two devices of each process: every leaf is
@@ -50,13 +56,11 @@ def test_small_regions_stay_shared_and_balanced_on_several_devices_a_process():
   both halves (or the slot layouts would differ), and the reads alternate
   between the processes."""
   mesh, load = _Mesh(), {}
-  plans = [read_plan._gathered(  # pylint: disable=protected-access
-      _regions(mesh, False, 32), mesh, ("data", "model"), (32, 256), np.float32,
-      None, 8, load)]
+  plans = [_plan(_regions(mesh, False, 32), mesh, ("data", "model"),
+                 (32, 256), 8, load)]
   for _ in range(4):
-    plans.append(read_plan._gathered(  # pylint: disable=protected-access
-        _regions(mesh, True, 64), mesh, ("data",), (64, 256), np.float32, None, 4,
-        load))
+    plans.append(_plan(_regions(mesh, True, 64), mesh, ("data",), (64, 256), 4,
+                       load))
   assert all(p is not None for p in plans), plans
   readers = []
   for plan in plans:

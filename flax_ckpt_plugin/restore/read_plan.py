@@ -18,6 +18,7 @@ No I/O and no collective here.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from typing import Any, NamedTuple
 
@@ -56,8 +57,8 @@ class Split(NamedTuple):
   index: np.ndarray
 
 
-def split(target: Any, load: dict[int, int] | None = None
-           ) -> Split | None:
+def split(target: Any, load: dict[int, int] | None = None,
+          memo: dict[Any, Any] | None = None) -> Split | None:
   """The plan of a target leaf whose regions several processes need (an
   array of 8 to 64-bit numbers or booleans, in regions of equal rows of
   `MIN_SHARED_BYTES` or more), else None.
@@ -67,10 +68,15 @@ def split(target: Any, load: dict[int, int] | None = None
   piece of the save holds, and no checksum block twice), and each range
   into one slot per device of the process holding the region. A smaller
   region (which the save wrote whole) is read whole by the process that
-  has read the fewest bytes so far, into the slots of its least loaded
+  has read the fewest bytes of such regions so far (the larger ones give
+  every holder an equal share), into the slots of its least loaded
   devices at one replica position (`load`: bytes per process, and per
   device under ("device", id), shared by the leaves of one restore in
   order, so the same on every process).
+
+  `memo`, shared by the leaves of one restore too, keeps what the plans of
+  leaves of one sharding, shape and dtype share (`_Static`), so that the
+  devices of the mesh are looked at once per kind of leaf, not per leaf.
   """
   load = {} if load is None else load
   if not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
@@ -81,15 +87,104 @@ def split(target: Any, load: dict[int, int] | None = None
       or jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
       or (dtype != np.bool_ and bits_dtype(dtype) is None)):
     return None
+  key = (sharding, shape, np.dtype(dtype))
+  if memo is None or key not in memo:
+    static = _static(*key)
+    if memo is not None:
+      memo[key] = static
+  else:
+    static = memo[key]
+  return None if static is None else _planned(static, load)
+
+
+def _planned(static: _Static, load: dict[Any, int]) -> Split | None:
+  """The plan of a leaf of `static`'s kind, and its reads added to `load`.
+  """
+  if static.nbytes >= writeplan.SPLIT_BYTES:
+    decision = None  # Cut over the processes: the same for every leaf.
+  else:  # Whole, by the least loaded process, at its least loaded place.
+    if not static.holders:
+      return None
+    heap = static.heap
+    if not heap:  # (A process's load only grows: stale entries are fixed
+      heap += sorted((load.get(p, 0), p) for p in static.holders)
+    while heap[0][0] != load.get(heap[0][1], 0):  # when they come up.)
+      heapq.heapreplace(heap, (load.get(heap[0][1], 0), heap[0][1]))
+    whole = heap[0][1]
+    chosen = min(static.common[whole], key=lambda q: (sum(
+        load.get(("device", static.at[(r, q)].id), 0)
+        for r in static.regions), q))
+    decision = (whole, chosen)
+  made = static.plans.get(decision)
+  if made is None:
+    made = static.plans[decision] = _gathered(static, decision)
+  plan, reads = made
+  if plan is not None:  # The plan is taken: count its reads.
+    for key, n in reads:
+      load[key] = load.get(key, 0) + n
+  return plan
+
+
+class _Static(NamedTuple):
+  """What the plans of every leaf of one sharding, shape and dtype share:
+  worked out once per restore's distinct (sharding, shape, dtype), so that
+  planning costs each leaf a look-up (and a small leaf the choice of its
+  reader, over the processes), not a pass over the mesh's devices."""
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  by_region: dict[Index, list[Any]]  # Region: the devices that hold it.
+  regions: list[Index]  # Sorted.
+  position: dict[Any, int]  # Device: its place along the replica axes.
+  length: int  # Rows per region.
+  nbytes: int  # Bytes per region.
+  stacked: NamedSharding
+  replicas: int
+  holders: set[int]  # Processes that hold every region.
+  heap: list[tuple[int, int]]  # (load, process) of the holders.
+  common: dict[int, set[int]]  # Such a process: places it holds them all.
+  at: dict[tuple[Index, int], Any]  # (region, place): a device there.
+  plans: dict[Any, tuple[Split | None, list[tuple[Any, int]]]]
+
+
+def _static(sharding: NamedSharding, shape: tuple[int, ...], dtype: np.dtype
+            ) -> _Static | None:
+  """None: no region needed by two processes (each reads its own), regions
+  under `MIN_SHARED_BYTES`, or of unequal rows."""
   by_region: dict[Index, list[Any]] = {}
   for device, index in sharding.devices_indices_map(shape).items():
     by_region.setdefault(normalize_index(index, shape), []).append(device)
   if all(len({d.process_index for d in ds}) < 2
          for ds in by_region.values()):
-    return None  # No region needed by two processes: each reads its own.
+    return None
   spare, stacked, replicas = replicas_lib.replica_axes(sharding, len(shape))
-  return _gathered(by_region, sharding.mesh, spare, shape, dtype,
-                   stacked, replicas, load)
+  return _analyzed(by_region, sharding.mesh, tuple(spare), shape, dtype,
+                   stacked, replicas)
+
+
+def _analyzed(by_region: dict[Index, list[Any]], mesh: Any,
+              spare: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype,
+              stacked: Any, replicas: int) -> _Static | None:
+  position = _positions(mesh, spare)
+  regions = sorted(by_region)
+  lengths = {hi - lo for (lo, hi), *_ in regions}
+  nbytes = math.prod(hi - lo for lo, hi in regions[0]) * dtype.itemsize
+  if len(lengths) != 1 or nbytes < MIN_SHARED_BYTES:
+    return None
+  holders: set[int] = set()
+  common: dict[int, set[int]] = {}
+  at: dict[tuple[Index, int], Any] = {}
+  if nbytes < writeplan.SPLIT_BYTES:
+    # Per process, per region: the places of its devices holding it.
+    places: dict[int, dict[Index, set[int]]] = {}
+    for r in regions:
+      for d in by_region[r]:
+        places.setdefault(d.process_index, {}).setdefault(r, set()).add(
+            position[d])
+        at[(r, position[d])] = d
+    holders = {p for p, held in places.items() if len(held) == len(regions)}
+    common = {p: set.intersection(*places[p].values()) for p in holders}
+  return _Static(shape, dtype, by_region, regions, position, lengths.pop(),
+                 nbytes, stacked, replicas, holders, [], common, at, {})
 
 
 @functools.lru_cache(maxsize=64)
@@ -104,81 +199,64 @@ def _positions(mesh: Any, spare: tuple[str, ...]) -> dict[Any, int]:
   return position
 
 
-def _gathered(by_region, mesh, spare, shape, dtype, stacked, replicas,
-              load) -> Split | None:
-  """The plan (see `Split`), or None: regions under `MIN_SHARED_BYTES`,
-  of unequal rows, or cut in different places."""
-  position = _positions(mesh, tuple(spare))
-  regions = sorted(by_region)
-  lengths = {hi - lo for (lo, hi), *_ in regions}
-  itemsize = np.dtype(dtype).itemsize
-  nbytes = math.prod(hi - lo for lo, hi in regions[0]) * itemsize
-  if len(lengths) != 1 or nbytes < MIN_SHARED_BYTES:
-    return None
-  length = lengths.pop()
-  whole = None  # The process that reads every (small) region whole...
-  if nbytes < writeplan.SPLIT_BYTES:
-    holders = set.intersection(*({d.process_index for d in by_region[r]}
-                                 for r in regions))
-    whole = min(holders, key=lambda p: (load.get(p, 0), p), default=None)
-    if whole is None:
-      return None
-    # ...into the devices at one replica position (the same for every
-    # region, or the layouts would differ), the least loaded of its own.
-    at = {(r, position[d]): d for r in regions for d in by_region[r]
-          if d.process_index == whole}
-    common = set.intersection(*({position[d] for d in by_region[r]
-                                 if d.process_index == whole}
-                                for r in regions))
-    chosen = min(common, key=lambda p: (sum(
-        load.get(("device", at[(r, p)].id), 0) for r in regions), p))
+def _gathered(static: _Static, decision: tuple[int, int] | None
+              ) -> tuple[Split | None, list[tuple[Any, int]]]:
+  """The plan (see `Split`) and the reads it adds to the load (per process,
+  and per device under ("device", id)), or (None, []): regions cut in
+  different places. `decision`: None to cut every region over the
+  processes holding it, or (the process that reads every region whole,
+  the replica place of the devices it reads into)."""
+  position, regions = static.position, static.regions
+  length, nbytes = static.length, static.nbytes
+  shape, dtype = static.shape, static.dtype
+  carried = (dtype.itemsize // carrier(dtype).itemsize,)
+  if decision is not None:
+    # Every region whole into its device at the chosen place, the other
+    # devices' slots empty: looked at region by region, not device by
+    # device (`parts` names only the devices that read).
+    whole, place = decision
+    index = place * length + np.arange(length, dtype=np.int32)
+    index.setflags(write=False)
+    readers = [static.at[(r, place)] for r in regions]
+    return Split(static.stacked, (static.replicas, shape[0]) + shape[1:]
+                 + carried, {d: (r, r) for d, r in zip(readers, regions)},
+                 length, index), [(whole, nbytes * len(regions))] + [
+                     (("device", d.id), nbytes) for d in readers]
   # Device: the rows of its region it contributes (none if the region has
   # fewer rows than processes holding it).
   slots: dict[Any, tuple[int, int]] = {d: (0, 0) for d in position}
   layouts = set()
   for region in regions:
-    devices = sorted(by_region[region], key=position.get)
-    procs = sorted({d.process_index for d in devices})
-    layout = [None] * replicas
+    by_proc: dict[int, list[Any]] = {}  # In place order.
+    for d in sorted(static.by_region[region], key=position.get):
+      by_proc.setdefault(d.process_index, []).append(d)
+    procs = sorted(by_proc)
+    layout = [None] * static.replicas
     for proc, (a, b) in zip(procs, writeplan.cuts(
         length, min(len(procs), length))):
-      mine = [d for d in devices if d.process_index == proc]
-      if whole is not None:  # All rows to the chosen device, none else.
-        mine, (a, b) = [at[(region, chosen)]], (0, length)
+      mine = by_proc[proc]
       for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
         slots[d] = (a + c, a + e)
         layout[position[d]] = (a + c, a + e)
-      if whole is not None:
-        break
     layouts.add(tuple(layout))
   if len(layouts) != 1:
-    return None
-  reads: dict[int, int] = {}
-  for d, (lo, hi) in slots.items():
-    if hi > lo:
-      reads[d.process_index] = reads.get(d.process_index, 0) + (
-          nbytes // length * (hi - lo))
-  for proc, n in reads.items():  # The plan is taken: count its reads.
-    load[proc] = load.get(proc, 0) + n
-  if whole is not None:
-    for region in regions:
-      key = ("device", at[(region, chosen)].id)
-      load[key] = load.get(key, 0) + nbytes
+    return None, []
   layout = layouts.pop()
   rows = max(1, max((hi - lo for lo, hi in filter(None, layout)), default=1))
   index = np.empty(length, np.int32)
   for slot, cut in enumerate(layout):
     if cut is not None:
       index[cut[0]:cut[1]] = slot * rows + np.arange(cut[1] - cut[0])
+  index.setflags(write=False)  # Shared by every leaf of this plan.
   parts = {}
   for region in regions:
-    for d in by_region[region]:
+    for d in static.by_region[region]:
       lo, hi = slots[d]
       parts[d] = (region, ((region[0][0] + lo, region[0][0] + hi),)
                   + region[1:])
-  regions_0 = shape[0] // length
-  return Split(stacked, (replicas, regions_0 * rows) + shape[1:] + (
-      itemsize // carrier(dtype).itemsize,), parts, rows, index)
+  # No reads counted: each holder reads an equal share (to a row).
+  return Split(static.stacked, (static.replicas, shape[0] // length * rows)
+               + shape[1:] + carried, parts, rows, index), []
 
 
 def carrier(dtype: Any) -> np.dtype:
@@ -196,8 +274,10 @@ def worth_it(target: Any) -> bool:
   Depends on the target alone (its shardings are the same on every
   process), so every process decides the same.
   """
+  load: dict[Any, int] = {}
+  memo: dict[Any, Any] = {}
   return jax.process_count() > 1 and any(
-      split(t) is not None for t in jax.tree.leaves(target))
+      split(t, load, memo) is not None for t in jax.tree.leaves(target))
 
 
 def batches(leaves: list) -> list[list[int]]:

@@ -190,7 +190,7 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
   converted = set(placement.log_casts(where, saved, pairs) if cast else ())
-  leaves, load = [], {}
+  leaves, load, memo = [], {}, {}
   for path, _, t in targets:
     t = placement.on_context_mesh(path, t)
     leaf = saved[path]
@@ -201,7 +201,7 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     split = None if (
         leaf.dtype is None or leaf.dtype.byteorder == ">" or path in converted
         or jax.dtypes.canonicalize_dtype(leaf.dtype) != leaf.dtype) else (
-            read_plan.split(t, load))
+            read_plan.split(t, load, memo))
     leaves.append((leaf, t, split))
   batches = read_plan.batches(leaves)
   return treedef, leaves, batches, [read_plan.pack(leaves, batch)
