@@ -71,3 +71,19 @@ def test_small_regions_stay_shared_and_balanced_on_several_devices_a_process():
     readers.append(procs.pop())
   assert readers == [0, 1, 0, 1, 0], readers  # ...the least loaded one.
   assert load[0] == load[1] + 32 * 256 * 4, load
+
+
+def test_regions_held_at_no_common_place_are_read_by_their_own_processes():
+  """A process that holds every region, but at different replica places
+  (process 0: region 0 at place 0, region 1 at place 1), cannot read them
+  whole into one place's slots: no process can here, so each reads its own
+  (before, choosing among such processes raised ValueError)."""
+  mesh = _Mesh()
+  d = [_Device(0, 0), _Device(1, 1), _Device(2, 1), _Device(3, 0)]
+  mesh.axis_names = ("data", "model")
+  mesh.devices = np.array([[d[0], d[1]], [d[2], d[3]]], dtype=object)
+  by_region = {((0, 16), (0, 256)): [d[0], d[2]],  # Model column 0.
+               ((16, 32), (0, 256)): [d[1], d[3]]}  # Model column 1.
+  load = {}
+  assert _plan(by_region, mesh, ("data",), (32, 256), 2, load) is None
+  assert not load

@@ -51,7 +51,8 @@ class Split(NamedTuple):
   (`index`: each row's position in the slots laid end to end)."""
   stacked: NamedSharding  # Of the slots the devices contribute...
   shape: tuple[int, ...]  # ...whose global shape is this.
-  # Per device holding a region: (its region, the rows of it it holds).
+  # Per device that contributes rows (for a cut region, every device
+  # holding it): (its region, the rows of it it reads, maybe none).
   parts: dict[Any, tuple[Index, Index]]
   rows: int  # Rows per slot.
   index: np.ndarray
@@ -68,11 +69,11 @@ def split(target: Any, load: dict[int, int] | None = None,
   piece of the save holds, and no checksum block twice), and each range
   into one slot per device of the process holding the region. A smaller
   region (which the save wrote whole) is read whole by the process that
-  has read the fewest bytes of such regions so far (the larger ones give
-  every holder an equal share), into the slots of its least loaded
-  devices at one replica position (`load`: bytes per process, and per
-  device under ("device", id), shared by the leaves of one restore in
-  order, so the same on every process).
+  has read the fewest bytes of such regions so far (the larger ones are
+  cut evenly over their holders, and not counted), into the slots of its
+  least loaded devices at one replica position (`load`: bytes per
+  process, and per device under ("device", id), shared by the leaves of
+  one restore in order, so the same on every process).
 
   `memo`, shared by the leaves of one restore too, keeps what the plans of
   leaves of one sharding, shape and dtype share (`_Static`), so that the
@@ -181,8 +182,12 @@ def _analyzed(by_region: dict[Index, list[Any]], mesh: Any,
         places.setdefault(d.process_index, {}).setdefault(r, set()).add(
             position[d])
         at[(r, position[d])] = d
-    holders = {p for p, held in places.items() if len(held) == len(regions)}
-    common = {p: set.intersection(*places[p].values()) for p in holders}
+    # Those that hold every region, at some place where they hold them all
+    # (or the slot layouts would differ).
+    common = {p: set.intersection(*held.values())
+              for p, held in places.items() if len(held) == len(regions)}
+    common = {p: c for p, c in common.items() if c}
+    holders = set(common)
   return _Static(shape, dtype, by_region, regions, position, lengths.pop(),
                  nbytes, stacked, replicas, holders, [], common, at, {})
 

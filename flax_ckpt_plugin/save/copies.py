@@ -312,6 +312,12 @@ class GroupKey(tuple):
   def __hash__(self) -> int:
     return self._hash
 
+  def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A pack's `pack_offsets`, kept (not looked up by the signature)."""
+    if not hasattr(self, "_offsets"):
+      self._offsets = pack_offsets(self[2])
+    return self._offsets
+
   def __eq__(self, other) -> bool:
     return self is other or tuple.__eq__(self, other)
 

@@ -89,7 +89,7 @@ class Layout:
   `names[i]` is leaf i's (path, keys); `leaves[i]` its `LeafLayout`, or
   None for a leaf that is not a `jax.Array` (its value is looked at in
   every save: `host` lists them). `memo` keeps what users of the layout
-  work out from it once (see `snapshot`).
+  work out from it once (see `routes`).
   """
 
   def __init__(self, names: list[tuple[str, list[KeyEntry]]],
@@ -116,11 +116,14 @@ class Plan(NamedTuple):
 
   def shards(self, where: Any, fresh: bool = False) -> list[jax.Array]:
     """The shards of the pieces at `where` ((leaf number, piece number, its
-    shard's place, rows) each): single-device arrays.
+    shard's place, rows) each): single-device arrays (a leaf on one device
+    is its own shard).
 
-    A leaf on one device is its own shard, unless `fresh`: then, as for
-    every other leaf, a new `jax.Array` object of the same buffer is made
-    (what `np.asarray` caches on it goes with it, not with the state).
+    `fresh`: each a new `jax.Array` object of the same buffer, for a caller
+    that reads it with `np.asarray`, which JAX may cache on the object:
+    cached on the state's own arrays, a host view would pin their buffers
+    (and decline the next step's donation), a host copy would stay as long
+    as they do.
     """
     out = []
     last, arrays = None, None
@@ -128,12 +131,14 @@ class Plan(NamedTuple):
       lay, value = self.layout.leaves[i], self.values[i]
       if lay.impl is not None:
         value = jax.random.key_data(value)
-      elif lay.single and not fresh:
-        out.append(value)
-        continue
-      if i != last:
-        last, arrays = i, _single_arrays(value)
-      out.append(arrays[k])
+      if lay.single:
+        shard = value
+      else:
+        if i != last:
+          last, arrays = i, _single_arrays(value)
+        shard = arrays[k]
+      out.append(jax.make_array_from_single_device_arrays(
+          shard.shape, shard.sharding, [shard]) if fresh else shard)
     return out
 
 
@@ -203,7 +208,8 @@ def plan(tree: Any, process_count: int, is_primary: bool, own_copy: bool
     if isinstance(value, jax.Array):
       if value.is_deleted():
         _raise_deleted(tree)
-      sig.append((value.shape, value.dtype, value.sharding))
+      sig.append((value.shape, value.dtype, value.sharding,
+                  getattr(value, "weak_type", None)))  # (Key arrays: none.)
     else:
       sig.append(None)
   # Found by the tree's structure, then its arrays compared one by one (a
@@ -215,7 +221,9 @@ def plan(tree: Any, process_count: int, is_primary: bool, own_copy: bool
     hash(key)
   except TypeError:  # Static data of a node that cannot be hashed.
     key = None
-  with _LAYOUTS_LOCK:  # (Oldest out first: a lookup compares treedefs.)
+  # (The oldest layout goes first, used or not: moving a used one to the
+  # end would compare treedefs once more, 0.1 ms at 1,500 leaves.)
+  with _LAYOUTS_LOCK:
     known = _LAYOUTS.get(key) if key is not None else None
     layout = known[1] if known is not None and known[0] == sig else None
   if layout is None:

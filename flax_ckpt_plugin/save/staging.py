@@ -83,12 +83,10 @@ class HostStaging:
         self._pool.shutdown(wait=True)
         self._pool = None
 
-  def copy_on_devices(self, srcs: list[jax.Array],
-                      devices: list[Any] | None = None,
-                      groups: Any = None) -> list[Any]:
-    """Starts a copy of each single-device CPU array (on `devices`, if the
-    caller knows them, in `copies.groups` of them, if it knows those);
-    returns the copies.
+  def copy_on_devices(self, srcs: list[jax.Array], groups: Any
+                      ) -> list[Any]:
+    """Starts a copy of each single-device CPU array, in `groups` (see
+    `copies.groups`: every array is in one); returns the copies.
 
     A copy is a `jax.Array` that holds either the source's values (made by
     the runtime) or its bits as unsigned integers (made by a compiled
@@ -104,12 +102,6 @@ class HostStaging:
       old, self._device = self._device, {}
       spent, self._spent = self._spent, [old]
       out: list[Any] = [None] * len(srcs)
-      if groups is None:
-        if devices is None:
-          devices = [next(iter(src.devices())) for src in srcs]
-        groups = copies_lib.groups(
-            tuple((s.shape, s.dtype, s.weak_type) for s in srcs),
-            tuple(devices))
       started, by_runtime = [], []
       for n, (key, idx) in enumerate(groups):
         device = key[1]
@@ -143,8 +135,7 @@ class HostStaging:
         del prev
         self._device[place] = copies
         if place[1][0] == copies_lib.PACK:
-          for i, offset, nbytes in zip(
-              idx, *copies_lib.pack_offsets(place[1][2])):
+          for i, offset, nbytes in zip(idx, *place[1].offsets()):
             out[i] = copies_lib.Packed(copies[0], offset, nbytes)
         else:
           for i, c in zip(idx, copies):
