@@ -11,8 +11,11 @@ key-value set/get/dir/delete and live processes with incarnations), which
 counts every call, its caller and its key-value bytes, and can answer each
 call after a latency. No arrays move between devices: each process saves a
 small host state, so only the protocol runs. `--watchers` runs N liveness
-watchers (`liveness.Watcher`) instead, stops one process, and measures the
-calls per second and the time until every survivor knows. `--write-plan`
+watchers (`liveness.Watcher`) instead and measures their calls per second;
+then (`--faults`) one process stops answering, or restarts and asks to
+rejoin as a relaunched process of an elastic job does, or every process
+closes its watcher as at a job's end, and it measures the time until every
+survivor knows, and what the service was asked. `--write-plan`
 times one process's write plan (`writeplan.plan`: who writes which bytes)
 for `--leaves` arrays of a transformer-like state on a (data, model) mesh of
 N processes x 8 devices, whose devices stand in for JAX's (`MeshSharding`).
@@ -56,12 +59,28 @@ from flax_ckpt_plugin.tolerance import liveness
 
 
 class _Barrier:
-  """One passage of a barrier key: who must come, who came."""
+  """One passage of a barrier key: who must come, who came (counted as
+  they come: comparing the sets at each arrival would make the
+  simulation, not the protocol, O(N^2) per barrier)."""
 
   def __init__(self, members: frozenset[int]):
     self.members = members
     self.arrived: set[int] = set()
+    self.expected = len(members)
     self.passed = threading.Event()
+
+  def arrive(self, me: int) -> bool:
+    """Counts `me` in; whether everyone came."""
+    if me in self.members and me not in self.arrived:
+      self.expected -= 1
+    self.arrived.add(me)
+    return self.expected == 0
+
+
+def _directories(key: str) -> list[str]:
+  """Every directory that `key` is under ("a/b/c": "a", "a/b")."""
+  parts = key.split("/")
+  return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 class Service:
@@ -77,6 +96,10 @@ class Service:
     self.latency_secs = latency_secs
     self._lock = threading.Lock()
     self._kv: dict[str, str] = {}
+    # Every key under each of its directories, so that listing one costs
+    # what it holds, not every key (the service's own index does the same).
+    self._under: collections.defaultdict[str, set[str]] = (
+        collections.defaultdict(set))
     self._set_events: dict[str, threading.Event] = {}
     self._barriers: dict[str, _Barrier] = {}
     self.incarnations = list(range(process_count))
@@ -113,8 +136,7 @@ class Service:
       b = self._barriers.get(key)
       if b is None or b.passed.is_set():
         b = self._barriers[key] = _Barrier(members)
-      b.arrived.add(me)
-      if b.arrived >= b.members:
+      if b.arrive(me):
         b.passed.set()
         self.barrier_fan_in[key] = max(self.barrier_fan_in[key],
                                        len(b.arrived))
@@ -125,6 +147,9 @@ class Service:
   def kv_set(self, me: int, key: str, value: str) -> None:
     self._call(me, "kv_set", len(key) + len(value))
     with self._lock:
+      if key not in self._kv:
+        for d in _directories(key):
+          self._under[d].add(key)
       self._kv[key] = value
       self._set_events.setdefault(key, threading.Event()).set()
 
@@ -142,18 +167,20 @@ class Service:
     return value
 
   def kv_dir(self, me: int, prefix: str) -> dict[str, str]:
-    start = prefix.rstrip("/") + "/"
     with self._lock:
-      found = {k: v for k, v in self._kv.items() if k.startswith(start)}
+      found = {k: self._kv[k] for k in self._under.get(prefix.rstrip("/"),
+                                                        ())}
     self._call(me, "kv_dir", sum(len(k) + len(v) for k, v in found.items()))
     return found
 
   def kv_delete(self, me: int, key: str) -> None:
     self._call(me, "kv_delete")
     with self._lock:
-      for k in [k for k in self._kv if k == key or k.startswith(key + "/")]:
+      for k in [key] * (key in self._kv) + list(self._under.get(key, ())):
         del self._kv[k]
         self._set_events.pop(k, None)
+        for d in _directories(k):
+          self._under[d].discard(k)
 
   def live_processes(self, me: int, process_ids: Sequence[int] | None
                      ) -> dict[int, int]:
@@ -161,6 +188,14 @@ class Service:
     ids = range(self.process_count) if process_ids is None else process_ids
     with self._lock:
       return {p: self.incarnations[p] for p in ids if p not in self.dead}
+
+  def restart(self, p: int) -> "SimCoordinator":
+    """Process `p` restarts: the service knows it by a new incarnation.
+    Its new coordinator."""
+    with self._lock:
+      self.incarnations[p] += self.process_count
+      self.dead.discard(p)
+    return SimCoordinator(self, p)
 
   def coordinators(self) -> list["SimCoordinator"]:
     return [SimCoordinator(self, i) for i in range(self.process_count)]
@@ -308,19 +343,62 @@ def simulate_watchers(n: int, **kwargs: Any) -> dict:
     logger.setLevel(level)
 
 
+def _schedule(poll_secs: float, n: int) -> tuple[float, int]:
+  """The watchers' period and reads (`liveness.schedule`; before it, a
+  period and a read after every poll)."""
+  if hasattr(liveness, "schedule"):
+    return tuple(liveness.schedule(poll_secs, n))
+  return liveness.period(poll_secs, n), 1  # pylint: disable=no-member
+
+
+def _calls(service: Service, since: float) -> dict:
+  """The watchers' calls a second since `since`, in all and by kind."""
+  secs = time.perf_counter() - since
+  return {"calls_per_sec": sum(service.ops.values()) / secs,
+          "calls_per_sec_by_kind": {k: v / secs for k, v in
+                                    sorted(service.ops.items())}}
+
+
+def _until(done: Callable[[], bool], secs: float) -> float | None:
+  """Seconds until `done()`, polled; None if not within `secs`."""
+  start = time.perf_counter()
+  while not done():
+    if time.perf_counter() - start > secs:
+      return None
+    time.sleep(0.01)
+  return time.perf_counter() - start
+
+
 def _watch(n: int, *, poll_secs: float = 0.5,
            watch_secs: float | None = None, lost: int = 1,
-           latency_ms: float = 0.0) -> dict:
-  """N liveness watchers polling for `watch_secs`; then process `lost`
-  stops answering, and every survivor's watcher must report it. The calls
-  per second before the loss (over `watch_secs`, by default two periods
-  and at least 3 s), and the time until the last survivor knew."""
-  every = liveness.period(poll_secs, n)
+           fault: str = "stop", latency_ms: float = 0.0) -> dict:
+  """N liveness watchers polling for `watch_secs` (by default two periods
+  and at least 3 s), as an elastic job's are (each watches every process;
+  the job's group recorded); the calls a second of all of them. Then the
+  `fault`:
+
+  - "stop": process `lost` stops answering; the time until every survivor's
+    watcher reported it;
+  - "restart": process `lost` restarts (a new incarnation), and its new
+    self does what a
+    relaunched process of an elastic job does before the survivors take it
+    back (`generations.joining`, `show_restart`; then, once the survivors
+    recorded their group without it and watch it, `next_group_without` and
+    its request to join): the time until every survivor reported the
+    restart, then until every survivor's new watcher saw the request, the
+    survivors' calls meanwhile, and the relaunched process's calls;
+  - "close": every process closes its watcher at once, as at a job's end:
+    the time until all stopped, and the calls and key-value bytes of it.
+  """
+  every, read_every = _schedule(poll_secs, n)
   watch_secs = watch_secs or max(3.0, 2 * every)
   service = Service(n, latency_ms / 1000)
   coords = service.coordinators()
   knew: dict[int, float] = {}
   lock = threading.Lock()
+  key = generations.group_key("sim")
+  generations.record(coords[0], key, generations.Group(tuple(range(n)), 0, 0),
+                     None)
 
   def on_lost_of(p: int) -> Callable[[dict[int, str]], None]:
     def on_lost(_: dict[int, str]) -> None:
@@ -336,26 +414,87 @@ def _watch(n: int, *, poll_secs: float = 0.5,
   service.reset()
   t0 = time.perf_counter()
   time.sleep(watch_secs)
-  calls = service.ops["live_processes"]
-  rate = calls / (time.perf_counter() - t0)
-  with service._lock:  # pylint: disable=protected-access
-    service.dead.add(lost)
-  stopped = time.perf_counter()
+  row = {"processes": n, "poll_secs": poll_secs, "period_secs": every,
+         "read_every": read_every, "fault": fault,
+         "nominal_calls_per_sec": n * (1 + 1 / read_every) / every,
+         **_calls(service, t0)}
+  row["live_calls_per_sec"] = row["calls_per_sec_by_kind"].get(
+      "live_processes", 0.0)
   survivors = [p for p in range(n) if p != lost]
-  deadline = stopped + 30 + 10 * every
-  while time.perf_counter() < deadline and len(knew) < len(survivors):
-    time.sleep(0.01)
+  wait = 30 + 10 * every
+  if fault == "close":
+    service.reset()
+    t = time.perf_counter()
+    run_threads(coords, lambda c: watchers[c.process_index].close())
+    row.update(secs_until_all_closed=time.perf_counter() - t,
+               close_calls=sum(service.ops.values()),
+               close_kv_bytes=service.kv_bytes,
+               still_polling=sum(w.watching for w in watchers))
+    return row
+  # The process that stops or restarts calls no more (its watcher's thread
+  # ends as the process does: it records nothing).
+  watchers[lost]._stop.set()  # pylint: disable=protected-access
+  watchers[lost]._thread.join(10)  # pylint: disable=protected-access
+  before = service.by_process[lost]  # (Its calls as the process it was.)
+  if fault == "stop":
+    with service._lock:  # pylint: disable=protected-access
+      service.dead.add(lost)
+  else:
+    relaunched = service.restart(lost)
+    group = generations.joining(relaunched, key)
+    threading.Thread(target=generations.show_restart, daemon=True, args=(
+        relaunched, key, group, 1.0)).start()
+  secs = _until(lambda: len(knew) == len(survivors), wait)
   for w in watchers:
     w.close()
-  return {
-      "processes": n, "poll_secs": poll_secs,
-      "period_secs": every, "nominal_calls_per_sec": n / every,
-      "live_calls_per_sec": rate,
-      "survivors_that_knew": sum(p in knew for p in survivors),
-      "survivors": len(survivors),
-      "secs_until_all_knew": (max(knew.values()) - stopped
-                              if len(knew) == len(survivors) else None),
-  }
+  row.update(survivors=len(survivors),
+             survivors_that_knew=sum(p in knew for p in survivors),
+             secs_until_all_knew=secs)
+  if fault == "restart" and secs is not None:
+    row.update(_rejoin_asked(service, coords, relaunched, key, group,
+                             survivors, poll_secs, wait,
+                             service.by_process[lost] - before))
+  return row
+
+
+def _rejoin_asked(service: Service, coords: list[SimCoordinator],
+                  relaunched: SimCoordinator, key: str,
+                  group: generations.Group, survivors: list[int],
+                  poll_secs: float, wait: float,
+                  relaunched_calls: int) -> dict:
+  """The survivors of a restart regroup without it (the first records the
+  group, each starts a watcher of the survivors that reads requests to
+  join) and the relaunched process asks to join: the time until every
+  survivor's watcher saw the request, and the calls of it."""
+  service.reset()
+  t = time.perf_counter()
+  regrouped = generations.Group(tuple(survivors), group.gen + 1, survivors[0])
+  watch_key = generations.watch_key(key, regrouped.gen)
+  watchers = [liveness.Watcher(coords[p], watch_key, poll_secs=poll_secs,
+                               members=survivors, joins=True)
+              for p in survivors]
+  generations.record(coords[survivors[0]], key, regrouped, None)
+  for w in watchers:
+    w.start()
+
+  def ask() -> None:
+    joined = generations.next_group_without(relaunched, key, group, 600_000)
+    relaunched.kv_set(liveness.join_record(
+        generations.watch_key(key, joined.gen), relaunched.process_index),
+        "1")
+
+  asking = threading.Thread(target=ask, daemon=True)
+  asking.start()
+  me = relaunched.process_index
+  secs = _until(lambda: all(w.joining == {me} for w in watchers), wait)
+  asking.join()
+  calls = sum(service.ops.values()) - service.by_process[me]
+  asked = service.by_process[me]
+  for w in watchers:
+    w.close()
+  return {"secs_until_all_saw_the_request": secs,
+          "rejoin_calls_per_survivor": calls / len(survivors),
+          "relaunched_calls": relaunched_calls + asked}
 
 
 def simulate_elastic(n: int, *, latency_ms: float = 0.0,
@@ -674,6 +813,27 @@ def _rounded(counts: dict[str, float]) -> dict[str, float]:
   return {k: round(v, 1) for k, v in counts.items()}
 
 
+def _watch_line(row: dict, latency: float) -> str:
+  line = (f"N={row['processes']:6d} latency={latency:5.1f} ms: a poll every"
+          f" {row['period_secs']:.2f} s, a read after every"
+          f" {row['read_every']}: {row['calls_per_sec']:7.1f} calls/s (nominal"
+          f" {row['nominal_calls_per_sec']:.0f}; by kind"
+          f" {_rounded(row['calls_per_sec_by_kind'])}); ")
+  if row["fault"] == "close":
+    return line + (f"all closed in {row['secs_until_all_closed']:.2f} s,"
+                   f" {row['close_calls']} calls,"
+                   f" {row['close_kv_bytes'] / 1e3:.1f} kB of key-value,"
+                   f" {row['still_polling']} still polling")
+  line += (f"{row['survivors_that_knew']}/{row['survivors']} survivors knew"
+           f" of the {row['fault']} in {row['secs_until_all_knew']} s")
+  if "secs_until_all_saw_the_request" in row:
+    line += (f"; all saw its request to join in"
+             f" {row['secs_until_all_saw_the_request']} s (the survivors"
+             f" {row['rejoin_calls_per_survivor']:.1f} calls each meanwhile, the"
+             f" relaunched process {row['relaunched_calls']} calls)")
+  return line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n", 1)[0],
@@ -684,6 +844,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--watchers", action="store_true",
                       help="simulate the liveness watchers instead")
+  parser.add_argument("--faults", nargs="+", default=["stop"],
+                      choices=("stop", "restart", "close"),
+                      help="with --watchers: what happens after the"
+                      " steady polls (see _watch)")
   parser.add_argument("--shares", action="store_true",
                       help="simulate the survivors' choice of who writes"
                       " what instead")
@@ -746,14 +910,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
         continue
       if args.watchers:
-        row = simulate_watchers(n, latency_ms=latency)
-        print(f"N={n:6d} latency={latency:5.1f} ms: a poll every"
-              f" {row['period_secs']:.2f} s,"
-              f" {row['live_calls_per_sec']:9.1f} live calls/s"
-              f" (nominal {row['nominal_calls_per_sec']:.0f});"
-              f" {row['survivors_that_knew']}/{row['survivors']} survivors"
-              f" knew of the loss in {row['secs_until_all_knew']} s",
-              flush=True)
+        for fault in args.faults:
+          row = simulate_watchers(n, latency_ms=latency, fault=fault)
+          print(_watch_line(row, latency), flush=True)
+          rows.append(row)
+        continue
       else:
         row = simulate_saves(n, saves=args.saves, latency_ms=latency,
                              directory=args.dir)

@@ -43,6 +43,32 @@ def test_a_lost_process_is_noticed_by_every_survivor_of_64(sim):
   assert row["live_calls_per_sec"] > 0, row
 
 
+@pytest.mark.timeout(120)
+def test_a_restart_is_noticed_and_its_request_to_join_seen_by_all_of_64(sim):
+  """Process 5 restarts (a new incarnation): every survivor's watcher
+  reports it; the relaunched process finds the job's group, regroups with
+  the survivors' record and asks to join in a handful of calls, and every
+  survivor's new watcher sees the request."""
+  row = sim.simulate_watchers(64, poll_secs=0.2, watch_secs=1.0, lost=5,
+                              fault="restart")
+  assert row["survivors_that_knew"] == row["survivors"] == 63, row
+  assert row["secs_until_all_saw_the_request"] is not None, row
+  # joining, show_restart (2), next_group_without, the request.
+  assert row["relaunched_calls"] == 5, row
+  assert row["rejoin_calls_per_survivor"] < 20, row
+
+
+@pytest.mark.timeout(120)
+def test_64_watchers_closing_at_once_write_and_read_a_few_small_keys(sim):
+  """A job's end: every watcher stops, after one recorded round (not one
+  key per process, which every watcher would read: O(N^2) bytes)."""
+  row = sim.simulate_watchers(64, poll_secs=0.2, watch_secs=1.0,
+                              fault="close")
+  assert row["still_polling"] == 0, row
+  assert row["close_kv_bytes"] < 64 * 300, row  # A key a process: 180 kB.
+  assert row["calls_per_sec"] <= row["nominal_calls_per_sec"] * 1.2, row
+
+
 def test_the_service_counts_and_times_out_like_the_real_one(sim):
   service = sim.Service(2)
   a, b = service.coordinators()

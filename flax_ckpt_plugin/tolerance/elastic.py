@@ -64,6 +64,7 @@ import jax
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
+from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rescue as rescue_lib
 from flax_ckpt_plugin.logs import log
@@ -150,9 +151,9 @@ class Peers:
     self.watcher, self.rescue = rescue_lib.watch(
         self._manager, self._local, poll_secs=self._poll_secs,
         exit_code=self._exit_code, elastic_secs=self._elastic_secs,
-        members=members, join_key=(
-            f"{self._key}/{self.group.gen}/join"
-            if degraded and elastic else None),
+        members=members, joins=degraded and elastic,
+        key=(generations.watch_key(self._key, self.group.gen)
+             if degraded and elastic else None),
         lost_key=f"{self._key}/{self.group.gen}/lost" if elastic else None)
 
   def first_state(self, state: Any) -> None:
@@ -340,7 +341,9 @@ class Peers:
       self.group = generations.next_group_without(coord, self._key,
                                                   self.group, timeout_ms)
       key = f"{self._key}/{self.group.gen}"
-      coord.kv_set(f"{key}/join/{me}", "1")
+      asked = liveness.join_record(
+          generations.watch_key(self._key, self.group.gen), me)
+      coord.kv_set(asked, "1")
       step, survivors, members = json.loads(coord.kv_get(
           f"{key}/plan", timeout_ms=timeout_ms))
       if me not in members:
@@ -371,7 +374,7 @@ class Peers:
     except Exception as e:  # pylint: disable=broad-except
       self._rebuild = self._proposed = None
       if self.rejoining:
-        coord.kv_delete(f"{key}/join/{me}")
+        coord.kv_delete(asked)
         raise
       self._joins_refused = True
       log.error("taking back processes %s at step %d failed (%r); going on"

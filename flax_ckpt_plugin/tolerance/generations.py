@@ -134,6 +134,13 @@ def _name(ids: np.ndarray) -> str:
                       ).hexdigest()[:16]
 
 
+def watch_key(key: str, gen: int) -> str:
+  """The records of the watch of generation `gen` of a degraded group,
+  under which a relaunched process asks to join it
+  (`liveness.join_record`)."""
+  return f"{key}/{gen}/watch"
+
+
 def lists_key(key: str, gen: int) -> str:
   """Where generation `gen` of the group of `key` records its `mesh_lists`."""
   return f"{key}/lists/{gen}"

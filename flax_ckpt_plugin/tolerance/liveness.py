@@ -14,11 +14,14 @@ waiting out its timeout for a process that will never come.
 How fast: the service declares a process dead once it has missed
 heartbeats for `heartbeat_timeout_seconds` (an argument of
 `jax.distributed.initialize`, 100 s by default); the watcher learns of it
-then, plus at most one poll. How often: every `poll_secs` (0.5 s), but
-the polls of the whole job stay under `JOB_POLLS_PER_SEC` a second, so
-that the service hosted by process 0 answers as many polls at 4,096
-processes as at 400: above 400 processes the period grows with the job
-(`period`: 5.1 s at 4,096, measured by `benchmarks/control_plane.py`).
+then, plus at most one poll. How often: every `poll_secs` (0.5 s), each
+poll followed by one read of the watch's records (who closes, who asks to
+join), but all the calls of a job's watchers stay under
+`JOB_CALLS_PER_SEC` a second, so that the service hosted by process 0
+answers as many at 4,096 processes as at 200: above 200 processes the
+records are read after every second poll and the period grows with the
+job (`schedule`: 7.7 s at 4,096, measured by
+`benchmarks/control_plane.py`).
 
 Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
 barrier over the live processes, with no timeout, so every process polls
@@ -30,8 +33,11 @@ peer is only declared dead after the heartbeat timeout, which may be
 longer than a call's deadline); a poll that other processes stopped
 answering (they closed) is abandoned, never waited for. And a process that ends normally looks
 dead to the others once it is gone: before stopping its watcher, a process
-records under the watcher's key that it closed, and a peer that closed is
-not reported lost.
+records under the watcher's key the round after which every watcher of
+the job stops (one key per round, not per process: at a job's end every
+process closes, and each reading every other's record would cost the
+service O(N^2)), and a peer missing once that is recorded is not reported
+lost.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import PeerLostError
@@ -52,17 +58,49 @@ def recoverability_enabled() -> bool:
   return bool(getattr(jax.config, "jax_enable_recoverability", False))
 
 
-# How long `Watcher.close` waits for the last poll of every process.
+# How long `Watcher.close` waits for the last poll of every process, on top
+# of the polls until the round every watcher stops after.
 CLOSE_SECS = 10.0
-# The most polls a second of every watcher of a job together.
-JOB_POLLS_PER_SEC = 800
+# The most calls a second of every watcher of a job together: their polls
+# and their reads of the watch's records.
+JOB_CALLS_PER_SEC = 800
 
 
-def period(poll_secs: float, watched: int) -> float:
-  """The period of each of `watched` processes' polls: `poll_secs`, or
-  longer, so that all of them poll at most `JOB_POLLS_PER_SEC` times a
-  second (the same on every process)."""
-  return max(poll_secs, watched / JOB_POLLS_PER_SEC)
+class Schedule(NamedTuple):
+  """When each watcher of a job calls the service: a poll every `period`
+  seconds, and a read of the watch's records after every `read_every`th
+  poll (the same on every process: the rounds of reads are the stops'
+  rounds, see `Watcher.close`)."""
+  period: float
+  read_every: int
+
+  def calls_per_sec(self, watched: int) -> float:
+    """The calls a second of `watched` watchers together."""
+    return watched * (1 + 1 / self.read_every) / self.period
+
+
+def schedule(poll_secs: float, watched: int) -> Schedule:
+  """The schedule of each of `watched` processes' watchers: a poll every
+  `poll_secs` and a read after each, while all of them together call at
+  most `JOB_CALLS_PER_SEC` times a second (200 processes at 0.5 s); above,
+  a read after every second poll and the period that keeps the calls
+  within it (7.7 s at 4,096 processes, 18.8 s at 10,000)."""
+  if 2 * watched / JOB_CALLS_PER_SEC <= poll_secs:
+    return Schedule(poll_secs, 1)
+  return Schedule(max(poll_secs, 1.5 * watched / JOB_CALLS_PER_SEC), 2)
+
+
+def join_record(key: str, process: int) -> str:
+  """The key under which `process` asks to join the processes a watcher
+  of key `key` watches (`Watcher(joins=True)`)."""
+  return f"{key}/join/{process}"
+
+
+class _Records(NamedTuple):
+  """What a read of the watch's records found: the round after which every
+  watcher stops (None: no process closes), and who asks to join."""
+  stop: int | None
+  joining: frozenset[int]
 
 
 class Watcher:
@@ -70,15 +108,17 @@ class Watcher:
 
   Args:
     coord: the processes' coordinator (`Coordinator.live_processes`).
-    key: a key-value prefix unique to this watcher (the same on every
-      process), under which processes record that they closed.
-    poll_secs: the period of the polls (longer in a large job: `period`).
+    key: a key-value prefix unique to this watch (the same on every
+      process), under which its records go: the round after which every
+      watcher stops (see `close`), and who asks to join (`joins`).
+    poll_secs: the period of the polls (longer in a large job: `schedule`).
     on_lost: called on the watcher's thread with the lost processes, once
       they are reported (see `rescue`).
     members: the processes watched (all by default; the survivors of an
       earlier loss, see `elastic`).
-    join_key: with survivors, the key-value directory where a replacement
-      process says it wants to join (see `elastic`), read after each poll.
+    joins: with survivors: a replacement process says that it wants to
+      join under `join_record(key, process)` (see `elastic`), read with
+      the watch's other records.
     lost_key: set to the lost processes once they are reported (for a
       replacement process, see `elastic`).
   """
@@ -86,18 +126,20 @@ class Watcher:
   def __init__(self, coord: coordinator_lib.Coordinator, key: str, *,
                poll_secs: float = 0.5,
                on_lost: Callable[[dict[int, str]], None] | None = None,
-               members: Any = None, join_key: str | None = None,
+               members: Any = None, joins: bool = False,
                lost_key: str | None = None):
     self._coord = coord
     self._lost_key = lost_key
-    self._join_key = join_key
+    self._joins = joins
     self._joining: frozenset[int] = frozenset()
     self.members = sorted(range(coord.process_count) if members is None
                           else members)
     self._on_lost = on_lost
     self.rounds = 0  # Polls answered so far.
+    # The round after which every watcher stops, once read (see `close`).
+    self.stopping: int | None = None
     self._key = key
-    self._poll_secs = period(poll_secs, len(self.members))
+    self.schedule = schedule(poll_secs, len(self.members))
     self._stop = threading.Event()
     self._lock = threading.Lock()
     self._lost: dict[int, str] = {}
@@ -124,7 +166,7 @@ class Watcher:
 
   @property
   def joining(self) -> frozenset[int]:
-    """The processes that asked to join the watched ones (see `join_key`)."""
+    """The processes that asked to join the watched ones (see `joins`)."""
     with self._lock:
       return self._joining
 
@@ -167,33 +209,45 @@ class Watcher:
   def close(self) -> None:
     """Records that this process closes, then stops polling.
 
-    Every process stops after the same poll (see `_run`), waited for at
-    most `CLOSE_SECS`: a poll left waiting for a process that stopped
-    polling would still be inside JAX's client when the process exits,
-    which aborts it. Unless a peer was lost, the coordinator's calls stop
-    obeying `check`.
+    Every process stops after the same poll, the first round of reads at
+    least two rounds after this one (see `_run`), waited for at most
+    `CLOSE_SECS` beyond those polls: a poll left waiting for a process
+    that stopped polling would still be inside JAX's client when the
+    process exits, which aborts it. Unless a peer was lost, the
+    coordinator's calls stop obeying `check`.
     """
     if self._stop.is_set():
       return
-    try:
-      self._coord.kv_set(f"{self._key}/closed/{self._coord.process_index}",
-                         str(self.rounds + 2))
-    except Exception:  # pylint: disable=broad-except
-      pass  # The peers may then report this process lost: harmless now.
+    rounds, (every_secs, read_every) = self.rounds, self.schedule
+    stop = self.stopping
+    if stop is None:  # Else recorded already, by another process.
+      stop = -(-(rounds + 2) // read_every) * read_every
+      try:
+        self._coord.kv_set(f"{self._key}/stop/{stop}", "")
+      except Exception:  # pylint: disable=broad-except
+        pass  # The peers may then report this process lost: harmless now.
     if self._thread.is_alive() and self._thread is not threading.current_thread():
-      self._thread.join(CLOSE_SECS)
+      self._thread.join(CLOSE_SECS + (stop - rounds + 1) * every_secs)
     self._stop.set()
     set_abort: Any = getattr(self._coord, "abort_when", None)
     if set_abort is not None and not self.lost:
       set_abort(None, replacing=self.check)
 
-  def _closed_peers(self) -> dict[int, int]:
-    """The processes that close: each one's last poll (see `_run`)."""
+  def _read(self) -> _Records:
+    """The watch's records, in one read of the service (nothing found if
+    the read fails)."""
     try:
-      return {int(k.rsplit("/", 1)[1]): int(v)
-              for k, v in self._coord.kv_dir(f"{self._key}/closed").items()}
+      found = self._coord.kv_dir(self._key)
     except Exception:  # pylint: disable=broad-except
-      return {}
+      return _Records(None, frozenset())
+    stops, joining = [], set()
+    for k in found:
+      kind, _, name = k[len(self._key) + 1:].partition("/")
+      if kind == "stop":
+        stops.append(int(name))
+      elif kind == "join" and self._joins:
+        joining.add(int(name))
+    return _Records(min(stops, default=None), frozenset(joining))
 
   def _run(self) -> None:
     first: dict[int, int] | None = None
@@ -205,7 +259,8 @@ class Watcher:
       except PeerLostError:
         return
       except Exception:  # pylint: disable=broad-except
-        if self._stop.is_set() or self._closed_peers():
+        if (self._stop.is_set() or self.stopping is not None
+            or self._read().stop is not None):
           return  # A peer closed and stopped polling: nothing to watch.
         # No answer within the call's deadline. Before the first answer,
         # every process has not started polling yet; after it, a peer is
@@ -222,36 +277,29 @@ class Watcher:
       lost.update({p: "restarted (it has a new incarnation)"
                    for p, inc in live.items()
                    if p != me and p in first and inc != first[p]})
-      if lost:
-        closed = set(self._closed_peers())
-        lost = {p: why for p, why in lost.items() if p not in closed}
-        everyone -= closed
-      if lost:
+      if lost and self.stopping is None:
+        self.stopping = self._read().stop
+      if lost and self.stopping is None:  # (Once one closes, all end.)
         self._report(lost)
         if self._on_lost is not None:
           self._on_lost(lost)
         return
       self.rounds += 1
-      self._read_joining(everyone)
+      if self.rounds % self.schedule.read_every == 0:
+        records = self._read()
+        if records.stop is not None:
+          self.stopping = min(records.stop, self.stopping or records.stop)
+        with self._lock:
+          self._joining = records.joining - everyone
       # A poll is a barrier, so every process counts the same rounds. One
-      # that closes after round R-2 (or during R-1) stops after round R;
-      # its mark is visible to all once round R is done, so all stop there
+      # that closes at round R (its rounds, or during the next poll)
+      # records S, the first round of reads at or after R + 2, and stops
+      # after round S; its record is there for every process's read at
+      # round S (which needs its poll of round R + 2), so all stop there
       # too, and none starts a poll that the others never join.
-      closing = self._closed_peers()
-      if closing and self.rounds >= min(closing.values()):
+      if self.stopping is not None and self.rounds >= self.stopping:
         return
-      self._stop.wait(self._poll_secs)
-
-  def _read_joining(self, members: set[int]) -> None:
-    if self._join_key is None:
-      return
-    try:
-      asked = {int(k.rsplit("/", 1)[1]) for k in self._coord.kv_dir(
-          self._join_key)}
-    except Exception:  # pylint: disable=broad-except
-      return  # Read again after the next poll.
-    with self._lock:
-      self._joining = frozenset(asked - members)
+      self._stop.wait(self.schedule.period)
 
   def _report(self, lost: dict[int, str]) -> None:
     with self._lock:
@@ -268,13 +316,15 @@ class Watcher:
 def watch(coord: coordinator_lib.Coordinator, name: str, *,
           poll_secs: float = 0.5,
           on_lost: Callable[[dict[int, str]], None] | None = None,
-          members: Any = None, join_key: str | None = None,
+          members: Any = None, key: str | None = None, joins: bool = False,
           lost_key: str | None = None) -> Watcher:
-  """A started watcher, which every coordination call of `coord` obeys."""
+  """A started watcher, which every coordination call of `coord` obeys.
+  Its records go under `key` (by default, one of this process's rounds of
+  `name`: a relaunched process that asks to join must know it)."""
   n = coord.next_round(f"liveness/{name}")
-  key = f"flax_ckpt_plugin/liveness/{name}/{n}"
+  key = key or f"flax_ckpt_plugin/liveness/{name}/{n}"
   watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
-                    members=members, join_key=join_key,
+                    members=members, joins=joins,
                     lost_key=lost_key).start()
   set_abort: Any = getattr(coord, "abort_when", None)
   if set_abort is not None:

@@ -27,9 +27,10 @@ class FaultTolerance:
       `PeerLostError` instead of waiting for it. Default: on with several
       processes when `jax_enable_recoverability` is set (without it, JAX
       itself ends every process when one dies).
-    watch_poll_secs: the period of those polls; in a job of more than 400
-      processes it grows so that the job polls at most 800 times a second
-      in all (`liveness.period`: 5.1 s at 4,096 processes).
+    watch_poll_secs: the period of those polls; in a job of more than 200
+      processes it grows so that the job's watchers call the coordination
+      service at most 800 times a second in all (`liveness.schedule`:
+      7.7 s at 4,096 processes).
     elastic: after a lost process, the loop goes on without it: it catches
       the loss and calls `recover` (see `elastic`), instead of the
       survivors saving and exiting for a relaunch. Needs a local tier.

@@ -67,13 +67,13 @@ SETTLE_SECS = 600.0
 def watch(manager: CheckpointManager,
           local: tiers.LocalTier | None, *, poll_secs: float,
           exit_code: int, elastic_secs: float | None = None,
-          members: Any = None, join_key: str | None = None,
+          members: Any = None, key: str | None = None, joins: bool = False,
           lost_key: str | None = None
           ) -> tuple[liveness.Watcher, "Rescue"]:
   """Starts watching the peers (`members`: all by default); a loss starts
   the survivors' `Rescue`, or with `elastic_secs` waits that long for the
-  loop to recover in place (`elastic`) first. `join_key`, `lost_key`: see
-  `liveness.Watcher`.
+  loop to recover in place (`elastic`) first. `key`, `joins`, `lost_key`:
+  see `liveness.watch`.
 
   Called on every process at the same point (see `liveness`).
   """
@@ -81,7 +81,7 @@ def watch(manager: CheckpointManager,
                   elastic_secs=elastic_secs)
   watcher = liveness.watch(manager.coordinator, manager.name,
                            poll_secs=poll_secs, on_lost=rescue.on_lost,
-                           members=members, join_key=join_key,
+                           members=members, key=key, joins=joins,
                            lost_key=lost_key)
   rescue.watching(watcher)
   return watcher, rescue
