@@ -388,7 +388,8 @@ def _watch(n: int, *, poll_secs: float = 0.5,
     restart, then until every survivor's new watcher saw the request, the
     survivors' calls meanwhile, and the relaunched process's calls;
   - "close": every process closes its watcher at once, as at a job's end:
-    the time until all stopped, and the calls and key-value bytes of it.
+    the time until all stopped, the calls and key-value bytes of it, and
+    how many stopped at the round recorded (not by `close`'s deadline).
   """
   every, read_every = _schedule(poll_secs, n)
   watch_secs = watch_secs or max(3.0, 2 * every)
@@ -429,7 +430,11 @@ def _watch(n: int, *, poll_secs: float = 0.5,
     row.update(secs_until_all_closed=time.perf_counter() - t,
                close_calls=sum(service.ops.values()),
                close_kv_bytes=service.kv_bytes,
-               still_polling=sum(w.watching for w in watchers))
+               # Watchers whose polls ended at the recorded round (not
+               # by `close`'s deadline).
+               stopped_at_the_round=sum(
+                   w.stopping is not None and w.rounds >= w.stopping
+                   for w in watchers))
     return row
   # The process that stops or restarts calls no more (its watcher's thread
   # ends as the process does: it records nothing).
@@ -823,7 +828,8 @@ def _watch_line(row: dict, latency: float) -> str:
     return line + (f"all closed in {row['secs_until_all_closed']:.2f} s,"
                    f" {row['close_calls']} calls,"
                    f" {row['close_kv_bytes'] / 1e3:.1f} kB of key-value,"
-                   f" {row['still_polling']} still polling")
+                   f" {row['stopped_at_the_round']} stopped at the recorded"
+                   " round")
   line += (f"{row['survivors_that_knew']}/{row['survivors']} survivors knew"
            f" of the {row['fault']} in {row['secs_until_all_knew']} s")
   if "secs_until_all_saw_the_request" in row:

@@ -143,6 +143,30 @@ def test_watchers_that_close_together_record_one_key_per_round():
   assert list(big.kv) == ["k/stop/6"]  # 3 + 2, to the next even round.
 
 
+def test_the_stop_is_recorded_by_the_watcher_between_two_of_its_polls():
+  """`close` has the watcher's thread record the stop before its next
+  poll, for the first round after it: recorded from the caller's thread,
+  the record could land after the peers' read of the round it names, and
+  they would stop at different rounds (one poll waiting for nobody)."""
+  coord = ScriptedCoordinator([ALL])
+  recorded = []
+  kv_set = coord.kv_set
+
+  def recording(key, value):
+    recorded.append((key, threading.current_thread().name, coord.polls))
+    kv_set(key, value)
+
+  coord.kv_set = recording
+  w = liveness.watch(coord, "run", poll_secs=0.05)
+  assert _wait_for(lambda: w.rounds >= 3)
+  w.close()
+  [(key, thread, polls)] = recorded
+  assert thread == "flax_ckpt_plugin-liveness"
+  stop = int(key.rsplit("/", 1)[1])
+  assert stop == polls + 1  # Its next poll, a round of reads here.
+  assert w.rounds == coord.polls == stop  # Its last poll was that one.
+
+
 def test_no_answer_is_asked_again_until_the_service_says_who_died():
   """A poll waits while a dead peer is not yet declared dead (JAX's
   heartbeat timeout, 100 s by default, is longer than a call's deadline):

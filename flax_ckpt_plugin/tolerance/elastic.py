@@ -153,7 +153,7 @@ class Peers:
         exit_code=self._exit_code, elastic_secs=self._elastic_secs,
         members=members, joins=degraded and elastic,
         key=(generations.watch_key(self._key, self.group.gen)
-             if degraded and elastic else None),
+             if self.group.gen else None),
         lost_key=f"{self._key}/{self.group.gen}/lost" if elastic else None)
 
   def first_state(self, state: Any) -> None:

@@ -135,9 +135,12 @@ def _name(ids: np.ndarray) -> str:
 
 
 def watch_key(key: str, gen: int) -> str:
-  """The records of the watch of generation `gen` of a degraded group,
-  under which a relaunched process asks to join it
-  (`liveness.join_record`)."""
+  """The records of the watch of generation `gen` (after the first) of an
+  elastic group: every member names it alike, a relaunched one too (its
+  count of `liveness.watch`'s rounds differs from the survivors'), and
+  one asks to join a degraded group under it (`liveness.join_record`).
+  Each generation is recorded once in a job, so no record of an earlier
+  watch is found there."""
   return f"{key}/{gen}/watch"
 
 

@@ -33,11 +33,12 @@ peer is only declared dead after the heartbeat timeout, which may be
 longer than a call's deadline); a poll that other processes stopped
 answering (they closed) is abandoned, never waited for. And a process that ends normally looks
 dead to the others once it is gone: before stopping its watcher, a process
-records under the watcher's key the round after which every watcher of
-the job stops (one key per round, not per process: at a job's end every
-process closes, and each reading every other's record would cost the
-service O(N^2)), and a peer missing once that is recorded is not reported
-lost.
+records under the watcher's key, between two of its polls, the round
+after which every watcher of the job stops (one key per round, not per
+process: at a job's end every process closes, and each reading every
+other's record would cost the service O(N^2)), and a peer missing once
+that is recorded is not reported lost. Every process must use the same
+`poll_secs` (the rounds of reads follow from it).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class Watcher:
     self._key = key
     self.schedule = schedule(poll_secs, len(self.members))
     self._stop = threading.Event()
+    self._closing = threading.Event()  # `close` was called.
     self._lock = threading.Lock()
     self._lost: dict[int, str] = {}
     self.lost_at: float | None = None  # time.monotonic() when noticed.
@@ -207,39 +209,51 @@ class Watcher:
       raise lost from error
 
   def close(self) -> None:
-    """Records that this process closes, then stops polling.
+    """Stops polling, after the same poll as every other process.
 
-    Every process stops after the same poll, the first round of reads at
-    least two rounds after this one (see `_run`), waited for at most
-    `CLOSE_SECS` beyond those polls: a poll left waiting for a process
-    that stopped polling would still be inside JAX's client when the
-    process exits, which aborts it. Unless a peer was lost, the
-    coordinator's calls stop obeying `check`.
+    The watcher's thread records, before its next poll, the round after
+    which every watcher stops (see `_run`), and `close` waits for its
+    polls up to that round, and at most `CLOSE_SECS` beyond: a poll left
+    waiting for a process that stopped polling would still be inside
+    JAX's client when the process exits, which aborts it. From a recorded
+    stop on, a peer missing from a poll is taken as one that closes, not
+    reported lost (the watch ends within a few rounds). Unless a peer was
+    lost, the coordinator's calls stop obeying `check`.
     """
     if self._stop.is_set():
       return
-    rounds, (every_secs, read_every) = self.rounds, self.schedule
-    stop = self.stopping
-    if stop is None:  # Else recorded already, by another process.
-      stop = -(-(rounds + 2) // read_every) * read_every
-      try:
-        self._coord.kv_set(f"{self._key}/stop/{stop}", "")
-      except Exception:  # pylint: disable=broad-except
-        pass  # The peers may then report this process lost: harmless now.
+    every_secs, read_every = self.schedule
     if self._thread.is_alive() and self._thread is not threading.current_thread():
-      self._thread.join(CLOSE_SECS + (stop - rounds + 1) * every_secs)
+      self._closing.set()
+      self._thread.join(CLOSE_SECS + (read_every + 2) * every_secs)
+    elif self.stopping is None and not self.lost:
+      # No thread to record it (not started, or closing from its own
+      # callback): the round two after its last, as the peers may poll on.
+      self._record_stop(-(-(self.rounds + 2) // read_every) * read_every)
     self._stop.set()
     set_abort: Any = getattr(self._coord, "abort_when", None)
     if set_abort is not None and not self.lost:
       set_abort(None, replacing=self.check)
 
-  def _read(self) -> _Records:
-    """The watch's records, in one read of the service (nothing found if
-    the read fails)."""
+  def _record_stop(self, stop: int) -> None:
     try:
-      found = self._coord.kv_dir(self._key)
+      self._coord.kv_set(f"{self._key}/stop/{stop}", "")
     except Exception:  # pylint: disable=broad-except
-      return _Records(None, frozenset())
+      pass  # The peers may then report this process lost: harmless now.
+
+  def _read(self, tries: int = 1) -> _Records | None:
+    """The watch's records, in one read of the service, asked up to
+    `tries` times; None if every read failed."""
+    for i in range(tries):
+      try:
+        found = self._coord.kv_dir(self._key)
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        if i == tries - 1:
+          log.warning("process %d: could not read the watch's records (%r)",
+                      self._coord.process_index, e)
+          return None
+        time.sleep(0.1 * (i + 1))
     stops, joining = [], set()
     for k in found:
       kind, _, name = k[len(self._key) + 1:].partition("/")
@@ -249,18 +263,30 @@ class Watcher:
         joining.add(int(name))
     return _Records(min(stops, default=None), frozenset(joining))
 
+  def _stop_read(self) -> int | None:
+    records = self._read()
+    return None if records is None else records.stop
+
   def _run(self) -> None:
     first: dict[int, int] | None = None
     me = self._coord.process_index
     everyone = set(self.members)
+    read_every = self.schedule.read_every
     while not self._stop.is_set():
+      if self._closing.is_set() and self.stopping is None:
+        # Recorded between two polls: no process can finish the next poll
+        # before this one starts it, so every process's read at the
+        # first round of reads after it finds the record, and all stop
+        # after that round; none starts a poll the others never join.
+        self.stopping = -(-(self.rounds + 1) // read_every) * read_every
+        self._record_stop(self.stopping)
       try:
         live = self._coord.live_processes(self.members)
       except PeerLostError:
         return
       except Exception:  # pylint: disable=broad-except
         if (self._stop.is_set() or self.stopping is not None
-            or self._read().stop is not None):
+            or self._stop_read() is not None):
           return  # A peer closed and stopped polling: nothing to watch.
         # No answer within the call's deadline. Before the first answer,
         # every process has not started polling yet; after it, a peer is
@@ -278,28 +304,26 @@ class Watcher:
                    for p, inc in live.items()
                    if p != me and p in first and inc != first[p]})
       if lost and self.stopping is None:
-        self.stopping = self._read().stop
+        self.stopping = self._stop_read()
       if lost and self.stopping is None:  # (Once one closes, all end.)
         self._report(lost)
         if self._on_lost is not None:
           self._on_lost(lost)
         return
       self.rounds += 1
-      if self.rounds % self.schedule.read_every == 0:
-        records = self._read()
-        if records.stop is not None:
-          self.stopping = min(records.stop, self.stopping or records.stop)
-        with self._lock:
-          self._joining = records.joining - everyone
-      # A poll is a barrier, so every process counts the same rounds. One
-      # that closes at round R (its rounds, or during the next poll)
-      # records S, the first round of reads at or after R + 2, and stops
-      # after round S; its record is there for every process's read at
-      # round S (which needs its poll of round R + 2), so all stop there
-      # too, and none starts a poll that the others never join.
+      if self.rounds % read_every == 0:
+        # A poll is a barrier, so every process counts the same rounds and
+        # reads at the same ones; a read that fails is asked again, not
+        # skipped (one process alone polling on would wait for nobody).
+        records = self._read(tries=5)
+        if records is not None:
+          if records.stop is not None:
+            self.stopping = min(records.stop, self.stopping or records.stop)
+          with self._lock:
+            self._joining = records.joining - everyone
       if self.stopping is not None and self.rounds >= self.stopping:
         return
-      self._stop.wait(self.schedule.period)
+      self._closing.wait(self.schedule.period)
 
   def _report(self, lost: dict[int, str]) -> None:
     with self._lock:
