@@ -484,9 +484,7 @@ def _rejoin_asked(service: Service, coords: list[SimCoordinator],
 
   def ask() -> None:
     joined = generations.next_group_without(relaunched, key, group, 600_000)
-    relaunched.kv_set(liveness.join_record(
-        generations.watch_key(key, joined.gen), relaunched.process_index),
-        "1")
+    generations.ask_to_join(relaunched, key, joined)
 
   asking = threading.Thread(target=ask, daemon=True)
   asking.start()

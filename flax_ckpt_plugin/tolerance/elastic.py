@@ -64,7 +64,6 @@ import jax
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
-from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rescue as rescue_lib
 from flax_ckpt_plugin.logs import log
@@ -341,9 +340,7 @@ class Peers:
       self.group = generations.next_group_without(coord, self._key,
                                                   self.group, timeout_ms)
       key = f"{self._key}/{self.group.gen}"
-      asked = liveness.join_record(
-          generations.watch_key(self._key, self.group.gen), me)
-      coord.kv_set(asked, "1")
+      asked = generations.ask_to_join(coord, self._key, self.group)
       step, survivors, members = json.loads(coord.kv_get(
           f"{key}/plan", timeout_ms=timeout_ms))
       if me not in members:

@@ -5,7 +5,9 @@ under `group_key`; `joining` finds it for a relaunched process), and each
 of its generations runs on its own order of the devices (`choose_order`,
 `on_devices`), one in which no group of devices that a collective may use
 repeats a device list of an earlier generation (`mesh_lists`, recorded
-under `lists_key`).
+under `lists_key`). A relaunched process finds the group (`joining`),
+waits for the survivors' group without it (`next_group_without`) and asks
+it to take it back (`ask_to_join`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.tolerance import liveness
 
 
 class Group(NamedTuple):
@@ -270,6 +273,16 @@ def next_group_without(coord: coordinator_lib.Coordinator, key: str,
         f"{key}/groups/{group.gen + 1}", timeout_ms=timeout_ms))
     group = Group(tuple(members), gen, primary)
   return group
+
+
+def ask_to_join(coord: coordinator_lib.Coordinator, key: str,
+                group: Group) -> str:
+  """A relaunched process asks the survivors' `group` (recorded without
+  it) to take it back: their watcher reads the request
+  (`liveness.Watcher.joining`). Returns the request's key."""
+  asked = liveness.join_record(watch_key(key, group.gen), coord.process_index)
+  coord.kv_set(asked, "1")
+  return asked
 
 
 def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
