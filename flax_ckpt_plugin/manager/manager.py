@@ -149,7 +149,9 @@ class CheckpointManager(Restoring):
       self._steps = steps
       # Not at the first save: that comes right after a train step, whose
       # runtime threads hold the cores a few ms more (a start waits 3-7 ms).
+      # The same for the thread that compiles the staging copies' programs.
       self._committer.prepare()
+      self._staging.prepare()
     self._opened_name = self.name  # `regroup` names its groups under it.
 
   def add_commit_hook(self, hook: CommitHook) -> None:

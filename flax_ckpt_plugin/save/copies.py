@@ -120,11 +120,10 @@ class Packed(NamedTuple):
   nbytes: int
 
 
-@functools.lru_cache(maxsize=256)
 def pack_offsets(sig: tuple[tuple[Any, Any, bool], ...]
                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Each shard's offset in the pack of shards of signature `sig`, and its
-  bytes."""
+  bytes (not cached: a save reads them from its group's key, `offsets`)."""
   offsets, sizes, end = [], [], 0
   for shape, dtype, _ in sig:
     offsets.append(end)
@@ -203,12 +202,35 @@ class _Programs:
         self._done.move_to_end(key)
         return self._done[key]
       if key not in self._pending:
-        if self._pool is None:
-          self._pool = futures.ThreadPoolExecutor(
-              1, thread_name_prefix="flax_ckpt_plugin-compile")
-        self._pending[key] = self._pool.submit(self._compile, key,
-                                               compile_fn)
+        self._pending[key] = self._started().submit(self._compile, key,
+                                                    compile_fn)
       return None
+
+  def ready(self, key: Any) -> Any:
+    """The compiled program(s) for `key` if compiled; None otherwise,
+    queuing nothing (a save looks them up with this, and queues what it
+    lacks with `get` after its copies are dispatched: the woken compile
+    thread then contends with the train loop, not with the save call)."""
+    with self._lock:
+      if key in self._done:
+        self._done.move_to_end(key)
+        return self._done[key]
+      return None
+
+  def start(self) -> None:
+    """Starts the compile thread if it is not running, where waiting for
+    that costs nothing (a manager's open): started by the first `get`
+    instead, in a save call, it waited 3-6 ms for a core on 2 busy ones,
+    and then for the interpreter's lock, which the new thread's tracing
+    held."""
+    with self._lock:
+      self._started().submit(lambda: None)
+
+  def _started(self) -> futures.ThreadPoolExecutor:
+    if self._pool is None:
+      self._pool = futures.ThreadPoolExecutor(
+          1, thread_name_prefix="flax_ckpt_plugin-compile")
+    return self._pool
 
   def wait(self) -> None:
     """Waits for every queued compile (tests use it to be deterministic)."""
@@ -263,9 +285,11 @@ def pack_programs(device, sig) -> Callable[[], tuple[None, Any]]:
   return compile_fn
 
 
-def programs_of(key: GroupKey) -> Any:
+def programs_of(key: GroupKey, *, queue: bool = True) -> Any:
   """The compiled programs of the group `key` (see `groups`), or None
-  while they compile (the first call queues the compile)."""
+  while they compile (the first call with `queue` queues the compile)."""
+  if not queue:
+    return PROGRAMS.ready(key)
   kind, device, sig = key
   return PROGRAMS.get(key, (pack_programs if kind == PACK
                             else group_programs)(device, sig))

@@ -17,10 +17,11 @@ save's cost grows faster than its number of leaves:
   them per program; smaller ones are packed, up to `copies.PACK_COUNT`
   into one buffer per program (about 4 us per shard). The programs
   (`copies.PROGRAMS`) are keyed by the shards' shapes and dtypes, compiled
-  on a background thread after the save that first needs them (or when
-  the manager is warmed up), and cached for the process, across managers:
-  a save never waits for a compiler, and the compile cost is bounded by
-  the number of groups, not by the number of distinct shapes.
+  on a background thread (started when a manager opens) after the save
+  that first needs them has dispatched its copies (or when the manager is
+  warmed up), and cached for the process, across managers: a save never
+  waits for a compiler, and the compile cost is bounded by the number of
+  groups, not by the number of distinct shapes.
 
 Dtypes that cannot be copied as unsigned bits of the same width (complex,
 sub-byte types) are copied by threads into numpy buffers instead (`copy`),
@@ -67,6 +68,11 @@ class HostStaging:
     self._pool: futures.ThreadPoolExecutor | None = None
     self._lock = threading.Lock()
 
+  def prepare(self) -> None:
+    """Starts the thread that compiles the copy programs (see
+    `copies.PROGRAMS`), so that the first save only queues its compiles."""
+    copies_lib.PROGRAMS.start()
+
   @property
   def nbytes(self) -> int:
     return (sum(b.nbytes for b in self._buffers.values())
@@ -102,12 +108,13 @@ class HostStaging:
       old, self._device = self._device, {}
       spent, self._spent = self._spent, [old]
       out: list[Any] = [None] * len(srcs)
-      started, by_runtime = [], []
+      started, by_runtime, lacking = [], [], []
       for n, (key, idx) in enumerate(groups):
         device = key[1]
-        programs = copies_lib.programs_of(key)
-        if programs is None:  # Compiling in the background.
+        programs = copies_lib.programs_of(key, queue=False)
+        if programs is None:  # Not compiled (yet): queued below.
           by_runtime += idx
+          lacking.append(key)
           continue
         pad = self._pads.get(device)
         if pad is None:
@@ -141,6 +148,8 @@ class HostStaging:
           for i, c in zip(idx, copies):
             out[i] = c
       del old
+    for key in lacking:  # Compiled in the background, after the copies.
+      copies_lib.programs_of(key)
     del spent  # Only if `release_spent` was not called since the last call.
     return out
 
