@@ -219,8 +219,8 @@ def read_ahead(path: str, stopped: Callable[[], bool] = lambda: False,
   file system takes them (ext4 from Linux 6.16, XFS), which a later
   restore maps and copies at a fraction of the cost of single pages; the
   kernel reads POSIX_FADV_WILLNEED's pages one by one, and a first restore
-  of the benchmark's 0.98 GB state took 0.50-0.66 s after it against
-  0.24-0.26 s (docs/performance.md). Where a mapping cannot be populated
+  of the benchmark's 0.98 GB state took 0.47-0.68 s after it against
+  0.24-0.25 s (docs/performance.md). Where a mapping cannot be populated
   (older kernels), the pieces are asked for with POSIX_FADV_WILLNEED
   (`_ask_ahead`). Returns once the whole file is read (or asked for), or
   at the first piece after `stopped()` turns true.
