@@ -54,7 +54,6 @@ relaunched (the local tiers serve the restart).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
@@ -341,8 +340,8 @@ class Peers:
                                                   self.group, timeout_ms)
       key = f"{self._key}/{self.group.gen}"
       asked = generations.ask_to_join(coord, self._key, self.group)
-      step, survivors, members = json.loads(coord.kv_get(
-          f"{key}/plan", timeout_ms=timeout_ms))
+      step, survivors, members = generations.read_plan(coord, key, asked,
+                                                       timeout_ms)
       if me not in members:
         raise RuntimeError(f"process {me}: the group of {survivors} took"
                            f" back {members} without this process")
@@ -351,7 +350,7 @@ class Peers:
       survivors = list(self.group.members)
       members = sorted(set(survivors) | set(joined))
       if me == survivors[0]:
-        coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
+        generations.record_plan(coord, key, step, survivors, members)
     gen = self.group.gen + 1
     group = groups.Survivors(coord, members)
     build = make_target or (lambda devices: generations.on_devices(target,

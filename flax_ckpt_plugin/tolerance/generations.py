@@ -6,8 +6,8 @@ of its generations runs on its own order of the devices (`choose_order`,
 `on_devices`), one in which no group of devices that a collective may use
 repeats a device list of an earlier generation (`mesh_lists`, recorded
 under `lists_key`). A relaunched process finds the group (`joining`),
-waits for the survivors' group without it (`next_group_without`) and asks
-it to take it back (`ask_to_join`).
+waits for the survivors' group without it (`next_group_without`), asks
+it to take it back (`ask_to_join`) and reads their plan (`read_plan`).
 """
 
 from __future__ import annotations
@@ -283,6 +283,31 @@ def ask_to_join(coord: coordinator_lib.Coordinator, key: str,
   asked = liveness.join_record(watch_key(key, group.gen), coord.process_index)
   coord.kv_set(asked, "1")
   return asked
+
+
+def record_plan(coord: coordinator_lib.Coordinator, key: str, step: int,
+                survivors: list[int], members: list[int]) -> None:
+  """The survivors' first member records under `key` the step at which
+  the `survivors` take back the others of `members`, for them to read
+  (`read_plan`)."""
+  coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
+
+
+def read_plan(coord: coordinator_lib.Coordinator, key: str, asked: str,
+              timeout_ms: int) -> tuple[int, list[int], list[int]]:
+  """A relaunched process that asked to join (`asked`, `ask_to_join`):
+  the survivors' plan recorded under `key` (`record_plan`), waited for up
+  to `timeout_ms`. Where it does not come, the request is withdrawn: left
+  behind, it would have the survivors plan to take back a process that
+  gave up, wait out their barriers for it, and then refuse every request
+  to their group."""
+  try:
+    step, survivors, members = json.loads(coord.kv_get(
+        f"{key}/plan", timeout_ms=timeout_ms))
+  except BaseException:
+    coord.kv_delete(asked)
+    raise
+  return step, survivors, members
 
 
 def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
