@@ -45,3 +45,18 @@ def test_a_relaunched_process_that_gets_no_plan_withdraws_its_request():
   with pytest.raises(TimeoutError, match="plan"):
     generations.read_plan(relaunched, f"{KEY}/1", asked, 50)
   assert _requests(first) == {}
+
+
+def test_a_failed_withdrawal_leaves_the_wait_s_error(monkeypatch):
+  """Where the service itself failed, withdrawing the request fails too:
+  the caller still gets the wait's error, not the withdrawal's."""
+  cluster = FakeCluster(4)
+  relaunched = cluster.coordinators()[3]
+  asked = generations.ask_to_join(relaunched, KEY, SURVIVORS)
+
+  def gone(key):
+    raise ConnectionError(f"the service is gone ({key})")
+
+  monkeypatch.setattr(relaunched, "kv_delete", gone)
+  with pytest.raises(TimeoutError, match="plan"):
+    generations.read_plan(relaunched, f"{KEY}/1", asked, 50)

@@ -12,6 +12,7 @@ it to take it back (`ask_to_join`) and reads their plan (`read_plan`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -305,7 +306,8 @@ def read_plan(coord: coordinator_lib.Coordinator, key: str, asked: str,
     step, survivors, members = json.loads(coord.kv_get(
         f"{key}/plan", timeout_ms=timeout_ms))
   except BaseException:
-    coord.kv_delete(asked)
+    with contextlib.suppress(Exception):  # The service may be what failed.
+      coord.kv_delete(asked)
     raise
   return step, survivors, members
 
