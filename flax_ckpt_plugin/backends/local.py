@@ -21,7 +21,7 @@ from flax_ckpt_plugin.backends.interface import StepWriter
 from flax_ckpt_plugin.logs import log
 
 # The longest a closing manager waits for its newest step's reading back
-# into the page cache to be asked for (`LocalBackend(cache_saved=True)`).
+# into the page cache (`LocalBackend(cache_saved=True)`).
 READ_BACK_WAIT_SECS = 10.0
 
 
@@ -126,8 +126,9 @@ class LocalBackend(Backend):
   def close_directory(self, directory: epath.Path, *,
                       wrote: bool = False) -> None:
     # So that a process exiting right after its last save has that step
-    # read back: asking takes about as long as the disk's reading, and
-    # what was asked for is read after the process is gone.
+    # read back: the disk's time to read it (where the kernel cannot
+    # populate a mapping, pieces asked for are read after the process is
+    # gone).
     if wrote:
       _READ_AHEAD.finish(os.fspath(directory), READ_BACK_WAIT_SECS)
 
@@ -281,7 +282,7 @@ class _ReadAhead:
 
   def finish(self, directory: str, timeout: float) -> None:
     """Reads `directory`'s newest step back now, waiting (at most `timeout`
-    seconds) until every read is asked for."""
+    seconds) until it is read (or, see `handles.read_ahead`, asked for)."""
     with self._lock:
       read = self._reads.get(directory)
     if read is not None:
