@@ -285,11 +285,10 @@ def pack_programs(device, sig) -> Callable[[], tuple[None, Any]]:
   return compile_fn
 
 
-def programs_of(key: GroupKey, *, queue: bool = True) -> Any:
+def programs_of(key: GroupKey) -> Any:
   """The compiled programs of the group `key` (see `groups`), or None
-  while they compile (the first call with `queue` queues the compile)."""
-  if not queue:
-    return PROGRAMS.ready(key)
+  while they compile (the first call queues the compile; `PROGRAMS.ready`
+  looks them up without queuing)."""
   kind, device, sig = key
   return PROGRAMS.get(key, (pack_programs if kind == PACK
                             else group_programs)(device, sig))

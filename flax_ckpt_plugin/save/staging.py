@@ -111,7 +111,7 @@ class HostStaging:
       started, by_runtime, lacking = [], [], []
       for n, (key, idx) in enumerate(groups):
         device = key[1]
-        programs = copies_lib.programs_of(key, queue=False)
+        programs = copies_lib.PROGRAMS.ready(key)
         if programs is None:  # Not compiled (yet): queued below.
           by_runtime += idx
           lacking.append(key)
