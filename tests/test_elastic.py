@@ -294,10 +294,11 @@ def test_no_generation_reuses_a_device_list_of_an_earlier_ones_meshes(layout):
   for gen, members in enumerate(history, 1):
     order, target, lists = generations.choose_order(members, gen, make, used,
                                                devices=job)
-    assert lists == generations.mesh_lists(target) and not lists & used, gen
+    assert lists == generations.device_lists(target), gen
+    assert not set(lists) & used, gen
     assert sorted(d.id for d in order) == [
         d.id for d in job if d.process_index in members]
-    used |= lists
+    used |= set(lists)
   # A 1-D mesh keeps device_order's order: its one list is always new.
   one_d = lambda devices: {"w": types.SimpleNamespace(  # pylint: disable=g-long-lambda
       sharding=types.SimpleNamespace(mesh=types.SimpleNamespace(
@@ -305,6 +306,44 @@ def test_no_generation_reuses_a_device_list_of_an_earlier_ones_meshes(layout):
   order, _, _ = generations.choose_order([0, 1, 2, 3], 2, one_d,
                                     generations.mesh_lists(one_d(job)), devices=job)
   assert order == generations.device_order([0, 1, 2, 3], 2, job)
+
+
+def test_six_generations_keep_every_model_pair_inside_a_process():
+  """A (data, model) mesh of 4 processes x 2 devices, through 3 losses and
+  3 rejoins: every generation's model pairs stay inside one process (their
+  collectives run at every step; across processes they would cross the
+  network), and no generation uses a list that may be broken: a list used
+  before is used again only if it is one process's alone and that process
+  was a member of every generation since (never lost, so the same
+  incarnation, whose own communicator and rendezvous keys they are)."""
+  from fake_coordinator import FakeCluster  # pylint: disable=g-import-not-at-top
+  job = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+  make = _fake_state("model_in")
+  coord = FakeCluster(4).coordinators()[0]
+  key = generations.group_key("six")
+  first = generations.device_lists(make(job))
+  assert generations.split_groups(make(job)) == 0
+  generations.record(coord, key, generations.Group((0, 1, 2, 3), 0, 0), first)
+  groups, seen = {0: {0, 1, 2, 3}}, {n: [(0, p)] for n, p in first.items()}
+  history = [[0, 1, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 3], [0, 2, 3],
+             [0, 1, 2, 3]]
+  for gen, members in enumerate(history, 1):
+    used = generations.used_lists(coord, key, gen, members)
+    order, target, lists = generations.choose_order(members, gen, make, used,
+                                                    devices=job)
+    assert generations.split_groups(target) == 0, (gen, order)
+    pairs = [tuple(d.process_index for d in row)
+             for row in target["w"].sharding.mesh.devices]
+    assert all(a == b for a, b in pairs), (gen, pairs)
+    for name, holder in lists.items():
+      for earlier, _ in seen.get(name, []):
+        assert holder is not None and all(
+            holder in groups[g] for g in range(earlier, gen)), (gen, name)
+      seen.setdefault(name, []).append((gen, holder))
+    groups[gen] = set(members)
+    generations.record(coord, key,
+                       generations.Group(tuple(members), gen, members[0]),
+                       lists)
 
 
 def test_a_relaunched_primary_opens_its_tiers_as_another_process():

@@ -270,3 +270,28 @@ def test_a_large_job_polls_less_often_so_its_calls_stay_bounded():
     assert big.polls == 1  # The next poll comes after 1.875 s.
   finally:
     watcher.close()
+
+
+def test_watchers_that_poll_differently_are_named_when_the_watch_starts():
+  """Processes 1 and 3 of 4 were given another `watch_poll_secs` (their
+  rounds would drift from the others'): every process's watch ends at its
+  start with one error naming both and what they have; alike, all start."""
+  from fake_coordinator import run_threads  # pylint: disable=g-import-not-at-top
+
+  def start(coord, polls):
+    try:
+      liveness.agree_on_settings(
+          coord, "w", poll_secs=polls[coord.process_index], members=None,
+          timeout_ms=10_000)
+    except ValueError as e:
+      return str(e)
+    return None
+
+  errors = run_threads(4, lambda c: start(c, [0.5, 1.0, 0.5, 2.0]))
+  assert len(set(errors)) == 1 and errors[0] is not None
+  assert ("process 0 has watch_poll_secs=0.5 over processes [0, 1, 2, 3]"
+          in errors[0])
+  assert "process 1 has watch_poll_secs=1" in errors[0]
+  assert "process 3 has watch_poll_secs=2" in errors[0]
+  assert "process 2 has" not in errors[0]
+  assert run_threads(4, lambda c: start(c, [0.5] * 4)) == [None] * 4

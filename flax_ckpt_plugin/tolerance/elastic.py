@@ -127,8 +127,8 @@ class Peers:
     self.watcher = self.rescue = None
     # The device lists of the job's first meshes (`first_state`), and those
     # of this group's generation, which its first member records.
-    self._first_lists: set[str] = set()
-    self._lists: set[str] | None = None
+    self._first_lists: dict[str, int | None] = {}
+    self._lists: dict[str, int | None] | None = None
     if not self.rejoining:
       generations.mark_opened(self._key)
       self._watch()

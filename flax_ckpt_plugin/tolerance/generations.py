@@ -5,7 +5,9 @@ under `group_key`; `joining` finds it for a relaunched process), and each
 of its generations runs on its own order of the devices (`choose_order`,
 `on_devices`), one in which no group of devices that a collective may use
 repeats a device list of an earlier generation (`mesh_lists`, recorded
-under `lists_key`). A relaunched process finds the group (`joining`),
+under `lists_key`), but for the lists of one survivor's devices alone
+(`used_lists`), and in which, among such orders, the groups of the meshes'
+inner axes stay inside one process where they can (`split_groups`). A relaunched process finds the group (`joining`),
 waits for the survivors' group without it (`next_group_without`), asks
 it to take it back (`ask_to_join`) and reads their plan (`read_plan`).
 """
@@ -101,17 +103,12 @@ def device_order(members: list[int], gen: int,
 
 
 def mesh_lists(tree: Any) -> set[str]:
-  """The device lists that collectives of programs on `tree`'s meshes may
-  run over, each named by a short hash of its device ids in order: for
-  every mesh and every set of its axes, the devices that differ along those
-  axes only, in the mesh's order (lists of two devices or more).
+  """The names of `device_lists(tree)`."""
+  return set(device_lists(tree))
 
-  The runtime keys a collective's rendezvous by its device list (on CPU,
-  `gloo/<ids>/<rank>` in the key-value store). A list that took part in a
-  collective with a process that was lost since is broken for good: its
-  survivors keep its dead context, and the key-value store keeps the keys
-  the dead incarnation set, which its relaunched process cannot set again.
-  """
+
+def _grids(tree: Any) -> list[np.ndarray]:
+  """The device grids of `tree`'s meshes, each once."""
   grids: dict[bytes, np.ndarray] = {}
   for leaf in jax.tree.leaves(tree):
     mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
@@ -119,18 +116,63 @@ def mesh_lists(tree: Any) -> set[str]:
     if not isinstance(devices, np.ndarray):
       continue
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
-    grids.setdefault(repr(ids.shape).encode() + ids.tobytes(), ids)
-  out = set()
-  for ids in grids.values():
+    grids.setdefault(repr(ids.shape).encode() + ids.tobytes(), devices)
+  return list(grids.values())
+
+
+def device_lists(tree: Any) -> dict[str, int | None]:
+  """The device lists that collectives of programs on `tree`'s meshes may
+  run over, each named by a short hash of its device ids in order: for
+  every mesh and every set of its axes, the devices that differ along those
+  axes only, in the mesh's order (lists of two devices or more); each with
+  the one process that holds all its devices (None: several do).
+
+  The runtime keys a collective's rendezvous by its device list (on CPU,
+  `gloo/<ids>/<rank>` in the key-value store). A list that took part in a
+  collective with a process that was lost since is broken for good: its
+  survivors keep its dead context, and the key-value store keeps the keys
+  the dead incarnation set, which its relaunched process cannot set again.
+  """
+  out: dict[str, int | None] = {}
+  for devices in _grids(tree):
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
+    procs = np.vectorize(lambda d: d.process_index,
+                         otypes=[np.int64])(devices)
     ndim = ids.ndim
     for r in range(1, ndim + 1):
       for axes in itertools.combinations(range(ndim), r):
         size = int(np.prod([ids.shape[a] for a in axes]))
         if size < 2:
           continue
-        rows = np.moveaxis(ids, axes, range(ndim - r, ndim)).reshape(-1, size)
-        out.update(_name(row) for row in rows)
+        to_end = lambda a: np.moveaxis(  # pylint: disable=cell-var-from-loop
+            a, axes, range(ndim - r, ndim)).reshape(-1, size)
+        for row, held in zip(to_end(ids), to_end(procs)):
+          out[_name(row)] = int(held[0]) if (held == held[0]).all() else None
   return out
+
+
+def split_groups(tree: Any) -> int:
+  """How many groups of the inner axes of `tree`'s meshes span several
+  processes: the model pairs of a (data, model) mesh, say, whose
+  collectives run at every step and should not cross the network. The
+  inner axes of a mesh are its last ones whose groups fit in one process
+  (the product of their sizes at most the devices each process has in
+  it); a mesh whose last axis alone is larger has none."""
+  split = 0
+  for devices in _grids(tree):
+    procs = np.vectorize(lambda d: d.process_index,
+                         otypes=[np.int64])(devices)
+    per_process = int(np.unique(procs, return_counts=True)[1].min())
+    size, inner = 1, 0
+    for n in reversed(procs.shape):
+      if size * n > per_process:
+        break
+      size, inner = size * n, inner + 1
+    if procs.ndim < 2 or size < 2:
+      continue  # A 1-D mesh's one axis is the job's: it spans processes.
+    rows = procs.reshape(-1, size)
+    split += int((rows != rows[:, :1]).any(axis=1).sum())
+  return split
 
 
 def _name(ids: np.ndarray) -> str:
@@ -153,21 +195,61 @@ def lists_key(key: str, gen: int) -> str:
   return f"{key}/lists/{gen}"
 
 
-def used_lists(coord: coordinator_lib.Coordinator, key: str,
-               before: int) -> set[str]:
-  """The `mesh_lists` that the generations before `before` recorded."""
-  out: set[str] = set()
+class Used(NamedTuple):
+  """The device lists earlier generations used, as a new one sees them."""
+  broken: set[str]  # Not to be used again.
+  # One process's alone, that process a member ever since: to be used
+  # again rather than another order of its devices, which is then still
+  # new to a later incarnation of it (the next one may need it).
+  kept: dict[str, int]
+
+
+def used_lists(coord: coordinator_lib.Coordinator, key: str, before: int,
+               members: Any, first: dict[str, int | None] | None = None
+               ) -> Used:
+  """The device lists that generation `before`, of `members`, must not use
+  (`broken`): every list an earlier generation recorded (and those of
+  `first`, the job's first meshes), but a list of one process's devices
+  alone when that process was a member of every generation since (the
+  same incarnation, never lost): its collectives never waited for another
+  process, and the rendezvous keys it left are its own (`kept`). Any other
+  list may have taken part in a collective with a process lost since, or
+  may meet the keys a dead incarnation left (see `mesh_lists`)."""
+  history: dict[int, set[int]] = {}
+  for k, text in coord.kv_dir(f"{key}/groups").items():
+    history[int(k.rsplit("/", 1)[1])] = set(json.loads(text)[0])
+  records = [(0, first or {})]
   for k, text in coord.kv_dir(f"{key}/lists").items():
-    if int(k.rsplit("/", 1)[1]) < before:
-      out.update(json.loads(text))
-  return out
+    gen, lists = int(k.rsplit("/", 1)[1]), json.loads(text)
+    if gen < before:
+      records.append((gen, lists if isinstance(lists, dict)
+                      else dict.fromkeys(lists)))
+  members = set(members)
+  broken: set[str] = set()
+  kept: dict[str, int] = {}
+  for gen, lists in records:
+    # Processes that stayed from generation `gen` to this one.
+    stayed = set(members)
+    for g in range(gen, before):
+      stayed &= history.get(g, set(range(coord.process_count))
+                            if g == 0 else set())
+    for n, p in lists.items():
+      if p is None or p not in stayed:
+        broken.add(n)
+      else:
+        kept[n] = p
+  for n in broken:
+    kept.pop(n, None)
+  return Used(broken, kept)
 
 
 def _orders(members: list[int], gen: int, devices: list[Any] | None
             ) -> Iterator[list[Any]]:
   """`device_order`'s order first, then every rotation forwards and
-  reversed, then permutations drawn with `gen` and a count as the seed;
-  each once."""
+  reversed, then orders drawn with `gen` and a count as the seed, each
+  once: first with each process's devices side by side (the processes in
+  a drawn order, each one's devices in a drawn order: a mesh's inner axes
+  then stay inside processes), then any permutation."""
   if devices is None:
     devices = jax.devices()
   seen = set()
@@ -177,9 +259,20 @@ def _orders(members: list[int], gen: int, devices: list[Any] | None
   firsts += [(ours[::-1] if rev else ours)[k:] + (ours[::-1] if rev
                                                   else ours)[:k]
              for rev in (False, True) for k in range(n)]
+  by_process: dict[int, list[Any]] = {}
+  for d in ours:
+    by_process.setdefault(d.process_index, []).append(d)
+  blocks = list(by_process.values())
+
+  def side_by_side(rng: np.random.Generator) -> list[Any]:
+    return [block[i] for b in rng.permutation(len(blocks))
+            for block in [blocks[b]] for i in rng.permutation(len(block))]
+
+  together = (side_by_side(np.random.default_rng([gen, c, 1]))
+              for c in range(4 * n))
   drawn = ([ours[i] for i in np.random.default_rng([gen, c]).permutation(n)]
            for c in itertools.count())
-  for order in itertools.chain(firsts, drawn):
+  for order in itertools.chain(firsts, together, drawn):
     ids = tuple(d.id for d in order)
     if ids not in seen:
       seen.add(ids)
@@ -187,32 +280,45 @@ def _orders(members: list[int], gen: int, devices: list[Any] | None
 
 
 def choose_order(members: list[int], gen: int,
-                 build: Callable[[list[Any]], Any], used: set[str], *,
-                 devices: list[Any] | None = None, tries: int = 64
-                 ) -> tuple[list[Any], Any, set[str]]:
+                 build: Callable[[list[Any]], Any], used: set[str] | Used,
+                 *, devices: list[Any] | None = None, tries: int = 64
+                 ) -> tuple[list[Any], Any, dict[str, int | None]]:
   """The devices of `members` in an order for generation `gen` whose
-  target, `build(order)`, uses none of the device lists in `used` (see
-  `mesh_lists`): the first of `_orders` that does, so that a 1-D mesh
-  gets `device_order`'s. Returns (order, target, its lists); the target
-  is built last from the order returned (`build` may keep what it built,
-  a jitted step, say). If none of `tries` orders avoids them all, the one
-  that reuses fewest, with a warning.
+  target, `build(order)`, uses none of the device lists `used` (a set, or
+  `Used.broken`; see `mesh_lists`), splits the fewest groups of its
+  meshes' inner axes over processes (`split_groups`), and then uses the
+  fewest new lists of one process's devices where that process has lists
+  it may use again (`Used.kept`). The first of `_orders` that does none
+  of these (so that a 1-D mesh gets `device_order`'s), else the best of
+  the first `tries`. Returns (order, target, its `device_lists`); the
+  target is built last from the order returned (`build` may keep what it
+  built, a jitted step, say). If none of the orders avoids the broken
+  lists, the one that reuses fewest, with a warning.
   """
-  best = None
+  broken, kept = (used.broken, used.kept) if isinstance(used, Used) else (
+      used, {})
+  keepers = set(kept.values())
+  best = None  # (clash, split, new, order)
   for order in itertools.islice(_orders(members, gen, devices), tries):
     target = build(order)
-    lists = mesh_lists(target)
-    clash = len(lists & used)
-    if not clash:
+    lists = device_lists(target)
+    score = (len(broken.intersection(lists)), split_groups(target),
+             sum(p in keepers and n not in kept for n, p in lists.items()))
+    if score == (0, 0, 0):
       return order, target, lists
-    if best is None or clash < best[0]:
-      best = (clash, order)
-  clash, order = best
-  log.warning("no order of the group's devices avoids every device list"
-              " an earlier generation used: %d of this one's were used"
-              " before, and their collectives may fail", clash)
+    if best is None or score < best[:3]:
+      best = (*score, order)
+  clash, split, _, order = best
+  if clash:
+    log.warning("no order of the group's devices avoids every device list"
+                " an earlier generation used: %d of this one's were used"
+                " before, and their collectives may fail", clash)
+  elif split:
+    log.info("%d groups of the meshes' inner axes span processes in this"
+             " generation's device order (every order that keeps them"
+             " inside one would reuse a broken device list)", split)
   target = build(order)
-  return order, target, mesh_lists(target)
+  return order, target, device_lists(target)
 
 
 def on_devices(tree: Any, devices: list[Any]) -> Any:
@@ -358,38 +464,41 @@ def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
 
 
 def record_first_lists(coord: coordinator_lib.Coordinator, key: str,
-                       group: Group, state: Any, *, record: bool) -> set[str]:
-  """The device lists of the meshes of the state a job starts from (no
-  later generation reuses one); the group's first member records them
-  (if `record`), where a relaunched process reads them."""
-  lists = mesh_lists(state)
+                       group: Group, state: Any, *, record: bool
+                       ) -> dict[str, int | None]:
+  """The device lists of the meshes of the state a job starts from (see
+  `used_lists`); the group's first member records them (if `record`),
+  where a relaunched process reads them."""
+  lists = device_lists(state)
   name = lists_key(key, 0)
   if (record and lists and coord.process_index == group.members[0]
       and name not in coord.kv_dir(f"{key}/lists")):
-    coord.kv_set(name, json.dumps(sorted(lists)))
+    coord.kv_set(name, json.dumps(lists, sort_keys=True))
   return lists
 
 
 def choose(group: Any, key: str, gen: int, build: Callable[[list[Any]], Any],
-           first_lists: set[str]) -> tuple[list[Any], Any, set[str]]:
+           first_lists: dict[str, int | None]
+           ) -> tuple[list[Any], Any, dict[str, int | None]]:
   """The devices of generation `gen` of the group (a `groups.Survivors`)
   in the order its meshes take (see `choose_order`), the target `build`
   makes on them, and its meshes' device lists; every member chooses the
-  same. Lists used before: those recorded, the first state's, and those
-  of `build` on the job's devices in their first order (the meshes a job
-  that did not hand its first state would have)."""
-  used = (used_lists(group, key, gen) | first_lists
-          | mesh_lists(build(jax.devices())))
+  same. Lists used before (`used_lists`): those recorded, the first
+  state's, and those of `build` on the job's devices in their first order
+  (the meshes a job that did not hand its first state would have)."""
+  used = used_lists(group, key, gen, group.members,
+                    {**device_lists(build(jax.devices())), **first_lists})
   return choose_order(group.members, gen, build, used)
 
 
 def record(coord: coordinator_lib.Coordinator, key: str, group: Group,
-           lists: set[str] | None) -> None:
+           lists: dict[str, int | None] | None) -> None:
   """The group's first member records it (see `Group`), after the device
   lists of its meshes, so that whoever sees the group sees them."""
   if coord.process_index == group.members[0]:
     if lists:
-      coord.kv_set(lists_key(key, group.gen), json.dumps(sorted(lists)))
+      coord.kv_set(lists_key(key, group.gen),
+                   json.dumps(lists, sort_keys=True))
     text = json.dumps(list(group))
     coord.kv_set(f"{key}/groups/{group.gen}", text)
     coord.kv_set(f"{key}/group", text)

@@ -38,7 +38,8 @@ after which every watcher of the job stops (one key per round, not per
 process: at a job's end every process closes, and each reading every
 other's record would cost the service O(N^2)), and a peer missing once
 that is recorded is not reported lost. Every process must use the same
-`poll_secs` (the rounds of reads follow from it).
+`poll_secs` and watch the same processes (the rounds of reads follow from
+them): `agree_on_settings` checks that when the watch starts.
 """
 
 from __future__ import annotations
@@ -341,12 +342,18 @@ def watch(coord: coordinator_lib.Coordinator, name: str, *,
           poll_secs: float = 0.5,
           on_lost: Callable[[dict[int, str]], None] | None = None,
           members: Any = None, key: str | None = None, joins: bool = False,
-          lost_key: str | None = None) -> Watcher:
+          lost_key: str | None = None,
+          settings_timeout_ms: int | None = None) -> Watcher:
   """A started watcher, which every coordination call of `coord` obeys.
   Its records go under `key` (by default, one of this process's rounds of
-  `name`: a relaunched process that asks to join must know it)."""
+  `name`: a relaunched process that asks to join must know it). With
+  `settings_timeout_ms`, the members first check that they watch alike
+  (`agree_on_settings`, waiting that long for each other)."""
   n = coord.next_round(f"liveness/{name}")
   key = key or f"flax_ckpt_plugin/liveness/{name}/{n}"
+  if settings_timeout_ms is not None:
+    agree_on_settings(coord, key, poll_secs=poll_secs, members=members,
+                      timeout_ms=settings_timeout_ms)
   watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
                     members=members, joins=joins,
                     lost_key=lost_key).start()
@@ -354,6 +361,50 @@ def watch(coord: coordinator_lib.Coordinator, name: str, *,
   if set_abort is not None:
     set_abort(watcher.check)
   return watcher
+
+
+def agree_on_settings(coord: coordinator_lib.Coordinator, key: str, *,
+                      poll_secs: float, members: Any,
+                      timeout_ms: int) -> None:
+  """Checks, on every member at the start of a watch of key `key`, that
+  all of them watch with the same settings (`poll_secs` and the members:
+  the rounds of polls and reads follow from them). The first member
+  records its own, every other member compares (one read each), those
+  that differ say so, and after a barrier of the members all of them know
+  who differs (the processes' count of calls stays O(N)).
+
+  Raises:
+    ValueError: on every member, naming each process whose settings
+      differ from the first member's, and both settings.
+  """
+  members = sorted(range(coord.process_count) if members is None
+                   else members)
+  if len(members) < 2:
+    return
+  me, first = coord.process_index, members[0]
+  mine = json.dumps({"poll_secs": float(poll_secs), "members": members})
+  if me == first:
+    coord.kv_set(f"{key}/settings", mine)
+    theirs = mine
+  else:
+    theirs = coord.kv_get(f"{key}/settings", timeout_ms=timeout_ms)
+  if mine != theirs:
+    coord.kv_set(f"{key}/settings_differ/{me}", mine)
+  coord.barrier(f"{key}/settings", timeout_ms=timeout_ms,
+                process_ids=members)
+  differ = coord.kv_dir(f"{key}/settings_differ")
+  if differ:
+    def said(text: str) -> str:
+      s = json.loads(text)
+      return f"watch_poll_secs={s['poll_secs']:g} over processes {s['members']}"
+    raise ValueError(
+        "FaultTolerance.watch_poll_secs and the processes watched must be the"
+        " same on every process (the watchers' rounds follow from them):"
+        f" process {first} has {said(theirs)}, but "
+        + "; ".join(f"process {k.rsplit('/', 1)[1]} has {said(v)}"
+                    for k, v in sorted(differ.items(),
+                                       key=lambda kv: int(
+                                           kv[0].rsplit("/", 1)[1]))))
 
 
 def outlive(coord: coordinator_lib.Coordinator, members: Any,

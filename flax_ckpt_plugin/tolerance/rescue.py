@@ -82,7 +82,8 @@ def watch(manager: CheckpointManager,
   watcher = liveness.watch(manager.coordinator, manager.name,
                            poll_secs=poll_secs, on_lost=rescue.on_lost,
                            members=members, key=key, joins=joins,
-                           lost_key=lost_key)
+                           lost_key=lost_key,
+                           settings_timeout_ms=manager.barrier_timeout_ms)
   rescue.watching(watcher)
   return watcher, rescue
 
