@@ -374,12 +374,17 @@ class CheckpointCallback:
   def close(self) -> None:
     """Restores signal handlers, waits for the running save, raises its error.
 
+    After a preemption stop (`should_stop`) that is all it waits for: the
+    machine may be going away, so nothing is read back into its page cache
+    (after a normal end, a local disk's newest step is, for a restart on
+    this machine: see `CheckpointManager.close`).
+
     Raises:
       PeerLostError: a peer was lost (see `watch_peers`).
     """
     self._signals.uninstall()
     try:
-      self.tiers.close()
+      self.tiers.close(leaving=self.should_stop)
     finally:
       self._metrics.flush()
 

@@ -13,6 +13,14 @@ import errno
 NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
               errno.ENXIO)
 
+# The errnos of a read that the storage could not serve: a medium error
+# (EIO), a file system's own checksum or consistency check (EBADMSG and
+# EUCLEAN on Linux: EFSBADCRC, EFSCORRUPTED). Those bytes of that step
+# cannot be had here, now; the step may be whole (a network file system's
+# passing fault), so a restore skips it and keeps it (see `fallback`).
+READ_FAILED = tuple(getattr(errno, name) for name in
+                    ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name))
+
 
 class CheckpointNotFoundError(FileNotFoundError):
   """No finalized checkpoint exists where one was asked for."""

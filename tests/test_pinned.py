@@ -11,9 +11,11 @@ demand.
 
 from __future__ import annotations
 
+import errno
 import os
 import statistics
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,14 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.save import pinned
 from flax_ckpt_plugin import Commit
 from helpers import assert_only_finalized_steps
+from helpers import call_on_thread
+from helpers import flip_byte
+from helpers import FlakyDisk
+from helpers import join_commit
 from helpers import pinned_counter
 from helpers import two_device_mesh
 from launcher import run_workers
@@ -271,30 +278,65 @@ def test_a_budget_sends_the_rest_through_the_plain_transfer(
     assert_trees_equal(manager.restore(state), host_copy(state))
 
 
-def test_a_runtime_that_refuses_pinned_memory_falls_back_once(
+def test_a_refused_pinned_copy_costs_that_save_and_a_back_off_only(
     ckpt_dir, make_state, assert_trees_equal, host_copy, monkeypatch,
     caplog):
-  """The runtime refuses every copy onto pinned memory (injected: a real
-  one runs out on demand only by exhausting the machine's): the process
-  logs it once and saves and restores through the plain transfers."""
-  def refuse(srcs, shardings):
+  """The runtime refuses copies onto pinned memory while `short` is set
+  (injected: a real one runs out on demand only by exhausting the
+  machine's). A refused save and the back-off after it (1 save, then 2,
+  then 4 after refusals in a row) go through pageable memory, each logged
+  at warning with its bytes and counted in `SaveStats`; the save after
+  the back-off asks again and, memory there again, is pinned. A restore
+  whose pinned buffer is refused reads the plain way and changes nothing
+  for the saves."""
+  asked = []  # The saves that asked for pinned memory.
+  short = {"now": True}
+
+  def copies_onto(srcs, shardings):
     if any(s.memory_kind == pinned.PINNED for s in shardings):
-      raise RuntimeError("RESOURCE_EXHAUSTED: injected: no pinned memory")
+      asked.append(step)
+      if short["now"]:
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected: no pinned memory")
+      pinned_saves.add(step)
     return real(srcs, shardings)
 
-  real = pinned.copies_onto
-  monkeypatch.setattr(pinned, "copies_onto", refuse)
-  monkeypatch.setattr(pinned, "_unavailable", pinned.threading.Event())
+  real, pinned_saves = pinned.copies_onto, set()
+  monkeypatch.setattr(pinned, "copies_onto", copies_onto)
   state = make_state()
+  nbytes = sum(a.nbytes for a in jax.tree.leaves(state)
+               if isinstance(a, jax.Array))
+  fallback = {}
   with CheckpointManager(ckpt_dir) as manager:
-    for step in (1, 2):
+    for step in range(1, 4):
       manager.save(step, state)
       manager.wait_until_finished()
-    assert_trees_equal(manager.restore(make_state(), 2), host_copy(state))
-  lines = [r for r in caplog.records
-           if "pinned host memory cannot be had" in r.getMessage()]
-  assert len(lines) == 1
-  assert not pinned.takes(jax.devices()[0])
+      fallback[step] = manager.last_save_stats.pinned_fallback_bytes
+      short["now"] = False
+    assert asked == [1, 3] and pinned_saves == {3}
+    assert fallback == {1: nbytes, 2: nbytes, 3: 0}
+
+    def no_buffer(shape, dtype, device):
+      raise RuntimeError("RESOURCE_EXHAUSTED: injected: no pinned buffer")
+
+    with monkeypatch.context() as m:
+      m.setattr(pinned, "pinned_buffer", no_buffer)
+      assert_trees_equal(manager.restore(make_state(), 3), host_copy(state))
+    step = 4
+    manager.save(step, state)
+    manager.wait_until_finished()
+    assert pinned_saves == {3, 4}
+    short["now"] = True
+    for step in range(5, 13):
+      manager.save(step, state)
+      manager.wait_until_finished()
+    assert asked == [1, 3, 4, 5, 7, 10]  # Back-offs of 1, 2, 4 saves.
+    assert manager.last_save_stats.pinned_fallback_bytes == nbytes
+  lines = [r.getMessage() for r in caplog.records
+           if r.levelname == "WARNING" and "pinned" in r.getMessage()]
+  assert sum("refused" in line and f"{nbytes} bytes" in line
+             for line in lines) == 2 + 8, lines  # Saves 1, 2 and 5-12.
+  assert sum("refused a pinned buffer" in line and "for a restore" in line
+             for line in lines) == 1, lines
 
 
 @pytest.mark.multiprocess
@@ -331,3 +373,116 @@ def test_a_data_by_model_mesh_saves_and_restores_through_pinned_memory(
     assert o["pinned"]["onto_pinned"] > 0 and o["pinned"]["off_pinned"] > 0
     assert o["restored"] == o["digests"] == out[0]["digests"]
     assert o["restored_on_target_shardings"]
+
+
+def _two_steps_of_four_leaves(ckpt_dir) -> dict[str, np.ndarray]:
+  """Steps 1 and 2 of 4 leaves of 8 MiB each; returns step 1's values."""
+  values = {step: {f"w{i}": np.full((2 << 20,), step * 10 + i, np.float32)
+                   for i in range(4)} for step in (1, 2)}
+  with CheckpointManager(ckpt_dir) as manager:
+    for step, tree in values.items():
+      manager.save(step, {k: jnp.asarray(v) for k, v in tree.items()})
+      manager.wait_until_finished()
+  return values[1]
+
+
+@pytest.mark.parametrize("window_mib", [12, 40],
+                         ids=["region_over_what_is_left",
+                              "region_under_what_is_left"])
+@pytest.mark.parametrize("fault", ["checksum", "read_error"])
+def test_a_damaged_newest_step_restored_through_pinned_buffers_falls_back(
+    ckpt_dir, monkeypatch, caplog, window_mib, fault):
+  """Step 2 has a flipped byte in one leaf (or its data file fails a read:
+  an injected EIO, since no real disk fails one on demand): restoring
+  through pinned buffers, with a window whose room left after the failed
+  read is smaller or larger than a region, gives the failed buffer back,
+  skips step 2 and restores step 1, within seconds."""
+  expected = _two_steps_of_four_leaves(ckpt_dir)
+  data = ckpt_dir / "2" / "data" / "process_00000.bin"
+  if fault == "checksum":
+    flip_byte(data, os.path.getsize(data) // 3)
+  else:
+    real_read = handles.LocalFile.read_into
+
+    def failing(self, offset, out):
+      if os.readlink(f"/proc/self/fd/{self._fd}") == os.fspath(  # pylint: disable=protected-access
+          data.resolve()):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+      return real_read(self, offset, out)
+
+    monkeypatch.setattr(handles.LocalFile, "read_into", failing)
+  monkeypatch.setattr(pinned, "RESTORE_WINDOW_BYTES", window_mib << 20)
+  target = {f"w{i}": jax.ShapeDtypeStruct((2 << 20,), jnp.float32)
+            for i in range(4)}
+  cb = CheckpointCallback(ckpt_dir, every_steps=1)
+  thread, box = call_on_thread(lambda: cb.restore_or_initialize(target), 60)
+  assert not thread.is_alive(), "the restore hangs"
+  assert "error" not in box, box.get("error")
+  assert cb.restored_step == 1
+  for k, v in expected.items():
+    np.testing.assert_array_equal(np.asarray(box["result"][k]), v)
+  # Damaged bytes are set aside; a step the disk failed to read is kept.
+  assert cb.manager.all_steps() == ([1] if fault == "checksum" else [1, 2])
+  cb.close()
+
+
+def test_a_full_restore_window_ends_its_wait_with_an_error_naming_it(
+    monkeypatch):
+  """A buffer taken and neither sent nor given back (a thread that never
+  hands it on) fills the window: the next `take` that needs room ends
+  with an error naming the wait, after `FILL_WAIT_SECS`, not a hang. A
+  buffer given back makes room at once."""
+  monkeypatch.setattr(pinned, "FILL_WAIT_SECS", 0.3)
+  device = jax.devices()[0]
+  window = pinned.RestoreWindow(limit=1 << 20)
+  held, _ = window.take((192, 1024), np.float32, device)  # 768 KiB.
+  thread, box = call_on_thread(
+      lambda: window.take((128, 1024), np.float32, device), 30)
+  assert not thread.is_alive()
+  assert isinstance(box.get("error"), TimeoutError), box
+  assert "524288 bytes" in str(box["error"])
+  assert "786432 of the window's 1048576 bytes" in str(box["error"])
+  window.give_back(held)
+  taken = window.take((128, 1024), np.float32, device)
+  assert taken is not None
+  window.send(taken[0], [jax.sharding.SingleDeviceSharding(device)])
+  window.wait()
+
+
+def _pinned_arrays(besides=()) -> list[jax.Array]:
+  """The live arrays in pinned host memory, but those of `besides`
+  (weak references: arrays that earlier tests' garbage still holds)."""
+  old = [r() for r in besides]
+  return [a for a in jax.live_arrays()
+          if a.sharding.memory_kind == pinned.PINNED
+          and not any(a is o for o in old)]
+
+
+def test_a_failed_commit_keeps_its_error_but_not_its_pinned_buffers(
+    ckpt_dir, make_state):
+  """The disk fails the commit of step 2 (a writer that raises: no real
+  disk fails on demand). The error waits for the next call, with its type,
+  text and step, but the snapshot's pinned buffers are freed when the
+  commit ends, not kept alive by the error until then (the next snapshot
+  would need a second pinned copy of the state)."""
+  before = [weakref.ref(a) for a in _pinned_arrays()]
+  disk = FlakyDisk()
+  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
+  state = make_state()
+  manager.save(1, state)
+  manager.wait_until_finished()
+  assert not _pinned_arrays(before)  # Step 1's were freed with its commit.
+  disk.on_fire = True
+  manager.save(2, state)
+  assert _pinned_arrays(before)  # The snapshot of step 2, being written.
+  join_commit(manager, 60)
+  assert not _pinned_arrays(before)
+  with pytest.raises(OSError, match="disk on fire") as info:
+    manager.check_for_errors()
+  assert "step 2" in "".join(info.value.__notes__)
+  # It still says where it failed, as text.
+  assert "in step_writer" in "".join(info.value.__notes__)
+  disk.on_fire = False
+  manager.save(3, state)
+  manager.close()
+  assert manager.all_steps() == [1, 3]

@@ -181,11 +181,13 @@ class Backend(abc.ABC):
     del directory, path, quiet_secs
 
   def close_directory(self, directory: epath.Path, *,
-                      wrote: bool = False) -> None:
+                      wrote: bool = False, leaving: bool = False) -> None:
     """Lets go of what was kept for `directory` (its manager closed); if
     that manager `wrote` (not read-only), what its saves left to do in the
-    background is done now (or never)."""
-    del directory, wrote
+    background is done now (or never). `leaving`: the process is about to
+    go (a preemption stop, an error): what would only help a later run on
+    this machine is not done, and stops if it runs."""
+    del directory, wrote, leaving
 
   def staging_arena(self, directory: epath.Path) -> object | None:
     """Where snapshots for `directory` are taken, when one process alone

@@ -5,6 +5,7 @@ a file system in memory (`MemoryBackend`: tmpfs, `/dev/shm`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import uuid
@@ -21,7 +22,8 @@ from flax_ckpt_plugin.backends.interface import StepWriter
 from flax_ckpt_plugin.logs import log
 
 # The longest a closing manager waits for its newest step's reading back
-# into the page cache (`LocalBackend(cache_saved=True)`).
+# into the page cache (`LocalBackend(cache_saved=True)`), unless the
+# process is leaving (then it waits for none).
 READ_BACK_WAIT_SECS = 10.0
 
 
@@ -47,9 +49,12 @@ class LocalBackend(Backend):
       save's commit; a save that begins first in the same directory drops
       it, so saves that follow each other closely are not slowed; it runs
       at most 32 MB ahead of the disk, so a save that begins while it reads
-      finds little queued before its writes; and a closing writer has its newest step read back at once (a process that
-      ends without `close()` may leave it on the disk). False leaves the
-      files on the disk only.
+      finds little queued before its writes; and a writer that closes
+      normally has its newest step read back at once, waiting for it (at
+      most `READ_BACK_WAIT_SECS`). A process that is leaving (a close
+      after a preemption stop or an error, or the interpreter's exit)
+      reads nothing back and stops what reads: its machine may be going
+      away. False leaves the files on the disk only.
   """
 
   rename_is_atomic = True
@@ -124,12 +129,15 @@ class LocalBackend(Backend):
       _READ_AHEAD.start(os.fspath(directory), os.fspath(path), quiet_secs)
 
   def close_directory(self, directory: epath.Path, *,
-                      wrote: bool = False) -> None:
+                      wrote: bool = False, leaving: bool = False) -> None:
     # So that a process exiting right after its last save has that step
     # read back: the disk's time to read it (where the kernel cannot
     # populate a mapping, pieces asked for are read after the process is
-    # gone).
-    if wrote:
+    # gone). Not when it leaves: a preempted machine's page cache is
+    # dropped with it, and the grace period is short.
+    if leaving:
+      _READ_AHEAD.stop(os.fspath(directory))
+    elif wrote:
       _READ_AHEAD.finish(os.fspath(directory), READ_BACK_WAIT_SECS)
 
   def remove(self, path: epath.Path) -> None:
@@ -216,8 +224,8 @@ class MemoryBackend(LocalBackend):
     memfile.MAPPINGS.sweep()
 
   def close_directory(self, directory: epath.Path, *,
-                      wrote: bool = False) -> None:
-    del wrote
+                      wrote: bool = False, leaving: bool = False) -> None:
+    del wrote, leaving
     memfile.MAPPINGS.release(os.fspath(directory))
 
   def staging_arena(self, directory: epath.Path) -> memfile.SpareArena:
@@ -233,7 +241,8 @@ class _ReadAhead:
   directory: a save that begins there drops the read not yet asked for of
   the step it makes stale, which would slow its writes. A writer that
   closes (a process exiting after its last save) has its newest step read
-  back at once.
+  back at once. Once the interpreter exits (its main thread returned, or
+  `sys.exit`), nothing is read back any more: `leave`.
   """
 
   def __init__(self):
@@ -241,14 +250,44 @@ class _ReadAhead:
     # directory: (thread, stop: drop the rest, now: end the quiet spell)
     self._reads: dict[str, tuple[threading.Thread, threading.Event,
                                  threading.Event]] = {}
+    self._left = False
+    self._exit_hook = False
+
+  def _watch_exit(self) -> None:
+    """Has `leave` called when the interpreter exits, before it waits for
+    threads and runs `atexit` handlers (a `close` there reads nothing)."""
+    if self._exit_hook:
+      return
+    self._exit_hook = True
+    register = getattr(threading, "_register_atexit", None)
+    try:
+      if register is None:
+        raise RuntimeError
+      register(self.leave)
+    except RuntimeError:  # Missing, or the interpreter is exiting now.
+      atexit.register(self.leave)
+
+  def leave(self) -> None:
+    """The process is exiting: stops every read-back; none starts again."""
+    with self._lock:
+      self._left = True
+      directories = list(self._reads)
+    for directory in directories:
+      self.stop(directory)
 
   def start(self, directory: str, path: str, quiet_secs: float) -> None:
+    with self._lock:
+      if self._left:
+        return
+      self._watch_exit()
     stop, now = threading.Event(), threading.Event()
     thread = threading.Thread(target=self._read,
                               args=(directory, path, quiet_secs, stop, now),
                               name="flax_ckpt_read_ahead", daemon=True)
     self.stop(directory)  # An older step's: stale now.
     with self._lock:
+      if self._left:
+        return
       self._reads[directory] = thread, stop, now
     try:
       thread.start()

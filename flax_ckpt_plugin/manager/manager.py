@@ -230,8 +230,9 @@ class CheckpointManager(Restoring):
                            is_primary=self.is_primary, staging=self._staging,
                            own_copy=self.scope is not None,
                            pinned_staging=self._pinned)
-    inputs = inputs._replace(leaves=leaves,
-                             blocking_secs=time.perf_counter() - t0)
+    inputs = inputs._replace(
+        leaves=leaves, blocking_secs=time.perf_counter() - t0,
+        pinned_fallback_bytes=leaves.pinned_fallback_bytes)
     self._saves += 1
     del leaves
     # The commit takes the inputs out of the box, so that the snapshot is
@@ -374,8 +375,19 @@ class CheckpointManager(Restoring):
 
   # -- lifetime --------------------------------------------------------------
 
-  def close(self) -> None:
-    """Waits for the running save and raises its error. Idempotent."""
+  def close(self, *, leaving: bool = False) -> None:
+    """Waits for the running save and raises its error. Idempotent.
+
+    On a local disk, a writer's close then has its newest step read back
+    into the page cache, so that a job restarting on this machine restores
+    from memory, and waits for that (the disk's time to read the step, at
+    most 10 s; see `LocalBackend`).
+
+    Args:
+      leaving: the process is about to exit and its machine may be going
+        away (a preemption stop): read nothing back, and stop a read-back
+        that runs. Leaving the `with` block by an exception does the same.
+    """
     if self._closed:
       return
     self._committer.refuse_on_commit_thread()  # Still open, then.
@@ -385,7 +397,8 @@ class CheckpointManager(Restoring):
     finally:
       self._committer.close()
       self._staging.clear()
-      self.backend.close_directory(self.directory, wrote=not self.read_only)
+      self.backend.close_directory(self.directory, wrote=not self.read_only,
+                                   leaving=leaving)
 
   def __enter__(self) -> "CheckpointManager":
     return self
@@ -395,6 +408,6 @@ class CheckpointManager(Restoring):
       self.close()
       return
     try:
-      self.close()
+      self.close(leaving=True)
     except Exception as close_error:  # pylint: disable=broad-except
       exc.add_note(f"while closing the checkpoint manager: {close_error!r}")

@@ -1,7 +1,8 @@
 """Blocking calls with a deadline of this process's own.
 
 A call to the coordination service can hang (its process 0 hung, a peer
-that a barrier waits for is gone). `Deadlines.call` runs it on a helper
+that a barrier waits for is gone), and so can a wait for the runtime's
+copies (`save.pinned.wait_ready`). `Deadlines.call` runs it on a helper
 thread and waits for it with a deadline, and optionally an `abort` check
 that ends the wait early (a lost peer, see `liveness`): the caller is never
 stuck, and an abandoned call's thread, a daemon, exits if the call returns.

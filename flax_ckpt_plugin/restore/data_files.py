@@ -21,6 +21,7 @@ import numpy as np
 
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import NOT_A_FILE
+from flax_ckpt_plugin.errors import READ_FAILED
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.backends import interface
@@ -137,7 +138,14 @@ class ByteReader:
       if lo <= offset and offset + len(out) <= lo + len(data):
         out[:] = data[offset - lo:offset - lo + len(out)]
         return
-    done = self._open(name).read_into(offset, out)
+    try:
+      done = self._open(name).read_into(offset, out)
+    except OSError as e:
+      if e.errno not in READ_FAILED:
+        raise
+      raise OSError(e.errno, f"{e.strerror}, reading bytes [{offset},"
+                    f" {offset + len(out)}) of a data file",
+                    os.fspath(self._dir / name)) from e
     if done < len(out):
       raise CheckpointCorruptedError(
           f"data file {self._dir / name} ended at byte {offset + done},"

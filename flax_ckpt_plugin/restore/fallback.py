@@ -1,7 +1,9 @@
 """Restoring the newest step that every process can restore.
 
 A step that is damaged (a checksum mismatch, a missing or truncated file) on
-any process is skipped and the next older one is tried. Any other error on
+any process is skipped and the next older one is tried; so is one whose
+bytes the storage failed to read (`errors.READ_FAILED`: an I/O error), but
+that one is kept, not set aside. Any other error on
 any process (a permission error, a target that does not fit the saved tree,
 a mesh error) ends the search on every process at once: each try is a
 `coordinator.agree`, so all processes learn together how it went on each of
@@ -19,6 +21,7 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
+from flax_ckpt_plugin.errors import READ_FAILED
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
@@ -42,6 +45,10 @@ def _restore_or_mark(restore: Callable[[int], Any], step: int) -> Any:
     raise _Unsuitable(str(e)) from e
   except (CheckpointCorruptedError, FileNotFoundError) as e:
     raise _Damaged(str(e)) from e
+  except OSError as e:
+    if e.errno not in READ_FAILED:
+      raise
+    raise _Unsuitable(str(e)) from e  # Unread here, now: skipped, kept.
 
 
 def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,

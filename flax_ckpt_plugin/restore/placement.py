@@ -222,7 +222,12 @@ def _through_pinned(lr: LeafReader | casting.CastReader,
     if taken is None:
       return None
     buf, view = taken
-    lr.read(region, out=view)
+    try:
+      lr.read(region, out=view)
+    except BaseException:
+      del view
+      window.give_back(buf)  # Else its bytes stay counted: see `take`.
+      raise
     del view  # Before the buffer may be freed.
     for device, arr in zip(devices, window.send(buf, [
         pinned.sharding_on(d, sharding.memory_kind

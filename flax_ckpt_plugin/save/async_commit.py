@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from typing import Callable
 import weakref
 
@@ -97,6 +98,28 @@ def _lower_priority() -> None:
     pass  # Not Linux, or not permitted: run at normal priority.
 
 
+def _without_frames(error: BaseException) -> None:
+  """Turns the traceback of `error` (and of the errors it chains) into
+  text, a note on `error`, and drops the frames. Kept for the next call,
+  the frames would keep alive what the commit held (its snapshot: on an
+  accelerator, a pinned copy of the state, which the next snapshot would
+  then need twice); a frame keeps its function, and so a closure's
+  variables, even once cleared."""
+  notes = error.__dict__.pop("__notes__", None)  # Said once, after.
+  text = "".join(traceback.format_exception(error)).rstrip()
+  if notes is not None:
+    error.__notes__ = notes
+  seen, todo = set(), [error]
+  while todo:
+    e = todo.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    e.__traceback__ = None
+    todo += [e.__cause__, e.__context__]
+  error.add_note(f"Where it failed in the background:\n{text}")
+
+
 class AsyncCommitter:
   """One background commit at a time; errors re-raised on the caller's thread.
 
@@ -172,6 +195,7 @@ class AsyncCommitter:
     try:
       fn()
     except BaseException as e:  # pylint: disable=broad-except
+      _without_frames(e)
       # The job's own notes say whether its step was finalized.
       e.add_note(
           f"This error occurred ASYNCHRONOUSLY in the background commit of"

@@ -70,6 +70,7 @@ class CommitInputs(NamedTuple):
   writers: Sequence[int] | None = None  # Who writes; None: every process.
   data_state: datastate.Encoded | None = None  # This process's, if any.
   retention: dict[str, Any] | None = None  # The policy, for the manifest.
+  pinned_fallback_bytes: int = 0  # See `SaveStats`.
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -216,7 +217,8 @@ def commit(inputs: CommitInputs) -> SaveStats:
   return SaveStats(step, inputs.blocking_secs, secs, nbytes,
                    total_bytes=checkpoint_bytes(inputs.leaves),
                    path=inputs.directory / str(step),
-                   finalized_at=time.time())
+                   finalized_at=time.time(),
+                   pinned_fallback_bytes=inputs.pinned_fallback_bytes)
 
 
 def checked_text(manifest: dict[str, Any],

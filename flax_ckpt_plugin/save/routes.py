@@ -37,7 +37,8 @@ class Routes(NamedTuple):
   """How each piece of one layout travels to the host."""
   first: tuple[int, ...]  # Per leaf: the number of its first piece.
   count: int  # Pieces in all.
-  pinned: tuple[_Where, ...]  # Onto pinned host memory.
+  pinned: tuple[_Where, ...]  # Onto pinned host memory,
+  pinned_bytes: int  # that many bytes.
   transfers: tuple[_Where, ...]  # Off the CPU, the plain transfer.
   cuts: tuple[_Where, ...]  # Rows of a CPU shard, cut by a slice.
   threads: tuple[_Where, ...]  # CPU shards copied by threads (`copy`).
@@ -67,6 +68,9 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
     fit = budget.split(nbytes)
     rest += pinned_todo[fit:]
     pinned_todo = pinned_todo[:fit]
+    pinned_bytes = sum(nbytes[:fit])
+  else:
+    pinned_bytes = 0
   transfers, cuts, threads, programs = [], [], [], []
   for where in rest:
     i, j, _, rows = where
@@ -83,8 +87,9 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
       tuple((extents(layout.leaves[i].specs[j][1]), layout.leaves[i].dtype,
              layout.leaves[i].weak_type) for i, j, _, _ in programs),
       tuple(layout.leaves[i].specs[j][2] for i, j, _, _ in programs))
-  return Routes(tuple(first), count, tuple(pinned_todo), tuple(transfers),
-                 tuple(cuts), tuple(threads), tuple(programs), groups)
+  return Routes(tuple(first), count, tuple(pinned_todo), pinned_bytes,
+                tuple(transfers), tuple(cuts), tuple(threads),
+                tuple(programs), groups)
 
 
 def of(plan: pieces_lib.Plan, staging: HostStaging,

@@ -52,6 +52,7 @@ from flax_ckpt_plugin.save import pinned
 from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
 from flax_ckpt_plugin.save.copies import Packed
+from flax_ckpt_plugin.save.pinned import wait_ready
 from flax_ckpt_plugin.save.pieces import cut
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format.treepaths import extents
@@ -104,10 +105,14 @@ class ShardData:
       return self.data
     if isinstance(self.data, Packed):  # Reused: DLPack, as below.
       packed = self.data
-      flat = np.from_dlpack(packed.pack.block_until_ready())
+      wait_ready([packed.pack], lambda: "the copy of a pack of small"
+                 f" shards ({packed.pack.nbytes} bytes) to host memory")
+      flat = np.from_dlpack(packed.pack)
       return flat[packed.offset:packed.offset + packed.nbytes].view(
           self.dtype).reshape(extents(self.index))
-    self.data.block_until_ready()
+    wait_ready([self.data], lambda: "the copy of shard"
+               f" {[list(r) for r in self.index]} ({self.data.nbytes} bytes)"
+               " to host memory")
     if self.data.dtype == self.dtype:  # Not reused: its view pins nothing.
       return np.asarray(self.data)
     # DLPack, not np.asarray: the view goes when the caller drops it,
@@ -171,9 +176,13 @@ class Snapshot(collections.abc.Sequence):
 
   def __init__(self, layout: pieces_lib.Layout, routes: routes_lib.Routes,
                made: list[Any], copied: list[Any],
-               host: dict[int, LeafSnapshot]):
+               host: dict[int, LeafSnapshot], *,
+               pinned_fallback_bytes: int = 0):
     """`made[n]`: (data, dtype, checksums) of piece n, or None for those
-    `routes.programs` copied, in that order, into `copied`."""
+    `routes.programs` copied, in that order, into `copied`.
+    `pinned_fallback_bytes`: what went the plain way, pinned memory
+    refused (`SaveStats.pinned_fallback_bytes`)."""
+    self.pinned_fallback_bytes = pinned_fallback_bytes
     self._layout, self._routes = layout, routes
     self._made, self._copied, self._host = made, copied, host
     self._records: list[LeafSnapshot] | None = None
@@ -250,11 +259,13 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   first = routes.first
 
   # Onto pinned host memory: one batched call, not awaited (see `pinned`).
+  fallback_bytes = 0
   if routes.pinned:
     copied = pinned_staging.copy([cut(shard, rows) for shard, (*_, rows) in zip(
         plan.shards(routes.pinned), routes.pinned)])
-    if copied is None:  # Refused: this save and the later ones go plainly.
-      routes = routes_lib.of(plan, staging, pinned_staging)
+    if copied is None:  # Refused, now or lately: this save goes plainly.
+      fallback_bytes = routes.pinned_bytes
+      routes = routes_lib.of(plan, staging, None)
     else:
       for (i, j, _, _), copy in zip(routes.pinned, copied):
         made[first[i] + j] = (copy, layout.leaves[i].dtype, None)
@@ -296,7 +307,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   copied = staging.copy_on_devices(
       plan.shards(routes.programs),
       groups=routes.groups) if routes.programs else []
-  return Snapshot(layout, routes, made, copied, host)
+  return Snapshot(layout, routes, made, copied, host,
+                  pinned_fallback_bytes=fallback_bytes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,10 @@ class SaveStats:
   total_bytes: int = 0  # Bytes of array data of the whole checkpoint.
   path: epath.Path | None = None  # The finalized step directory.
   finalized_at: float = 0.0  # time.time() when it became durable.
+  # Bytes of this process's accelerator shards that went through pageable
+  # memory (which the save call waited for) because the runtime refused
+  # pinned host memory, at this save or lately (see `pinned`); 0 otherwise.
+  pinned_fallback_bytes: int = 0
 
   @property
   def gbytes_per_sec(self) -> float:

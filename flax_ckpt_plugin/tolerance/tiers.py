@@ -302,14 +302,15 @@ class Tiers:
       self.raise_instead(e)
       raise
 
-  def close(self) -> None:
+  def close(self, *, leaving: bool = False) -> None:
     """Waits for each tier's running save and closes it, then stops
-    watching the peers; raises the save's error, or `PeerLostError`."""
+    watching the peers; raises the save's error, or `PeerLostError`.
+    `leaving`: see `CheckpointManager.close`."""
     try:
       try:
-        self.manager.close()
+        self.manager.close(leaving=leaving)
       finally:
-        self.quietly("save", lambda m: m.close())
+        self.quietly("save", lambda m: m.close(leaving=leaving))
     except Exception as e:
       self.raise_instead(e)
       raise
@@ -323,7 +324,7 @@ class Tiers:
     the error may be a collective's with a peer that is dying, which the
     exit hook then learns (see `rescue`)."""
     self.manager.__exit__(exc_type, exc, tb)
-    self.quietly("save", lambda m: m.close())
+    self.quietly("save", lambda m: m.close(leaving=True))
 
 
 def caught_error() -> BaseException:
