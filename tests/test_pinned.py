@@ -15,6 +15,7 @@ import errno
 import os
 import statistics
 import sys
+import threading
 import weakref
 
 import jax
@@ -466,7 +467,15 @@ def test_a_failed_commit_keeps_its_error_but_not_its_pinned_buffers(
   commit ends, not kept alive by the error until then (the next snapshot
   would need a second pinned copy of the state)."""
   before = [weakref.ref(a) for a in _pinned_arrays()]
-  disk = FlakyDisk()
+  writing = threading.Event()
+
+  class HeldDisk(FlakyDisk):
+    def step_writer(self, step_dir, identity, data_dir):
+      if self.on_fire:
+        assert writing.wait(60)  # Until the test has looked.
+      return super().step_writer(step_dir, identity, data_dir)
+
+  disk = HeldDisk()
   manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
   state = make_state()
   manager.save(1, state)
@@ -475,6 +484,7 @@ def test_a_failed_commit_keeps_its_error_but_not_its_pinned_buffers(
   disk.on_fire = True
   manager.save(2, state)
   assert _pinned_arrays(before)  # The snapshot of step 2, being written.
+  writing.set()
   join_commit(manager, 60)
   assert not _pinned_arrays(before)
   with pytest.raises(OSError, match="disk on fire") as info:

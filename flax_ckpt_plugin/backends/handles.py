@@ -217,10 +217,13 @@ class _Libc:
 
   def __init__(self):
     libc = ctypes.CDLL(None, use_errno=True)
-    self.mmap, self.madvise, self.munmap = libc.mmap, libc.madvise, libc.munmap
+    # mmap64: a 64-bit file offset on 32-bit builds too (on 64-bit ones,
+    # the same function).
+    self.mmap = getattr(libc, "mmap64", libc.mmap)
+    self.madvise, self.munmap = libc.madvise, libc.munmap
     self.mmap.restype = ctypes.c_void_p
     self.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_int, ctypes.c_long)
+                          ctypes.c_int, ctypes.c_int, ctypes.c_int64)
     for fn in (self.madvise, self.munmap):
       fn.restype = ctypes.c_int
     self.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -5,13 +5,13 @@ a file system in memory (`MemoryBackend`: tmpfs, `/dev/shm`).
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import uuid
 
 from etils import epath
 
+from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.backends import memfile
@@ -255,17 +255,13 @@ class _ReadAhead:
 
   def _watch_exit(self) -> None:
     """Has `leave` called when the interpreter exits, before it waits for
-    threads and runs `atexit` handlers (a `close` there reads nothing)."""
+    threads and runs `atexit` handlers (a `close` there reads nothing);
+    calls it now if the interpreter is exiting already."""
     if self._exit_hook:
       return
     self._exit_hook = True
-    register = getattr(threading, "_register_atexit", None)
-    try:
-      if register is None:
-        raise RuntimeError
-      register(self.leave)
-    except RuntimeError:  # Missing, or the interpreter is exiting now.
-      atexit.register(self.leave)
+    if not exits.before_exit(self.leave):
+      self._left = True
 
   def leave(self) -> None:
     """The process is exiting: stops every read-back; none starts again."""
@@ -277,9 +273,9 @@ class _ReadAhead:
 
   def start(self, directory: str, path: str, quiet_secs: float) -> None:
     with self._lock:
+      self._watch_exit()
       if self._left:
         return
-      self._watch_exit()
     stop, now = threading.Event(), threading.Event()
     thread = threading.Thread(target=self._read,
                               args=(directory, path, quiet_secs, stop, now),

@@ -14,7 +14,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Iterable, Iterator, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Iterable, Iterator, Sequence, TYPE_CHECKING
 
 from etils import epath
 import numpy as np
@@ -51,6 +51,17 @@ def read_pool() -> concurrent.futures.ThreadPoolExecutor:
       _POOL = concurrent.futures.ThreadPoolExecutor(
           READ_THREADS, thread_name_prefix="flax_ckpt_plugin-read")
     return _POOL
+
+
+def on_read_threads(fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+  """`fn(item)` for each item, on the read threads at once; returns once
+  every call returned, then raises the first error. Not before: a call
+  still running writes into its caller's buffer, which the caller may
+  hand on (a pinned buffer to the next region) once this raises."""
+  futures = [read_pool().submit(fn, item) for item in items]
+  concurrent.futures.wait(futures)
+  for f in futures:
+    f.result()
 
 
 def host_buffer(shape: Sequence[int], dtype: np.dtype, *,

@@ -128,6 +128,9 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
         f[0] == _Damaged.__name__ for f in elsewhere.values()):
       skipped.append(candidate)
     why.append(f"{name}: {reason}")
+    # Before the next try: the error's frames hold what this one read into
+    # (on an accelerator, its window of pinned buffers).
+    del outcome
   if why:
     raise CheckpointCorruptedError(
         f"no finalized step in {where} restores: " + "; ".join(why))

@@ -214,7 +214,9 @@ def _through_pinned(lr: LeafReader | casting.CastReader,
                     window: pinned.RestoreWindow) -> jax.Array | None:
   """The array, each region read into a pinned host buffer and sent from
   there to every device that holds it (see `pinned`); None if the runtime
-  gives no pinned memory (before anything was read)."""
+  gives no pinned memory (what was sent of it is then dropped, and the
+  caller reads it the plain way). A buffer whose read fails is given back
+  to the window."""
   placed = {}
   for region, devices in _regions(shape, sharding).items():
     taken = window.take(tuple(hi - lo for lo, hi in region), lr.dtype,

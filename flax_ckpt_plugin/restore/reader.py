@@ -25,8 +25,8 @@ from flax_ckpt_plugin.format.records import block_checksums
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.data_files import COALESCE_BYTES
 from flax_ckpt_plugin.restore.data_files import host_buffer
+from flax_ckpt_plugin.restore.data_files import on_read_threads
 from flax_ckpt_plugin.restore.data_files import PIECE_BYTES
-from flax_ckpt_plugin.restore.data_files import read_pool
 from flax_ckpt_plugin.restore.data_files import READ_THREADS
 
 # Past this many runs of fewer than this many bytes, one saved shard's part
@@ -203,10 +203,9 @@ class LeafReader:
     if len(spans) == 1:
       self._check(shard, first_block, data)
       return
-    for f in [read_pool().submit(
-        self._check, shard, first_block + lo // self._block, data[lo:hi])
-              for lo, hi in spans]:
-      f.result()
+    on_read_threads(lambda span: self._check(
+        shard, first_block + span[0] // self._block, data[span[0]:span[1]]),
+                    spans)
 
   def _spans(self, nbytes: int) -> list[tuple[int, int]]:
     """[lo, hi) byte spans of whole blocks that split `nbytes` over the read
@@ -238,8 +237,7 @@ class LeafReader:
     if len(spans) == 1:
       read(spans[0])
       return
-    for f in [read_pool().submit(read, span) for span in spans]:
-      f.result()
+    on_read_threads(read, spans)
 
   def _check(self, shard: ShardRecord, first_block: int,
              data: memoryview) -> None:

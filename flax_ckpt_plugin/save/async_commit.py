@@ -14,7 +14,6 @@ and exits with status 1 instead of 0.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ import traceback
 from typing import Callable
 import weakref
 
+from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.logs import log
 
 # Exit status of a process whose last background commit failed unseen.
@@ -71,17 +71,7 @@ def _install_exit_hook() -> None:
     if _hook_installed:
       return
     _hook_installed = True
-  # `threading._register_atexit` runs before non-daemon threads are joined
-  # and before `atexit` handlers (concurrent.futures relies on it); plain
-  # `atexit` is the fallback, registered after `jax.distributed` usually
-  # is, so it still runs before JAX's own shutdown.
-  register = getattr(threading, "_register_atexit", None)
-  try:
-    if register is None:
-      raise RuntimeError
-    register(_finish_at_exit)
-  except RuntimeError:  # Missing, or the interpreter is shutting down.
-    atexit.register(_finish_at_exit)
+  exits.before_exit(_finish_at_exit)
 
 
 def _lower_priority() -> None:

@@ -89,8 +89,9 @@ TRANSFER_WAIT_SECS = 300.0
 RESTORE_WINDOW_BYTES = 512 << 20
 
 # The longest a restore thread waits for room in the window while other
-# threads fill their buffers (each a read of one region from storage, at
-# most the window's size unless a region is larger). Past it the restore
+# threads fill their buffers and none is sent or given back (each a read of
+# one region from storage: a region larger than the window is read alone,
+# 10 GB from a bucket at 30 MB/s in under 6 minutes). Past it the restore
 # fails, naming the wait: a thread that never hands its buffer on.
 FILL_WAIT_SECS = 600.0
 
@@ -149,16 +150,17 @@ def wait_ready(arrays: list[Any], what: str | Callable[[], str],
   """
   pending = [a for a in arrays
              if not getattr(a, "is_ready", lambda: False)()]
-  if not pending:
-    return
-  secs = TRANSFER_WAIT_SECS if secs is None else secs
-  try:
-    DEADLINES.call(lambda: [a.block_until_ready() for a in pending], secs)
-  except NoAnswer:
-    raise TimeoutError(
-        f"{what if isinstance(what, str) else what()}: {len(pending)}"
-        f" array(s) not ready after {secs:g} s; the runtime's copies do not"
-        " finish") from None
+  if pending:
+    secs = TRANSFER_WAIT_SECS if secs is None else secs
+    try:
+      DEADLINES.call(lambda: [a.block_until_ready() for a in pending], secs)
+    except NoAnswer:
+      raise TimeoutError(
+          f"{what if isinstance(what, str) else what()}: {len(pending)}"
+          f" array(s) not ready after {secs:g} s; the runtime's copies do"
+          " not finish") from None
+  for a in arrays:  # Ready ones return at once; a failed one raises.
+    a.block_until_ready()
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,13 +254,17 @@ class PinnedStaging:
     if not pieces or key in self._warmed:
       return
     self._warmed.add(key)
-    copies = self.copy(pieces)
-    if copies is not None:
-      nbytes = sum(p.nbytes for p in pieces)
-      try:
-        wait_ready(copies, f"warming up {nbytes} bytes of pinned host memory")
-      except Exception as e:  # pylint: disable=broad-except
-        self._refused(e, nbytes)
+    if self._back_off:
+      return  # The runtime refused lately: a save asks again in its turn.
+    nbytes = sum(p.nbytes for p in pieces)
+    try:
+      wait_ready(copies_onto(pieces, [sharding_on(next(iter(p.devices())))
+                                      for p in pieces]),
+                 f"warming up {nbytes} bytes of pinned host memory")
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("the runtime refused %d bytes of pinned host memory for"
+                  " the warm-up (%r): the first save asks for them again",
+                  nbytes, e)
 
 
 class RestoreWindow:
@@ -287,6 +293,7 @@ class RestoreWindow:
     self._free: dict[Any, list[Any]] = collections.defaultdict(list)
     self._bytes = 0  # Taken, in flight or free.
     self._plain = False  # The runtime refused a buffer.
+    self._moves = 0  # Sends and give-backs so far (the waits' progress).
 
   def take(self, shape: tuple[int, ...], dtype: np.dtype, device: Any
            ) -> tuple[jax.Array, np.ndarray] | None:
@@ -323,6 +330,7 @@ class RestoreWindow:
     dropped to make room."""
     with self._cond:
       self._free[_key_of(buf)].append(buf)
+      self._moves += 1
       self._cond.notify_all()
 
   def send(self, buf: jax.Array, shardings: Sequence[jax.sharding.Sharding]
@@ -336,6 +344,7 @@ class RestoreWindow:
       raise
     with self._cond:
       self._in_flight.append((buf.nbytes, buf, out))
+      self._moves += 1
       self._cond.notify_all()
     return out
 
@@ -354,6 +363,7 @@ class RestoreWindow:
   def _release(self, nbytes: int) -> None:
     with self._cond:
       self._bytes -= nbytes
+      self._moves += 1
       self._cond.notify_all()
 
   def _reserve(self, key: Any, nbytes: int) -> jax.Array | None:
@@ -361,7 +371,10 @@ class RestoreWindow:
     `key`'s shape if there is one (else the caller makes one)."""
     deadline = time.monotonic() + FILL_WAIT_SECS
     with self._cond:
+      moves = self._moves
       while True:
+        if self._moves != moves:  # Others moved on: a new deadline.
+          moves, deadline = self._moves, time.monotonic() + FILL_WAIT_SECS
         if self._free.get(key):
           return self._free[key].pop()  # Counted already.
         if not self._bytes or self._bytes + nbytes <= self._limit:
@@ -397,7 +410,7 @@ class RestoreWindow:
                 f"a restore waited {FILL_WAIT_SECS:g} s for room for a"
                 f" pinned buffer of {nbytes} bytes: {self._bytes} of the"
                 f" window's {self._limit} bytes are held by buffers being"
-                " filled, none sent or given back")
+                " filled, and none was sent or given back meanwhile")
 
 
 def _key_of(buf: jax.Array) -> Any:

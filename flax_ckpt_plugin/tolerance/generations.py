@@ -191,7 +191,8 @@ def watch_key(key: str, gen: int) -> str:
 
 
 def lists_key(key: str, gen: int) -> str:
-  """Where generation `gen` of the group of `key` records its `mesh_lists`."""
+  """Where generation `gen` of the group of `key` records its
+  `device_lists` (each with the process that holds it alone, if one)."""
   return f"{key}/lists/{gen}"
 
 
@@ -246,10 +247,10 @@ def used_lists(coord: coordinator_lib.Coordinator, key: str, before: int,
 def _orders(members: list[int], gen: int, devices: list[Any] | None
             ) -> Iterator[list[Any]]:
   """`device_order`'s order first, then every rotation forwards and
-  reversed, then orders drawn with `gen` and a count as the seed, each
-  once: first with each process's devices side by side (the processes in
-  a drawn order, each one's devices in a drawn order: a mesh's inner axes
-  then stay inside processes), then any permutation."""
+  reversed in turn with orders drawn with `gen` and a count as the seed
+  that keep each process's devices side by side (the processes in a drawn
+  order, each one's devices in a drawn order: a mesh's inner axes then
+  stay inside processes), then any permutation so drawn; each once."""
   if devices is None:
     devices = jax.devices()
   seen = set()
@@ -272,7 +273,12 @@ def _orders(members: list[int], gen: int, devices: list[Any] | None
               for c in range(4 * n))
   drawn = ([ours[i] for i in np.random.default_rng([gen, c]).permutation(n)]
            for c in itertools.count())
-  for order in itertools.chain(firsts, together, drawn):
+  # `device_order`'s first, then the rotations and the orders side by side
+  # in turn: with many devices, the rotations alone would fill the tries.
+  turns = itertools.chain.from_iterable(itertools.zip_longest(
+      firsts[1:], together))
+  for order in itertools.chain(firsts[:1], (o for o in turns if o),
+                               drawn):
     ids = tuple(d.id for d in order)
     if ids not in seen:
       seen.add(ids)

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any, TYPE_CHECKING
 
+from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import groups
@@ -115,12 +116,7 @@ class Rescue:
     self._claim = threading.Lock()  # Recovering and saving exclude each other.
     self._claimed = False
     self.saved_step: int | None = None  # What the survivors saved.
-    register = getattr(threading, "_register_atexit", None)
-    try:  # Before `atexit` handlers: JAX's shutdown is one.
-      register(self._at_exit)
-    except (TypeError, RuntimeError):
-      import atexit  # pylint: disable=g-import-not-at-top
-      atexit.register(self._at_exit)
+    exits.before_exit(self._at_exit)  # Before JAX's shutdown.
 
   def watching(self, watcher: liveness.Watcher) -> None:
     self._watcher = watcher
