@@ -68,7 +68,8 @@ class CheckpointCallback:
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).
-    max_to_keep: keep the newest N finalized steps (None keeps all).
+    max_to_keep: keep the newest N finalized steps (None, the default,
+      keeps all, as `CheckpointManager` and Orbax do).
     metric_writer: if given (e.g. a clu `MetricWriter`), the primary host
       writes for each finalized save, at its step: `checkpoint/blocking_secs`
       (how long the loop waited), `checkpoint/commit_secs` (snapshot to
@@ -122,7 +123,7 @@ class CheckpointCallback:
                every_secs: float | None = None,
                on_steps: Iterable[int] = (),
                last_step: int | None = None,
-               max_to_keep: int | None = 3,
+               max_to_keep: int | None = None,
                metric_writer: MetricWriter | None = None,
                retention: Retention | None = None,
                tolerance: FaultTolerance | None = None,
@@ -161,6 +162,15 @@ class CheckpointCallback:
         tolerance.preemption_signals if self.save_on_preemption else (),
         forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
+    self._closed = False
+    if (every_steps is None and every_secs is None
+        and not self.triggers.on_steps and last_step is None):
+      log.warning(
+          "CheckpointCallback(%s) has no trigger: it saves %s. Pass"
+          " every_steps=N (Orbax's save_interval_steps; Orbax saves every"
+          " step by default), every_secs, on_steps or last_step.",
+          self.directory, "only when a preemption notice arrives"
+          if self.save_on_preemption else "nothing")
 
   @property
   def directory(self) -> epath.Path:
@@ -188,8 +198,10 @@ class CheckpointCallback:
       True when a save started at this step.
 
     Raises:
+      RuntimeError: the callback is closed.
       Exception: the error of an earlier background save (once).
     """
+    self._check_open()
     try:
       self.tiers.warm_up(state)
       self.tiers.check_rebuild(step, state)
@@ -212,8 +224,10 @@ class CheckpointCallback:
     the same step before the next call.
 
     Raises:
+      RuntimeError: the callback is closed.
       Exception: the error of an earlier background save (once).
     """
+    self._check_open()
     self.tiers.check()
     self._metrics.flush()
     self.manager.check_for_errors()
@@ -246,6 +260,7 @@ class CheckpointCallback:
     At a preemption step it waits until the step is durable and sets
     `should_stop`. Arguments as for `__call__`.
     """
+    self._check_open()
     step = operator.index(step)
     chosen, self._chosen = self._chosen, None
     persistent, local = (True, False) if chosen is None or chosen[0] != step \
@@ -371,6 +386,13 @@ class CheckpointCallback:
     finally:
       self._metrics.flush()
 
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(
+          f"CheckpointCallback for {self.directory} is closed (close(), or"
+          " its `with` block ended): it saves nothing more. Make a new one"
+          " to go on saving.")
+
   def close(self) -> None:
     """Restores signal handlers, waits for the running save, raises its error.
 
@@ -382,6 +404,7 @@ class CheckpointCallback:
     Raises:
       PeerLostError: a peer was lost (see `watch_peers`).
     """
+    self._closed = True
     self._signals.uninstall()
     try:
       self.tiers.close(leaving=self.should_stop)
@@ -395,6 +418,7 @@ class CheckpointCallback:
     if exc is None:
       self.close()
       return
+    self._closed = True
     self._signals.uninstall()
     try:
       self.tiers.exit(exc_type, exc, tb)

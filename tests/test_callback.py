@@ -248,3 +248,76 @@ def test_a_resume_is_visible_in_a_plain_script(ckpt_dir, caplog):
     cb.restore_or_initialize(_train_state(0))
   assert [r.levelname for r in caplog.records
           if "resumed: restored step 4" in r.getMessage()] == ["WARNING"]
+
+
+# -- a user coming from Orbax ----------------------------------------------------
+
+
+def test_a_step_number_as_the_target_says_which_call_was_meant(
+    ckpt_dir, make_state):
+  """Orbax's habit `restore(manager.latest_step())`: the error says that
+  the first argument is the target and shows the call meant."""
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(10, make_state())
+    manager.wait_until_finished()
+    for target in (manager.latest_step(), np.int64(10)):
+      with pytest.raises(TypeError) as info:
+        manager.restore(target)
+      assert "the first argument is the target" in str(info.value)
+      assert "Did you mean restore(target, step=10)?" in str(info.value)
+
+
+def test_a_callback_without_a_trigger_says_so_at_once(ckpt_dir, caplog):
+  """Orbax saves every step by default; a callback given no trigger saves
+  only on a preemption notice, and says so when it is made."""
+  with caplog.at_level(logging.WARNING, logger="flax_ckpt_plugin"):
+    with CheckpointCallback(ckpt_dir) as cb:
+      assert not any(cb(step, {"w": np.ones(2)}) for step in range(1, 6))
+  (line,) = [r.getMessage() for r in caplog.records
+             if "has no trigger" in r.getMessage()]
+  assert "saves only when a preemption notice arrives" in line
+  assert "every_steps=N (Orbax's save_interval_steps" in line
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="flax_ckpt_plugin"):
+    CheckpointCallback(ckpt_dir, every_steps=2).close()
+  assert not [r for r in caplog.records if "has no trigger" in r.getMessage()]
+
+
+def test_the_callback_and_the_manager_keep_every_step_by_default(ckpt_dir):
+  """As Orbax's manager: no step is deleted unless a rule says so."""
+  with CheckpointCallback(ckpt_dir / "cb", every_steps=1) as cb:
+    for step in range(1, 6):
+      cb(step, {"w": np.full(2, step)})
+      cb.wait_until_finished()
+    assert cb.manager.all_steps() == [1, 2, 3, 4, 5]
+  with CheckpointManager(ckpt_dir / "m") as manager:
+    for step in range(1, 6):
+      manager.save(step, {"w": np.full(2, step)})
+      manager.wait_until_finished()
+    assert manager.all_steps() == [1, 2, 3, 4, 5]
+
+
+def test_a_closed_callback_says_so_at_every_call(ckpt_dir):
+  """After close, a call on a trigger step and one on any other step both
+  raise the same error, naming the callback (not a manager the user never
+  made)."""
+  cb = CheckpointCallback(ckpt_dir, every_steps=2)
+  cb(2, {"w": np.ones(2)})
+  cb.close()
+  for step in (3, 4):
+    with pytest.raises(RuntimeError,
+                       match=r"CheckpointCallback for .* is closed"):
+      cb(step, {"w": np.ones(2)})
+
+
+def test_extra_comes_back_as_json_reads_it(ckpt_dir):
+  """numpy scalars come back as numbers, numpy arrays and tuples as lists
+  (docs/usage.md, `extra`); a value JSON cannot hold names the rule."""
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, {"w": np.ones(2)}, extra={
+        "rng": np.arange(3), "epoch": np.int64(2), "pair": (1, 2)})
+    manager.wait_until_finished()
+    assert manager.metadata(1).extra == {"rng": [0, 1, 2], "epoch": 2,
+                                         "pair": [1, 2]}
+    with pytest.raises(TypeError, match="numpy arrays as lists"):
+      manager.save(2, {"w": np.ones(2)}, extra={"f": object()})

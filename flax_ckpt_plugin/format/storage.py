@@ -228,7 +228,8 @@ def extra_to_json(value: Any, what: str = "extra") -> Any:
                                  default=datastate.to_plain))
   except (TypeError, ValueError) as e:
     raise TypeError(f"{what} must be JSON-serializable (dicts, lists, str,"
-                    f" int, finite float, bool, None, numpy scalars): {e}"
+                    f" int, finite float, bool, None; numpy scalars are"
+                    f" stored as numbers, numpy arrays as lists): {e}"
                     ) from e
 
 

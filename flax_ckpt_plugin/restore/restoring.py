@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable
 
 from etils import epath
+import numpy as np
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import interface
@@ -36,6 +37,22 @@ from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.stats import RestoreStats
 from flax_ckpt_plugin.save.stats import step_metadata
 from flax_ckpt_plugin.save.stats import StepMetadata
+
+
+def _not_a_step(target: Any, step: int | None) -> None:
+  """Raises where `target` is a step number: Orbax's habit
+  `restore(manager.latest_step())` puts the step first."""
+  if (isinstance(target, (int, np.integer))
+      and not isinstance(target, (bool, np.bool_))):
+    call = (f"restore(target, step={int(target)})" if step is None
+            else "restore(target, step=...)")
+    raise TypeError(
+        f"restore(): the first argument is the target to restore like (a"
+        f" TrainState, or an abstract one from jax.eval_shape), not a step:"
+        f" got {int(target)}. Did you mean {call}? (Orbax's"
+        " restore(step, args=...) takes the step first; here it is"
+        " restore(target, step=...), and restore(None, step=...) gives the"
+        " step as saved, in nested dicts.)")
 
 
 class Restoring:
@@ -192,6 +209,8 @@ class Restoring:
 
     Raises:
       CheckpointNotFoundError: no such finalized step.
+      TypeError: `target` is a step number (Orbax's argument order); the
+        message shows the call meant.
       StructureMismatchError: the trees differ; names every mismatched leaf
         by its key path (and, for dtypes that `cast=True` converts, says
         so). With `cast`: a conversion it does not make (floating to
@@ -202,6 +221,7 @@ class Restoring:
       DataStateMismatchError: see `data_state`.
     """
     self._check_open()
+    _not_a_step(target, step)
     self._committer.check()
     self._hint_together(target)
     # A restore allocates a whole state of its own: free the save staging

@@ -241,10 +241,15 @@ class Tiers:
         return None
       step, tier, (restored, extra) = found
       # A warning, so that a plain script shows it: a resume should never
-      # go unnoticed.
+      # go unnoticed. In words a user knows (no tiers).
+      where = {"persistent": f"the newest complete checkpoint in"
+                             f" {self.manager.directory}",
+               "local": "this host's fast local copy (newer than any in"
+                        f" {self.manager.directory})",
+               "peer": "the other processes' fast local copies (newer than"
+                       f" any in {self.manager.directory})"}.get(tier, tier)
       (log.warning if self.manager.is_primary else log.info)(
-          "resumed: restored step %d from the %s tier of %s", step, tier,
-          self.manager.directory)
+          "resumed: restored step %d, %s", step, where)
       found = Restored(restored, step, tier, extra, regrouped=False)
     self.warm_up(found.state)
     return found
