@@ -64,7 +64,7 @@ import time
 
 import bench
 import scaling
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 
 # "ours_disk_only": ours with a saved step's files left on the disk only;
 # "ours_page_cache": ours with every byte written through the page cache
@@ -133,7 +133,7 @@ def _system(name: str):
     def open_manager(directory):
       return flax_ckpt_plugin.CheckpointManager(
           directory, max_to_keep=None,
-          commit=Commit(backend=backend.LocalBackend(**BACKENDS[name])))
+          storage=Storage(backend=backend.LocalBackend(**BACKENDS[name])))
 
     return open_manager, save, restore
   return scaling.system("orbax" if name == "orbax" else "ours",

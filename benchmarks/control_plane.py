@@ -50,7 +50,8 @@ import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.manager.options import Commit
+from flax_ckpt_plugin.manager.options import Processes
+from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.save import writeplan
@@ -300,10 +301,10 @@ def simulate_saves(n: int, *, saves: int = 3, latency_ms: float = 0.0,
 
     def work(coord: SimCoordinator) -> list[int]:
       with CheckpointManager(
-          tmp, max_to_keep=2, commit=Commit(
-              coordinator=coord, backend=backend_lib.MEMORY,
-              barrier_timeout_secs=600, name="sim",
-              hooks=[lambda stats: finalized.append(stats.step)])) as manager:
+          tmp, max_to_keep=2, storage=Storage(backend=backend_lib.MEMORY),
+          processes=Processes(coordinator=coord, barrier_timeout_secs=600,
+                              name="sim"),
+          hooks=[lambda stats: finalized.append(stats.step)]) as manager:
         if opened.wait() == 0:  # One thread starts the counts.
           opening.update(
               ops=sum(service.ops.values()),
@@ -593,9 +594,10 @@ def simulate_shares(n: int, *, leaves: int = 100,
            for k in range(leaves)}
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     first = os.path.join(tmp, "local", "0")
-    with CheckpointManager(first, commit=Commit(
-        coordinator=groups.SoloCoordinator(), backend=backend_lib.MEMORY,
-        name="sim-local")) as manager:
+    with CheckpointManager(
+        first, storage=Storage(backend=backend_lib.MEMORY),
+        processes=Processes(coordinator=groups.SoloCoordinator(),
+                            name="sim-local")) as manager:
       manager.save(7, state)
     for p in members[1:]:
       os.makedirs(os.path.join(tmp, "local", str(p)))

@@ -43,7 +43,8 @@ import tempfile
 import threading
 import time
 from typing import Any
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
+from flax_ckpt_plugin import Storage
 
 LAYOUTS = ("data_parallel", "hsdp")
 
@@ -171,8 +172,8 @@ def worker(args: argparse.Namespace) -> dict:
   directory = os.path.join(args.dir, "ours")
   with CheckpointManager(
       directory,
-      commit=Commit(backend=paced_backend(args.mbps),
-                    barrier_timeout_secs=600)) as mgr:
+      storage=Storage(backend=paced_backend(args.mbps)),
+      processes=Processes(barrier_timeout_secs=600)) as mgr:
     for step in (1, 2):  # The first in a process compiles its copies.
       multihost_utils.sync_global_devices(f"save {step}")
       t = time.perf_counter()

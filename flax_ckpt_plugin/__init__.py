@@ -31,7 +31,9 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.tools.exporting import ExportError
   from flax_ckpt_plugin.tools.exporting import ExportResult
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.manager.options import Commit
+  from flax_ckpt_plugin.tools.importer import import_orbax
+  from flax_ckpt_plugin.manager.options import Processes
+  from flax_ckpt_plugin.manager.options import Storage
   from flax_ckpt_plugin.manager.retention import Retention
   from flax_ckpt_plugin.tolerance.options import FaultTolerance
 
@@ -43,7 +45,6 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
-    "Commit",
     "CommitHookError",
     "ConcurrentWriterError",
     "DataStateMismatchError",
@@ -52,14 +53,17 @@ __all__ = [
     "FaultTolerance",
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
+    "Processes",
     "RestoreFailedError",
     "Retention",
     "RestoreStats",
     "SaveFailedError",
     "SaveStats",
     "StepMetadata",
+    "Storage",
     "StructureMismatchError",
     "export",
+    "import_orbax",
 ]
 
 # Public name -> the module that defines it, imported when first asked for.
@@ -67,17 +71,24 @@ _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.callback",
     "CheckpointManager": "flax_ckpt_plugin.manager.manager",
-    "Commit": "flax_ckpt_plugin.manager.options",
+    "Storage": "flax_ckpt_plugin.manager.options",
+    "Processes": "flax_ckpt_plugin.manager.options",
     "Retention": "flax_ckpt_plugin.manager.retention",
     "FaultTolerance": "flax_ckpt_plugin.tolerance.options",
     "ExportError": "flax_ckpt_plugin.tools.exporting",
     "ExportResult": "flax_ckpt_plugin.tools.exporting",
     "export": "flax_ckpt_plugin.tools.exporting",
+    "import_orbax": "flax_ckpt_plugin.tools.importer",
 }
 
 
 def __getattr__(name: str) -> Any:
   module = _LAZY.get(name)
+  if name == "Commit":
+    raise AttributeError(
+        "flax_ckpt_plugin.Commit is split by what it decides: Storage"
+        " (backend, atomicity, pinned_host_bytes), Processes (primary_host,"
+        " barrier_timeout_secs, coordinator, name), and the keyword hooks=")
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
   value = getattr(importlib.import_module(module), name)

@@ -82,16 +82,19 @@ class CheckpointCallback:
     retention: the rules that keep more steps (`Retention`: every N-th
       step; the best by a metric passed in `metrics=` of the calls that may
       save).
-    tolerance: preemption, lost processes and the local tier
-      (`FaultTolerance`). On accelerators the callback pins the host memory
-      of `Commit.pinned_host_bytes` (for each tier) in
-      `restore_or_initialize` (or at its first call), about 0.5 s per GB,
-      so that the first save blocks no longer than later ones; it stays
-      pinned for the life of the process (see docs/performance.md).
-    commit: how saves are written and committed, and how processes agree
-      on them (`Commit`: the storage backend, atomicity, pinned host
-      memory, the primary host, the coordinator and its barriers, commit
-      hooks).
+    tolerance: what to do when a process or its machine goes away
+      (`FaultTolerance`: preemption, lost processes, the local tier).
+    storage: where and how the bytes are written (`Storage`: the storage
+      backend, atomicity, pinned host memory). On accelerators the
+      callback pins the host memory of `Storage.pinned_host_bytes` (for
+      each tier) in `restore_or_initialize` (or at its first call), about
+      0.5 s per GB, so that the first save blocks no longer than later
+      ones; it stays pinned for the life of the process (see
+      docs/performance.md).
+    processes: how the processes agree on a save (`Processes`: the primary
+      host, the barriers' timeout and keys, the coordinator).
+
+  To run something once a step is finalized: `add_commit_hook`.
 
   The data iterator whose state each save stores is given to
   `restore_or_initialize`, which also gives it its state back.
@@ -127,9 +130,9 @@ class CheckpointCallback:
                metric_writer: MetricWriter | None = None,
                retention: Retention | None = None,
                tolerance: FaultTolerance | None = None,
-               commit: options.Commit | None = None):
+               storage: options.Storage | None = None,
+               processes: options.Processes | None = None):
     tolerance = tolerance or FaultTolerance()
-    commit = commit or options.Commit()
     self.triggers = Triggers(
         every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
         last_step=last_step, local_every_steps=tolerance.local_every_steps)
@@ -138,7 +141,8 @@ class CheckpointCallback:
     self.data_iterator: datastate.DataIterator | None = None
     self.restore_data_state = True
     self.tiers = Tiers(directory, max_to_keep=max_to_keep,
-                       retention=retention, commit=commit,
+                       retention=retention, storage=storage,
+                       processes=processes,
                        tolerance=tolerance, exit_code=PREEMPTED_EXIT_CODE,
                        metric_writer=metric_writer)
     self.manager, self.local = self.tiers.manager, self.tiers.local
@@ -148,8 +152,6 @@ class CheckpointCallback:
     self._metrics = SaveMetrics(metric_writer)
     if metric_writer is not None:  # Before the user's hooks.
       self.manager.add_commit_hook(self._metrics.record)
-    for hook in commit.hooks:
-      self.manager.add_commit_hook(hook)
     self.triggers.start(self.manager.coordinator,
                         is_primary=self.manager.is_primary,
                         timeout_ms=self.manager.barrier_timeout_ms)
@@ -162,7 +164,6 @@ class CheckpointCallback:
         tolerance.preemption_signals if self.save_on_preemption else (),
         forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
-    self._closed = False
     if (every_steps is None and every_secs is None
         and not self.triggers.on_steps and last_step is None):
       log.warning(
@@ -387,7 +388,7 @@ class CheckpointCallback:
       self._metrics.flush()
 
   def _check_open(self) -> None:
-    if self._closed:
+    if self.manager.closed:
       raise RuntimeError(
           f"CheckpointCallback for {self.directory} is closed (close(), or"
           " its `with` block ended): it saves nothing more. Make a new one"
@@ -404,7 +405,6 @@ class CheckpointCallback:
     Raises:
       PeerLostError: a peer was lost (see `watch_peers`).
     """
-    self._closed = True
     self._signals.uninstall()
     try:
       self.tiers.close(leaving=self.should_stop)
@@ -418,7 +418,6 @@ class CheckpointCallback:
     if exc is None:
       self.close()
       return
-    self._closed = True
     self._signals.uninstall()
     try:
       self.tiers.exit(exc_type, exc, tb)

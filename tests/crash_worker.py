@@ -53,7 +53,7 @@ from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 
 # Elements per array: 3 * 2**20 gives x and y 12 MiB each and z 6 MiB, so
 # every shard spans several 4 MiB checksum blocks.
@@ -287,7 +287,7 @@ def main() -> None:
 
   cb = CheckpointCallback(directory, every_steps=EVERY_STEPS,
                           max_to_keep=MAX_TO_KEEP,
-                          commit=Commit(atomicity=atomicity_mode))
+                          storage=Storage(atomicity=atomicity_mode))
   report: dict[str, Any] = {
       "stale_entries_after_open": stale_entries(directory),
       "finalized_after_open": cb.manager.all_steps(),

@@ -10,7 +10,7 @@ import flax_ckpt_plugin
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 
 from helpers import entries
 
@@ -62,7 +62,7 @@ def test_manager_refuses_rename_on_object_store_before_touching_it():
   # Raised while validating options: no bucket is ever contacted.
   with pytest.raises(ValueError, match="gs://bucket/ckpt"):
     flax_ckpt_plugin.CheckpointManager("gs://bucket/ckpt",
-                                       commit=Commit(atomicity="rename"))
+                                       storage=Storage(atomicity="rename"))
 
 
 def test_unknown_atomicity_raises():

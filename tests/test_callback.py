@@ -8,7 +8,8 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
+from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin.manager import schedule
 from fake_coordinator import FakeCluster
@@ -139,7 +140,7 @@ def test_preemption_sync_point_saves_and_stops(ckpt_dir):
   """Fault injected: the coordinator reports the preemption sync point at
   step 7 (a single process has no preemption sync manager)."""
   callback = CheckpointCallback(ckpt_dir, every_steps=5,
-                                commit=Commit(coordinator=_preempted_at(7)))
+                                processes=Processes(coordinator=_preempted_at(7)))
   assert [s for s in range(1, 7) if callback(s, tiny(s))] == [5]
   assert not callback.should_stop
   assert callback(7, tiny(7))
@@ -159,7 +160,7 @@ def test_preemption_at_an_already_saved_step_stops_without_saving(
   with CheckpointCallback(ckpt_dir, every_steps=5) as first:
     first(5, tiny(5))
   restarted = CheckpointCallback(ckpt_dir, every_steps=5,
-                                 commit=Commit(coordinator=_preempted_at(5)))
+                                 processes=Processes(coordinator=_preempted_at(5)))
   assert not restarted(5, tiny(55))
   assert restarted.should_stop
   restarted.close()
@@ -170,7 +171,7 @@ def test_preemption_ignored_when_disabled(ckpt_dir):
   coord = _preempted_at(3)
   callback = CheckpointCallback(
       ckpt_dir, tolerance=FaultTolerance(save_on_preemption=False),
-      commit=Commit(coordinator=coord))
+      processes=Processes(coordinator=coord))
   assert not callback(3, tiny(3))
   assert not callback.should_stop
   callback.close()
@@ -181,7 +182,7 @@ def test_background_error_surfaces_from_next_call(ckpt_dir):
   """Fault injected: the storage backend's writes fail for step 1."""
   disk = FlakyDisk(on_fire=True)
   callback = CheckpointCallback(ckpt_dir, on_steps=[1, 3],
-                                commit=Commit(backend=disk))
+                                storage=Storage(backend=disk))
   assert callback(1, tiny(1))  # The save started; it fails in background.
   join_commit(callback.manager, TIMEOUT)
   disk.on_fire = False
@@ -200,7 +201,7 @@ def test_background_error_surfaces_from_next_saving_call(ckpt_dir):
   """Fault injected: the storage backend's writes fail for step 1."""
   disk = FlakyDisk(on_fire=True)
   callback = CheckpointCallback(ckpt_dir, every_steps=1,
-                                commit=Commit(backend=disk))
+                                storage=Storage(backend=disk))
   assert callback(1, tiny(1))
   with pytest.raises(OSError, match="disk on fire"):
     callback(2, tiny(2))  # Raised whether or not the commit has ended yet.
@@ -225,7 +226,7 @@ def test_context_manager_keeps_loop_error_and_notes_save_error(ckpt_dir):
   with pytest.raises(KeyError, match="loop failed") as excinfo:
     with CheckpointCallback(
         ckpt_dir, every_steps=1,
-        commit=Commit(backend=FlakyDisk(on_fire=True))) as callback:
+        storage=Storage(backend=FlakyDisk(on_fire=True))) as callback:
       callback(1, tiny(1))
       raise KeyError("loop failed")
   assert "disk on fire" in "\n".join(excinfo.value.__notes__)

@@ -14,7 +14,6 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CommitHookError
-from flax_ckpt_plugin import Commit
 from helpers import call_on_thread
 
 DEADLOCK_SECS = 30.0
@@ -54,8 +53,8 @@ def test_a_hook_that_waits_for_its_commit_gets_an_error_not_a_deadlock(
     def hook(stats):
       _CALLS[call](holder["cb"].manager, holder["cb"])
 
-    cb = holder["cb"] = CheckpointCallback(ckpt_dir,
-                                           commit=Commit(hooks=[hook]))
+    cb = holder["cb"] = CheckpointCallback(ckpt_dir)
+    cb.add_commit_hook(hook)
     cb.save(1, _state(1))
     with pytest.raises(CommitHookError) as info:
       cb.wait_until_finished()
@@ -81,9 +80,8 @@ def test_a_hook_may_still_read_its_manager(ckpt_dir):
   """Calls that do not wait for the commit stay allowed in a hook."""
   def scenario():
     seen = []
-    mgr = CheckpointManager(ckpt_dir,
-                            commit=Commit(hooks=[lambda stats: seen.append(
-            (mgr.all_steps(), mgr.save_in_progress, mgr.check_for_errors()))]))
+    mgr = CheckpointManager(ckpt_dir, hooks=[lambda stats: seen.append(
+        (mgr.all_steps(), mgr.save_in_progress, mgr.check_for_errors()))])
     mgr.save(1, _state(1))
     mgr.wait_until_finished()
     mgr.close()

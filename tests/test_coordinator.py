@@ -18,7 +18,8 @@ from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
+from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin.manager import schedule
 from fake_coordinator import FakeCluster
@@ -72,8 +73,8 @@ def test_three_processes_save_and_restore(tmp_path):
   def work(coord):
     with CheckpointManager(
         tmp_path,
-        commit=Commit(coordinator=coord,
-                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       mgr.save(1, _state(1))
       mgr.save(2, _state(2))
       mgr.wait_until_finished()
@@ -99,10 +100,10 @@ def test_a_manager_opened_on_one_process_only_shifts_no_later_keys(tmp_path):
   def work(coord):
     if coord.process_index == 0:
       CheckpointManager(tmp_path / "other", read_only=True,
-                        commit=Commit(coordinator=coord)).close()
+                        processes=Processes(coordinator=coord)).close()
     with CheckpointManager(
         tmp_path / "run",
-        commit=Commit(coordinator=coord, barrier_timeout_secs=5)) as mgr:
+        processes=Processes(coordinator=coord, barrier_timeout_secs=5)) as mgr:
       mgr.save(1, _state(1))
     return "ok"
 
@@ -117,8 +118,8 @@ def test_two_managers_of_one_directory_in_turn_use_fresh_keys(tmp_path):
     for step in (1, 2):
       with CheckpointManager(
           tmp_path,
-          commit=Commit(coordinator=coord,
-                        barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
+          processes=Processes(coordinator=coord,
+                              barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
         mgr.save(step, _state(step))
         names.append(mgr.name)
     return names
@@ -154,9 +155,9 @@ def test_a_write_failure_on_one_process_fails_the_save_on_all(tmp_path):
   def work(coord):
     mgr = CheckpointManager(
         tmp_path,
-        commit=Commit(
-            coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS,
-            backend=_FullDisk() if coord.process_index == 1 else None))
+        storage=Storage(backend=_FullDisk() if coord.process_index == 1 else None),
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS))
     mgr.save(1, _state(1))
     return _error_of_wait(mgr)
 
@@ -176,8 +177,9 @@ def test_a_failed_commit_hook_is_raised_on_every_process(tmp_path):
   def work(coord):
     mgr = CheckpointManager(
         tmp_path,
-        commit=Commit(coordinator=coord, hooks=[hook],
-                      barrier_timeout_secs=TIMEOUT_SECS))
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS),
+        hooks=[hook])
     mgr.save(1, _state(1))
     with pytest.raises(CommitHookError, match="evaluation of step 1"):
       mgr.wait_until_finished()
@@ -197,8 +199,8 @@ def test_any_restore_error_on_one_process_reaches_all_at_once(tmp_path):
   def work(coord):
     with CheckpointManager(
         tmp_path,
-        commit=Commit(coordinator=coord,
-                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       target = _state(0)
       if coord.process_index == 1:
         target = {"w": object(), "step": 0}  # Cannot be restored into.
@@ -236,8 +238,8 @@ def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
   def work(coord):
     with CheckpointManager(
         tmp_path,
-        commit=Commit(coordinator=coord,
-                      barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS)) as mgr:
       step, restored = mgr.restore_newest_valid(_state(0))
       return step, restored["step"], mgr.all_steps()
 
@@ -274,7 +276,8 @@ def test_every_secs_agrees_without_asking_at_every_step(tmp_path,
     cb = CheckpointCallback(
         tmp_path, every_secs=50, max_to_keep=None,
         tolerance=FaultTolerance(save_on_preemption=False),
-        commit=Commit(coordinator=coord, barrier_timeout_secs=TIMEOUT_SECS))
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS))
     saved = []
     for step in range(1, steps + 1):
       clock.now += 1.0  # One second per step.
@@ -305,8 +308,9 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
     backend = Undeletable() if coord.process_index == 0 else None
     mgr = CheckpointManager(
         tmp_path, max_to_keep=1,
-        commit=Commit(coordinator=coord, backend=backend,
-                      barrier_timeout_secs=TIMEOUT_SECS))
+        storage=Storage(backend=backend),
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=TIMEOUT_SECS))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     return _error_of_wait(mgr)

@@ -55,7 +55,7 @@ from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 
 from crash_worker import MOMENTS
 from crash_worker import stale_entries
@@ -473,10 +473,10 @@ def test_only_step_survives_a_failing_newer_save_with_max_to_keep_1(
     ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,
     monkeypatch, atomicity_mode, patch):
   saved = _save_steps(ckpt_dir, [1], make_state, train_step, host_copy,
-                      max_to_keep=1, commit=Commit(atomicity=atomicity_mode))
+                      max_to_keep=1, storage=Storage(atomicity=atomicity_mode))
   target = train_step(make_state(seed=9))
   mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
-                          commit=Commit(atomicity=atomicity_mode))
+                          storage=Storage(atomicity=atomicity_mode))
   with monkeypatch.context() as m:
     m.setattr(*patch)
     mgr.save(2, train_step(make_state(seed=3)))
@@ -490,7 +490,7 @@ def test_only_step_survives_a_failing_newer_save_with_max_to_keep_1(
   # A restarted job still finds step 1, and only a good save of a newer
   # step lets retention remove it.
   callback = CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=1,
-                                commit=Commit(atomicity=atomicity_mode))
+                                storage=Storage(atomicity=atomicity_mode))
   assert_trees_equal(callback.restore_or_initialize(target), saved[1])
   state = train_step(make_state(seed=4))
   expected = host_copy(state)

@@ -34,7 +34,7 @@ from flax_ckpt_plugin.format import records
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 
 MIB = 1 << 20
 
@@ -258,7 +258,7 @@ def test_a_saved_step_is_in_the_page_cache_unless_turned_off(
   backend = backend_lib.LocalBackend(direct_io=direct_io,
                                      cache_saved=cache_saved)
   with CheckpointManager(direct_dir / "ckpt",
-                         commit=Commit(backend=backend)) as manager:
+                         storage=Storage(backend=backend)) as manager:
     manager.save(1, tree)
     manager.wait_until_finished()
     (data,) = (direct_dir / "ckpt" / "1").rglob("*.bin")

@@ -17,7 +17,7 @@ import pytest
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 from helpers import FlakyDisk
 from helpers import save_each as _save
 from helpers import sorted_entries
@@ -54,7 +54,7 @@ def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
   """Before: every background error said "That step was not finalized",
   also for a retention error after the step was."""
   with CheckpointManager(ckpt_dir, max_to_keep=1,
-                         commit=Commit(backend=_NoDeletes())) as mgr:
+                         storage=Storage(backend=_NoDeletes())) as mgr:
     mgr.save(1, {"w": np.ones(3)})
     mgr.wait_until_finished()
     mgr.save(2, {"w": np.ones(3)})
@@ -64,7 +64,7 @@ def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
     assert f"Step 2 is finalized in {ckpt_dir}." in notes, notes
     assert "not finalized" not in notes
   flaky = FlakyDisk()
-  with CheckpointManager(ckpt_dir, commit=Commit(backend=flaky)) as mgr:
+  with CheckpointManager(ckpt_dir, storage=Storage(backend=flaky)) as mgr:
     flaky.on_fire = True
     mgr.save(3, {"w": np.ones(3)})
     with pytest.raises(OSError) as info:

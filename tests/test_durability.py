@@ -10,7 +10,7 @@ import os
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 from helpers import small_state as _small_state
 
 DATA = "data/process_00000.bin"
@@ -87,7 +87,7 @@ def test_commit_file_mode_makes_the_marker_entry_durable(ckpt_dir,
   after `save` finished (and after retention deleted older steps) could
   leave no finalized step at all.
   """
-  manager = CheckpointManager(ckpt_dir, commit=Commit(atomicity="commit_file"))
+  manager = CheckpointManager(ckpt_dir, storage=Storage(atomicity="commit_file"))
   del fsync_log[:]
   manager.save(1, _small_state(1))
   manager.close()

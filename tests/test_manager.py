@@ -18,7 +18,8 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.save import copies as copies_lib
 from flax_ckpt_plugin.format import storage
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
+from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import Retention
 
 from helpers import FlakyDisk
@@ -171,8 +172,8 @@ def test_losing_writer_never_deletes_finalized_step(
   """Two managers on one directory both save step 5; the one that opened the
   directory before step 5 existed does not know it is finalized. Its save must
   fail without touching the step the other one finalized."""
-  late = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
-  early = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
+  late = CheckpointManager(ckpt_dir, storage=Storage(atomicity=atomicity))
+  early = CheckpointManager(ckpt_dir, storage=Storage(atomicity=atomicity))
   winner = make_state(seed=1)
   expected = host_copy(winner)
   early.save(5, winner)
@@ -182,7 +183,7 @@ def test_losing_writer_never_deletes_finalized_step(
   with pytest.raises(FileExistsError, match="step 5"):
     late.wait_until_finished()
 
-  fresh = CheckpointManager(ckpt_dir, commit=Commit(atomicity=atomicity))
+  fresh = CheckpointManager(ckpt_dir, storage=Storage(atomicity=atomicity))
   assert fresh.all_steps() == [5]
   assert_trees_equal(fresh.restore(make_state()), expected)
 
@@ -374,7 +375,7 @@ def test_background_error_is_raised_once_by_next_call(
     surface, ckpt_dir, make_state, train_step, assert_trees_equal, host_copy):
   """Fault injected: the storage backend's writes fail for step 2."""
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
+  manager = CheckpointManager(ckpt_dir, storage=Storage(backend=disk))
   state = train_step(make_state())
   expected = host_copy(state)
   manager.save(1, state)
@@ -410,7 +411,7 @@ def test_background_error_is_raised_once_by_next_call(
 def test_background_error_is_raised_by_restore(ckpt_dir, make_state):
   """Fault injected: the storage backend's writes fail for step 2."""
   disk = FlakyDisk()
-  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
+  manager = CheckpointManager(ckpt_dir, storage=Storage(backend=disk))
   manager.save(1, make_state())
   manager.wait_until_finished()
   disk.on_fire = True
@@ -480,7 +481,7 @@ def test_max_to_keep_one_never_leaves_zero_steps(ckpt_dir):
   """Fault injected: the write of step 4 raises OSError."""
   disk = FlakyDisk()
   manager = CheckpointManager(ckpt_dir, max_to_keep=1,
-                              commit=Commit(backend=disk))
+                              storage=Storage(backend=disk))
   for step in (1, 2, 3):
     manager.save(step, tiny(step))
     manager.wait_until_finished()
@@ -501,7 +502,7 @@ def test_old_steps_deleted_only_after_newer_one_is_finalized(
   gated_write.release.set()
   disk = FlakyDisk()
   manager = CheckpointManager(ckpt_dir, max_to_keep=2,
-                              commit=Commit(backend=disk))
+                              storage=Storage(backend=disk))
   manager.save(1, tiny(1))
   manager.save(2, tiny(2))
   manager.wait_until_finished()
@@ -541,7 +542,7 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
                                              host_copy):
   """The write is spied on (fault injected: gated write) to see where the
   data goes while the save is unfinished."""
-  manager = CheckpointManager(ckpt_dir, commit=Commit(atomicity="commit_file"))
+  manager = CheckpointManager(ckpt_dir, storage=Storage(atomicity="commit_file"))
   assert manager.atomicity == "commit_file"
   state = make_state(seed=4)
   expected = host_copy(state)
@@ -553,7 +554,7 @@ def test_commit_file_mode_on_local_directory(ckpt_dir, make_state,
   # An observer (read-only, as an evaluation job) does not list it.
   assert CheckpointManager(
       ckpt_dir, read_only=True,
-      commit=Commit(atomicity="commit_file")).all_steps() == []
+      storage=Storage(atomicity="commit_file")).all_steps() == []
 
   gated_write.release.set()
   manager.wait_until_finished()
@@ -608,7 +609,8 @@ def test_context_manager_waits_for_the_save(ckpt_dir, make_state,
 @pytest.mark.parametrize("kwargs", [
     {"max_to_keep": 0},
     {"retention": lambda: Retention(keep_every_n_steps=0)},
-    {"commit": lambda: Commit(primary_host=1)},  # One process: index 0 only.
+    {"processes": lambda: Processes(primary_host=1)},  # One process: 0 only.
+    {"max_to_keep": 2, "retention": lambda: Retention(max_to_keep=3)},
 ])
 def test_invalid_options_raise_value_error(ckpt_dir, kwargs):
   with pytest.raises(ValueError):
@@ -634,7 +636,7 @@ def test_commit_hooks_see_each_finalized_step_in_order(ckpt_dir):
                  threading.current_thread() is threading.main_thread()))
 
   mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
-                          commit=Commit(hooks=[evaluate]))
+                          hooks=[evaluate])
   mgr.add_commit_hook(lambda stats: seen.append(("notify", stats.step)))
   for step in (1, 2):
     mgr.save(step, {"w": np.full(3, step, np.float32)})
@@ -654,7 +656,7 @@ def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
 
   later = []
   mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
-                          commit=Commit(hooks=[broken, later.append]))
+                          hooks=[broken, later.append])
   mgr.save(1, {"w": np.ones(3)})
   mgr.wait_until_finished()
   mgr.save(2, {"w": np.ones(3)})
@@ -674,4 +676,4 @@ def test_failing_commit_hook_is_raised_once_and_keeps_the_step(ckpt_dir):
 
 def test_commit_hook_must_be_callable(ckpt_dir):
   with pytest.raises(TypeError, match="not callable"):
-    CheckpointManager(ckpt_dir, commit=Commit(hooks=["not a function"]))
+    CheckpointManager(ckpt_dir, hooks=["not a function"])

@@ -41,7 +41,7 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import object_store
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import Retention
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
@@ -409,7 +409,7 @@ def test_manager_on_a_bucket_uses_commit_file(bucket):
     assert manager.atomicity == "commit_file"
     assert isinstance(manager.directory, object_store.ObjectStorePath)
   with pytest.raises(ValueError, match="without atomic rename"):
-    CheckpointManager(bucket.url, commit=Commit(atomicity="rename"))
+    CheckpointManager(bucket.url, storage=Storage(atomicity="rename"))
 
 
 def test_walking_a_checkpoint_in_a_bucket(bucket):

@@ -1,4 +1,7 @@
-"""The option records: `Retention`, `FaultTolerance` and `Commit`.
+"""The option records, one per decision: `Retention` (what to keep),
+`Storage` (where and how the bytes are written), `Processes` (how the
+processes agree on a save), `FaultTolerance` (what to do when a process or
+its machine goes away).
 
 The everyday choices are keywords of their own; the rest live in typed,
 immutable records that the callback, the manager and the clu action share.
@@ -13,7 +16,8 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
+from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
 from flax_ckpt_plugin.backends import backend as backend_lib
@@ -24,8 +28,9 @@ from helpers import tiny
 
 def test_the_callback_takes_ten_keywords_at_most():
   params = inspect.signature(CheckpointCallback).parameters
-  assert len(params) <= 10, list(params)
-  assert {"retention", "tolerance", "commit"} <= set(params)
+  keywords = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+  assert len(keywords) <= 10, keywords
+  assert {"retention", "tolerance", "storage", "processes"} <= set(keywords)
 
 
 @pytest.mark.parametrize("old", sorted(manager_options.CALLBACK_MOVED))
@@ -33,36 +38,39 @@ def test_a_moved_keyword_of_the_callback_names_where_it_is_now(tmp_path, old):
   with pytest.raises(TypeError) as info:
     CheckpointCallback(tmp_path, **{old: None})
   message = str(info.value)
-  assert f"no longer takes {old!r}" in message
+  assert f"takes no {old!r}" in message
   assert manager_options.CALLBACK_MOVED[old] in message
   assert not (tmp_path / "0").exists()
 
 
 @pytest.mark.parametrize("old", sorted(manager_options.MANAGER_MOVED))
 def test_a_moved_keyword_of_the_manager_names_where_it_is_now(tmp_path, old):
-  with pytest.raises(TypeError, match=f"CheckpointManager no longer takes"
-                     f" {old!r}: {old} is now"):
+  with pytest.raises(TypeError, match=f"CheckpointManager takes no"
+                     f" {old!r}: {old} is "):
     CheckpointManager(tmp_path, **{old: None})
 
 
 def test_each_moved_keyword_names_a_field_of_its_record():
   fields = {record.__name__: {f.name for f in dataclasses.fields(record)}
-            for record in (Retention, FaultTolerance, Commit)}
+            for record in (Retention, FaultTolerance, Storage, Processes)}
   for old, where in manager_options.CALLBACK_MOVED.items():
-    if "=" not in where or where.startswith("restore_or_initialize"):
+    if ("=" not in where or where.startswith("restore_or_initialize")
+        or old in ("commit", "commit_hooks", "hooks")):
       continue
     record, field = where.split("=", 1)[1].split("(", 1)
     assert field.split("=")[0] in fields[record], (old, where)
 
 
 def test_records_are_immutable_and_check_their_values():
-  commit = Commit()
+  processes = Processes()
   with pytest.raises(dataclasses.FrozenInstanceError):
-    commit.primary_host = 1  # type: ignore[misc]
+    processes.primary_host = 1  # type: ignore[misc]
   with pytest.raises(ValueError, match="primary_host must be a process"):
-    Commit(primary_host=-1)
+    Processes(primary_host=-1)
   with pytest.raises(ValueError, match="barrier_timeout_secs must be > 0"):
-    Commit(barrier_timeout_secs=0)
+    Processes(barrier_timeout_secs=0)
+  with pytest.raises(ValueError, match="max_to_keep must be an int"):
+    Retention(max_to_keep=0)
   with pytest.raises(ValueError, match="keep_best=2 needs best_metric"):
     Retention(keep_best=2)
   with pytest.raises(ValueError, match="watch_poll_secs must be > 0"):
@@ -72,26 +80,28 @@ def test_records_are_immutable_and_check_their_values():
   with pytest.raises(ValueError, match="local_every_steps must be an int"):
     FaultTolerance(local_directory="/tmp/x", local_every_steps=2.5)
   with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):
-    Commit(pinned_host_bytes=-1)
+    Storage(pinned_host_bytes=-1)
   with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):
-    Commit(pinned_host_bytes=1.5e9)
+    Storage(pinned_host_bytes=1.5e9)
   assert FaultTolerance(preemption_signals=[signal.SIGUSR1]) == (
       FaultTolerance(preemption_signals=(signal.SIGUSR1,)))
 
 
 def test_the_records_reach_the_manager(tmp_path):
-  """Each record's fields take effect: the backend and hooks of `Commit`,
-  the rules of `Retention`, the local tier of `FaultTolerance`."""
+  """Each record's fields take effect: the backend of `Storage`, the name
+  of `Processes`, the rules of `Retention` (`max_to_keep` given there),
+  the local tier of `FaultTolerance`; and a commit hook."""
   finalized = []
   backend = backend_lib.LocalBackend(cache_saved=False)
   cb = CheckpointCallback(
-      tmp_path / "ckpt", every_steps=1, max_to_keep=1,
-      retention=Retention(keep_every_n_steps=2),
+      tmp_path / "ckpt", every_steps=1,
+      retention=Retention(max_to_keep=1, keep_every_n_steps=2),
       tolerance=FaultTolerance(save_on_preemption=False,
                                local_directory=tmp_path / "local",
                                local_every_steps=3),
-      commit=Commit(backend=backend, name="options-test",
-                    hooks=[lambda stats: finalized.append(stats.step)]))
+      storage=Storage(backend=backend),
+      processes=Processes(name="options-test"))
+  cb.add_commit_hook(lambda stats: finalized.append(stats.step))
   for step in range(1, 6):
     cb(step, tiny(step))
   cb.close()

@@ -29,7 +29,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.save import pinned
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Storage
 from helpers import assert_only_finalized_steps
 from helpers import call_on_thread
 from helpers import flip_byte
@@ -272,7 +272,7 @@ def test_a_budget_sends_the_rest_through_the_plain_transfer(
   copied the plain way, and the step restores whole."""
   state = {f"w{i}": jnp.full((1024,), i, jnp.float32) for i in range(5)}
   with CheckpointManager(
-      ckpt_dir, commit=Commit(pinned_host_bytes=2 * 4096)) as manager:
+      ckpt_dir, storage=Storage(pinned_host_bytes=2 * 4096)) as manager:
     manager.save(1, state)
     manager.wait_until_finished()
     assert copies["onto_pinned"] == 2
@@ -476,7 +476,7 @@ def test_a_failed_commit_keeps_its_error_but_not_its_pinned_buffers(
       return super().step_writer(step_dir, identity, data_dir)
 
   disk = HeldDisk()
-  manager = CheckpointManager(ckpt_dir, commit=Commit(backend=disk))
+  manager = CheckpointManager(ckpt_dir, storage=Storage(backend=disk))
   state = make_state()
   manager.save(1, state)
   manager.wait_until_finished()

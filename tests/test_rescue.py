@@ -17,7 +17,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tolerance import tiers
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.tolerance import rescue
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 
 def _local_steps(tmp_path, parts, shape):
@@ -48,7 +48,7 @@ def _rescue(tmp_path, parts, shape, lost):
 
   def process(coord):
     tier = make_local(coord)
-    manager = CheckpointManager(ckpt, commit=Commit(coordinator=coord))
+    manager = CheckpointManager(ckpt, processes=Processes(coordinator=coord))
     if coord.process_index in lost:
       return None
     r = rescue.Rescue(manager, tier, exit_code=75)

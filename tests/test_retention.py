@@ -22,7 +22,7 @@ from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.manager.retention import Policy
 from flax_ckpt_plugin.manager.retention import steps_to_delete
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
 from fake_coordinator import run_threads
@@ -184,7 +184,7 @@ def test_processes_with_other_metrics_follow_the_primary(tmp_path):
     with CheckpointManager(
         tmp_path, max_to_keep=1,
         retention=Retention(keep_best=1, best_metric="loss"),
-        commit=Commit(coordinator=coord, barrier_timeout_secs=30)) as mngr:
+        processes=Processes(coordinator=coord, barrier_timeout_secs=30)) as mngr:
       for step in (1, 2, 3, 4):
         # Process 1 would rank the steps the other way round.
         loss = step if me == 0 else -step
@@ -267,7 +267,7 @@ def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
     seen.append(capsys.readouterr().out.splitlines())
 
   with CheckpointManager(tmp_path, max_to_keep=1,
-                         commit=Commit(hooks=[hook])) as mngr:
+                         hooks=[hook]) as mngr:
     mngr.save(2, _state(2))
   rows = seen[0]
   assert rows[0].split()[-2:] == ["KEPT", "BY"]

@@ -16,7 +16,7 @@ import hashlib
 import operator
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from etils import epath
 import jax
@@ -51,14 +51,17 @@ class CheckpointManager(Restoring):
 
   Args:
     directory: where steps live; a local path, or `gs://`/`s3://`.
-    max_to_keep: keep the newest N finalized steps (None keeps all).
-    retention: the rules that keep more steps (`Retention`: every N-th
-      step, the best by a metric). A step is kept if any rule keeps it,
-      and the newest finalized step is never deleted (see `retention`).
-    commit: how saves are written and committed, and how processes agree
-      on them (`Commit`: the storage backend, atomicity, pinned host
-      memory, the primary host, the coordinator and its barriers' timeout
-      and keys, commit hooks).
+    max_to_keep: keep the newest N finalized steps (None, the default,
+      keeps all); the same as `Retention(max_to_keep=N)`.
+    retention: what to keep (`Retention`: the newest N, every N-th step,
+      the best by a metric). A step is kept if any rule keeps it, and the
+      newest finalized step is never deleted (see `retention`).
+    storage: where and how the bytes are written (`Storage`: the storage
+      backend, atomicity, pinned host memory).
+    processes: how the processes agree on a save (`Processes`: the primary
+      host, the barriers' timeout and keys, the coordinator).
+    hooks: callables run with the `SaveStats` of each step once it is
+      finalized, on the primary host (see `add_commit_hook`).
     read_only: only list and restore: never save, and never remove the
       unfinished steps that a writer may be working on (use it in an
       evaluation job that reads a training job's directory). It lists the
@@ -76,7 +79,8 @@ class CheckpointManager(Restoring):
     directory: the checkpoint directory (absolute, for local paths).
     name: the prefix of this manager's barrier and key-value keys.
     retention: the `retention.Policy` of `max_to_keep` and `retention`.
-    commit: the `Commit` options it was made with.
+    storage: the `Storage` options it was made with.
+    processes: the `Processes` options it was made with.
     coordinator: the `Coordinator` it meets other processes through.
     is_primary: whether this process is the primary host.
     read_only: whether this manager only lists and restores.
@@ -96,30 +100,34 @@ class CheckpointManager(Restoring):
   def __init__(self, directory: epath.PathLike, *,
                max_to_keep: int | None = None,
                retention: retention_lib.Retention | None = None,
-               commit: options.Commit | None = None,
+               storage: options.Storage | None = None,
+               processes: options.Processes | None = None,
+               hooks: Sequence[CommitHook] = (),
                read_only: bool = False,
                scope: storage.Scope | None = None,
                share_reads: bool = True):
     self.retention = retention_lib.Policy.of(max_to_keep, retention)
-    self.commit = commit = commit or options.Commit()
-    self.coordinator = commit.coordinator or coordinator_lib.default()
-    count, primary_host = self.coordinator.process_count, commit.primary_host
+    self.storage = storage = storage or options.Storage()
+    self.processes = processes = processes or options.Processes()
+    self.coordinator = processes.coordinator or coordinator_lib.default()
+    count, primary_host = (self.coordinator.process_count,
+                           processes.primary_host)
     if primary_host >= count:
       raise ValueError(f"primary_host={primary_host} is not a process index"
                        f" (process count {count})")
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
-    directory, backend = backend_lib.make_path(given, commit.backend)
-    self.atomicity = atomicity_lib.resolve_atomicity(given, commit.atomicity,
+    directory, backend = backend_lib.make_path(given, storage.backend)
+    self.atomicity = atomicity_lib.resolve_atomicity(given, storage.atomicity,
                                                      backend)
     self.primary_host = primary_host
-    base = commit.name or hashlib.sha1(given.encode()).hexdigest()[:12]
+    base = processes.name or hashlib.sha1(given.encode()).hexdigest()[:12]
     super().__init__(
         directory, backend, coordinator=self.coordinator,
         is_primary=self.coordinator.process_index == primary_host,
         read_only=read_only, share_reads=share_reads, scope=scope,
-        barrier_timeout_ms=int(commit.barrier_timeout_secs * 1000),
+        barrier_timeout_ms=int(processes.barrier_timeout_secs * 1000),
         base=f"flax_ckpt_plugin/{base}",
         committer=AsyncCommitter(f"flax_ckpt_plugin-commit-{base}"),
         # Host copies of CPU shards, reused by each save (see staging.py).
@@ -128,11 +136,11 @@ class CheckpointManager(Restoring):
                             else backend.staging_arena(directory)))
     self.name = self._base
     # Accelerator shards' pinned host memory (see pinned.py).
-    self._pinned = pinned.PinnedStaging(commit.pinned_host_bytes)
+    self._pinned = pinned.PinnedStaging(storage.pinned_host_bytes)
     self._saves = 0
     self.last_save_stats: SaveStats | None = None
     self._commit_hooks: list[CommitHook] = []
-    for hook in commit.hooks:
+    for hook in hooks:
       self.add_commit_hook(hook)
     self._writers: list[int] | None = None  # None: every process.
     # The primary's recorded metrics of each step, for `keep_best` (steps

@@ -1,31 +1,37 @@
-"""The options of how saves are committed, as one typed record; and the
-clear error for a keyword that moved into a record.
+"""The option records of where a save's bytes go and of how the processes
+of a job agree on it, and the clear error for a keyword that moved.
 
-`Commit` groups what the manager, the callback and the clu action each
-take about storage and about the processes agreeing on a save: where the
-bytes go (`backend`, `atomicity`, `pinned_host_bytes`), who finalizes
-(`primary_host`), how the processes meet (`coordinator`,
-`barrier_timeout_secs`, `name`) and who hears of each finalized step
-(`hooks`). The everyday choices stay keywords of their own.
+Options are grouped by what the user decides, one record each, shared by
+`CheckpointCallback`, `CheckpointManager` and the clu action:
+
+* what to keep: `retention.Retention` (`max_to_keep` is also a keyword);
+* where and how the bytes are written: `Storage` (the storage backend,
+  atomicity, and the pinned host memory a save copies through);
+* how the processes agree on a save: `Processes` (the primary host, the
+  barriers' timeout, the coordinator, the barrier keys' name);
+* what to do when a process or its machine goes away:
+  `tolerance.options.FaultTolerance`.
+
+Who hears of each finalized step: `add_commit_hook` (and the manager's
+keyword `hooks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.save.commit import CommitHook
 
 
 @dataclasses.dataclass(frozen=True)
-class Commit:
-  """How saves are written and committed, and how processes agree on them.
+class Storage:
+  """Where and how a save's bytes are written.
 
-  `CheckpointCallback(commit=...)`, `CheckpointManager(commit=...)`.
+  `CheckpointCallback(storage=...)`, `CheckpointManager(storage=...)`.
 
   Attributes:
     backend: the directory's storage (`backends.backend.Backend`); default:
@@ -38,6 +44,29 @@ class Commit:
       through pinned host memory, which the save call does not wait for
       (see `pinned`); None (default): all this process writes; 0: none
       (every shard then takes the plain transfer, which it waits for).
+      That much host memory stays pinned for the life of the process.
+  """
+  backend: interface.Backend | None = None
+  atomicity: atomicity_lib.Atomicity = "auto"
+  pinned_host_bytes: int | None = None
+
+  def __post_init__(self):
+    if self.pinned_host_bytes is not None and (
+        isinstance(self.pinned_host_bytes, bool)
+        or not isinstance(self.pinned_host_bytes, int)
+        or self.pinned_host_bytes < 0):
+      raise ValueError("pinned_host_bytes must be an int >= 0 or None, got"
+                       f" {self.pinned_host_bytes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+  """How the processes of a job agree on a save (one process: nothing to
+  set).
+
+  `CheckpointCallback(processes=...)`, `CheckpointManager(processes=...)`.
+
+  Attributes:
     primary_host: the process that creates, finalizes and deletes steps.
     barrier_timeout_secs: how long a process waits at a barrier for the
       others before raising `TimeoutError`.
@@ -46,18 +75,11 @@ class Commit:
     name: the start of the manager's barrier keys; default: a digest of
       the directory as given (the same string on every process). A token
       drawn by the writer at open completes the keys.
-    hooks: callables run with the `SaveStats` of each step once it is
-      finalized (to notify, start an evaluation, copy the step elsewhere),
-      on the primary host; see `CheckpointManager.add_commit_hook`.
   """
-  backend: interface.Backend | None = None
-  atomicity: atomicity_lib.Atomicity = "auto"
-  pinned_host_bytes: int | None = None
   primary_host: int = 0
   barrier_timeout_secs: float = 300.0
   coordinator: coordinator_lib.Coordinator | None = None
   name: str | None = None
-  hooks: Sequence[CommitHook] = ()
 
   def __post_init__(self):
     if isinstance(self.primary_host, bool) or not isinstance(
@@ -67,35 +89,39 @@ class Commit:
     if not self.barrier_timeout_secs > 0:
       raise ValueError("barrier_timeout_secs must be > 0, got"
                        f" {self.barrier_timeout_secs!r}")
-    if self.pinned_host_bytes is not None and (
-        isinstance(self.pinned_host_bytes, bool)
-        or not isinstance(self.pinned_host_bytes, int)
-        or self.pinned_host_bytes < 0):
-      raise ValueError("pinned_host_bytes must be an int >= 0 or None, got"
-                       f" {self.pinned_host_bytes!r}")
-    object.__setattr__(self, "hooks", tuple(self.hooks))
 
 
 _RETENTION = "retention=Retention({}=...)"
-_COMMIT = "commit=Commit({}=...)"
-# The manager's keywords that moved into the option records: where each
-# is now.
+_STORAGE = "storage=Storage({}=...)"
+_PROCESSES = "processes=Processes({}=...)"
+_TOLERANCE = "tolerance=FaultTolerance({}=...)"
+_RESTORE = "restore_or_initialize(state, {}=...)"
+
+# The manager's keywords that belong to an option record: where each is.
 MANAGER_MOVED = {
     **{k: _RETENTION.format(k) for k in (
         "keep_every_n_steps", "keep_best", "best_metric", "best_mode",
         "keep_without_metric")},
-    **{k: _COMMIT.format(k) for k in (
-        "backend", "atomicity", "pinned_host_bytes", "primary_host",
-        "barrier_timeout_secs", "coordinator", "name")},
-    "commit_hooks": _COMMIT.format("hooks"),
+    **{k: _STORAGE.format(k) for k in (
+        "backend", "atomicity", "pinned_host_bytes")},
+    **{k: _PROCESSES.format(k) for k in (
+        "primary_host", "barrier_timeout_secs", "coordinator", "name")},
+    "commit_hooks": "hooks=[...]",
+    "commit": ("storage=Storage(backend, atomicity, pinned_host_bytes),"
+               " processes=Processes(primary_host, barrier_timeout_secs,"
+               " coordinator, name) and hooks=[...]"),
 }
+_ADD_HOOK = "callback.add_commit_hook(hook), for each hook"
 
-_TOLERANCE = "tolerance=FaultTolerance({}=...)"
-_RESTORE = "restore_or_initialize(state, {}=...)"
-# The callback's keywords that moved into the option records (or to where
-# the iterator's state is restored): where each is now.
+# The callback's keywords that belong to an option record (or to where the
+# data iterator's state is restored): where each is.
 CALLBACK_MOVED = {
     **MANAGER_MOVED,
+    "commit_hooks": _ADD_HOOK,
+    "hooks": _ADD_HOOK,
+    "commit": ("storage=Storage(backend, atomicity, pinned_host_bytes),"
+               " processes=Processes(primary_host, barrier_timeout_secs,"
+               " coordinator, name) and callback.add_commit_hook(hook)"),
     **{k: _TOLERANCE.format(k) for k in (
         "save_on_preemption", "preemption_signals", "watch_peers",
         "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",
@@ -121,8 +147,8 @@ def moved_keywords(owner: str, moved: Mapping[str, str]) -> Callable[[F], F]:
       old = [k for k in kwargs if k in moved]
       if old:
         raise TypeError(
-            f"{owner} no longer takes {', '.join(map(repr, old))}: "
-            + "; ".join(f"{k} is now {moved[k]}" for k in old)
+            f"{owner} takes no {', '.join(map(repr, old))}: "
+            + "; ".join(f"{k} is {moved[k]}" for k in old)
             + " (see docs/usage.md, *Options*)")
       return fn(*args, **kwargs)
     return checked  # type: ignore[return-value]

@@ -45,12 +45,16 @@ RESTORABLE = "restorable"
 
 @dataclasses.dataclass(frozen=True)
 class Retention:
-  """The rules that keep steps beyond the newest `max_to_keep`.
+  """What a checkpoint directory keeps: which finalized steps retention
+  deletes, and which it never does.
 
-  `CheckpointCallback(retention=...)`, `CheckpointManager(retention=...)`;
-  `max_to_keep` itself stays a keyword of both.
+  `CheckpointCallback(retention=...)`, `CheckpointManager(retention=...)`.
+  The everyday rule, `max_to_keep`, is also a keyword of both (give it one
+  way: the two must agree). Every step is kept by default, as Orbax does.
 
   Attributes:
+    max_to_keep: keep the newest N finalized steps (None: every step, unless
+      `keep_best` says otherwise).
     keep_every_n_steps: also keep every step divisible by N, forever.
     keep_best: also keep the N steps with the best `best_metric`, as
       recorded by `save(metrics=...)` on the primary host.
@@ -60,6 +64,7 @@ class Retention:
       value of `best_metric` (or with NaN); False leaves them to the other
       rules.
   """
+  max_to_keep: int | None = None
   keep_every_n_steps: int | None = None
   keep_best: int | None = None
   best_metric: str | None = None
@@ -67,7 +72,7 @@ class Retention:
   keep_without_metric: bool = True
 
   def __post_init__(self):
-    for name in ("keep_every_n_steps", "keep_best"):
+    for name in ("max_to_keep", "keep_every_n_steps", "keep_best"):
       _check_count(name, getattr(self, name))
     if self.keep_best is not None and not self.best_metric:
       raise ValueError(
@@ -91,24 +96,25 @@ def _check_count(name: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Policy(Retention):
-  """The retention rules of one checkpoint directory: `max_to_keep`, and
-  the rules of `Retention` (its attributes).
-
-  Attributes:
-    max_to_keep: keep the newest N finalized steps (None: this rule keeps
-      none besides the newest).
-  """
-  max_to_keep: int | None = None
-
-  def __post_init__(self):
-    super().__post_init__()
-    _check_count("max_to_keep", self.max_to_keep)
+  """The retention rules of one checkpoint directory (`Retention`'s
+  attributes), and what follows from them."""
 
   @classmethod
   def of(cls, max_to_keep: int | None, rules: Retention | None) -> "Policy":
-    """The policy of `max_to_keep` and the other rules."""
-    return cls(max_to_keep=max_to_keep,
-               **dataclasses.asdict(rules or Retention()))
+    """The policy of the `max_to_keep` keyword and the `retention` record.
+
+    Raises:
+      ValueError: both give `max_to_keep`, and not the same.
+    """
+    rules = rules or Retention()
+    if (max_to_keep is not None and rules.max_to_keep is not None
+        and max_to_keep != rules.max_to_keep):
+      raise ValueError(
+          f"max_to_keep={max_to_keep} and retention=Retention(max_to_keep="
+          f"{rules.max_to_keep}) disagree: give it one way")
+    if max_to_keep is not None:
+      rules = dataclasses.replace(rules, max_to_keep=max_to_keep)
+    return cls(**dataclasses.asdict(rules))
 
   @property
   def deletes(self) -> bool:
@@ -184,7 +190,7 @@ class Policy(Retention):
   def to_json(self) -> dict[str, Any]:
     """The policy as recorded in a manifest's 'retention' entry
     (`max_to_keep` first)."""
-    return {"max_to_keep": self.max_to_keep, **dataclasses.asdict(self)}
+    return dataclasses.asdict(self)  # max_to_keep first, as it always was.
 
   @classmethod
   def from_json(cls, value: Any) -> "Policy | None":

@@ -227,10 +227,10 @@ def _through_pinned(lr: LeafReader | casting.CastReader,
     try:
       lr.read(region, out=view)
     except BaseException:
-      del view
       window.give_back(buf)  # Else its bytes stay counted: see `take`.
       raise
-    del view  # Before the buffer may be freed.
+    finally:
+      del view  # Before the buffer may be freed.
     for device, arr in zip(devices, window.send(buf, [
         pinned.sharding_on(d, sharding.memory_kind
                            or d.default_memory().kind)

@@ -114,6 +114,11 @@ class Restoring:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  @property
+  def closed(self) -> bool:
+    """Whether `close` was called (and did not refuse: see `close`)."""
+    return self._closed
+
   def _check_open(self) -> None:
     if self._closed:
       raise RuntimeError(f"CheckpointManager for {self.directory} is closed")

@@ -37,7 +37,8 @@ from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.format import storage
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager.manager import CheckpointManager
-from flax_ckpt_plugin.manager.options import Commit
+from flax_ckpt_plugin.manager.options import Processes
+from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
@@ -56,7 +57,7 @@ class LocalTier:
     job: a name for the job (see `generations.job_name`).
     coordinator: the job's coordinator (names this process).
     keep: how many of the newest steps to keep.
-    pinned_host_bytes: see `Commit`.
+    pinned_host_bytes: see `Storage`.
   """
 
   def __init__(self, directory: epath.PathLike, job: str, *,
@@ -66,10 +67,11 @@ class LocalTier:
     path = epath.Path(os.path.abspath(os.fspath(directory)))
     path = path / job / f"process_{pid:05d}"
     self.manager = CheckpointManager(
-        path, max_to_keep=keep, commit=Commit(
-            coordinator=groups.SoloCoordinator(),
-            backend=backend_lib.for_local_path(path),
-            name=f"local/{job}/{pid}", pinned_host_bytes=pinned_host_bytes),
+        path, max_to_keep=keep,
+        storage=Storage(backend=backend_lib.for_local_path(path),
+                        pinned_host_bytes=pinned_host_bytes),
+        processes=Processes(coordinator=groups.SoloCoordinator(),
+                            name=f"local/{job}/{pid}"),
         scope=storage.Scope(pid, coordinator.process_count))
 
   @property
@@ -136,18 +138,19 @@ class Tiers:
 
   Args:
     directory: the persistent tier's directory.
-    max_to_keep, retention, commit: the persistent tier's manager's
-      (`CheckpointManager`); `commit.hooks` are not added.
+    max_to_keep, retention, storage, processes: the persistent tier's
+      manager's (`CheckpointManager`; the callback adds its hooks).
     tolerance: the local tier and the peers' watch (`FaultTolerance`).
     exit_code: the exit code of survivors that save for a relaunch.
     metric_writer: where the primary writes a recovery's figures.
   """
 
   def __init__(self, directory: epath.PathLike, *, max_to_keep: int | None,
-               retention: Retention | None, commit: Commit,
-               tolerance: FaultTolerance, exit_code: int,
-               metric_writer: Any = None):
-    coord = commit.coordinator or coordinator_lib.default()
+               retention: Retention | None, storage: Storage | None,
+               processes: Processes | None, tolerance: FaultTolerance,
+               exit_code: int, metric_writer: Any = None):
+    storage, processes = storage or Storage(), processes or Processes()
+    coord = processes.coordinator or coordinator_lib.default()
     watch_peers = tolerance.watch_peers
     if watch_peers is None:
       watch_peers = liveness.recoverability_enabled()
@@ -160,20 +163,20 @@ class Tiers:
       coord = groups.Survivors(coord, [coord.process_index])
     self.manager = CheckpointManager(
         directory, max_to_keep=max_to_keep, retention=retention,
-        commit=dataclasses.replace(
-            commit, coordinator=coord, hooks=(),
-            primary_host=commit.primary_host if rejoins is None
+        storage=storage, processes=dataclasses.replace(
+            processes, coordinator=coord,
+            primary_host=processes.primary_host if rejoins is None
             else rejoins.opening_primary(coord.process_index)))
     self.local = None if tolerance.local_directory is None else open_tier(
         tolerance.local_directory, job, coordinator=coord,
         timeout_ms=self.manager.barrier_timeout_ms,
-        pinned_host_bytes=commit.pinned_host_bytes)
+        pinned_host_bytes=storage.pinned_host_bytes)
     # Started here, on every process at the same point: see `liveness`.
     self.peers = elastic_lib.Peers(
         self.manager, self.local, directory,
         poll_secs=tolerance.watch_poll_secs, exit_code=exit_code,
         elastic_secs=tolerance.elastic_wait_secs if elastic else None,
-        primary_host=commit.primary_host, group=rejoins) if watch_peers \
+        primary_host=processes.primary_host, group=rejoins) if watch_peers \
         else None
     self._metric_writer = metric_writer
     self._warmed_up = False  # See `warm_up`.

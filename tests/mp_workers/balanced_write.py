@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 SHAPES = {"dense_0": (512, 512), "dense_1": (512, 2048), "dense_2": (1024, 512),
           "head": (512, 10),
@@ -66,7 +66,7 @@ def main(directory: str, layout: str) -> dict:
   state = _state(mesh, spec)
   pinned = _setup.count_pinned()
   with flax_ckpt_plugin.CheckpointManager(
-      directory, commit=Commit(barrier_timeout_secs=60)) as mgr:
+      directory, processes=Processes(barrier_timeout_secs=60)) as mgr:
     mgr.save(1, state)
     mgr.wait_until_finished()
     written = mgr.last_save_stats.process_bytes

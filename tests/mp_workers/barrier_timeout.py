@@ -23,7 +23,7 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 BARRIER_TIMEOUT_SECS = 2.0
 NAME = "barrier_timeout_test"
@@ -37,7 +37,7 @@ def main(directory: str) -> dict:
       lambda idx: w[idx])}
   mgr = flax_ckpt_plugin.CheckpointManager(
       directory,
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS, name=NAME))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS, name=NAME))
   result = {"manager_name": mgr.name,
             "barrier_timeout_secs": BARRIER_TIMEOUT_SECS}
   if _setup.PROCESS_ID == 0:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Retention
 
 LOSS = {0: {1: 0.9, 2: 0.2, 3: 0.8, 4: 0.1, 5: 0.7, 6: 0.6},
@@ -38,7 +38,7 @@ def main(directory: str) -> dict:
   with flax_ckpt_plugin.CheckpointManager(
       directory, max_to_keep=1,
       retention=Retention(keep_best=2, best_metric="loss"),
-      commit=Commit(barrier_timeout_secs=60)) as manager:
+      processes=Processes(barrier_timeout_secs=60)) as manager:
     for step in range(1, 7):
       w = jax.make_array_from_callback(
           (8,), sharding, lambda idx, s=step: np.full(8, s, np.float32)[idx])

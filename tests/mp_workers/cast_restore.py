@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import FaultTolerance
 
 DIR = sys.argv[1]
@@ -46,7 +46,7 @@ cb = flax_ckpt_plugin.CheckpointCallback(
     f"{DIR}/ckpt", every_steps=1,
     tolerance=FaultTolerance(local_directory=f"{DIR}/local_{_setup.PROCESS_ID}",
                              local_every_steps=1),
-    commit=Commit(barrier_timeout_secs=30))
+    processes=Processes(barrier_timeout_secs=30))
 cb(1, state)
 cb.close()
 with flax_ckpt_plugin.CheckpointManager(f"{DIR}/ckpt", read_only=True) as m:
@@ -58,7 +58,7 @@ cb = flax_ckpt_plugin.CheckpointCallback(
     f"{DIR}/ckpt", every_steps=1,
     tolerance=FaultTolerance(local_directory=f"{DIR}/local_{_setup.PROCESS_ID}",
                              local_every_steps=1),
-    commit=Commit(barrier_timeout_secs=30))
+    processes=Processes(barrier_timeout_secs=30))
 restored = cb.restore_or_initialize(bf16_target(), cast=True)
 tier = cb.restored_tier
 callback = _setup.leaf_digests(restored)

@@ -18,7 +18,7 @@ topo.init()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 MESH = (2, 2)
 
@@ -36,7 +36,7 @@ def main(directory: str) -> dict:
       raise RuntimeError("evaluation launcher is down")
 
   mgr = flax_ckpt_plugin.CheckpointManager(
-      directory, commit=Commit(barrier_timeout_secs=60, hooks=[hook]))
+      directory, processes=Processes(barrier_timeout_secs=60), hooks=[hook])
   mgr.save(1, state)
   mgr.wait_until_finished()
   mgr.save(2, state)

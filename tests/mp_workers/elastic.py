@@ -64,7 +64,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointManager  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import FaultTolerance
 
 IN, HIDDEN, OUT, BATCH = 8, 48, 4, 48
@@ -150,8 +150,8 @@ cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
     tolerance=FaultTolerance(local_directory=DIR / f"local_{_setup.PROCESS_ID}",
                              local_every_steps=LOCAL_EVERY, elastic=True),
-    commit=Commit(barrier_timeout_secs=60,
-                  primary_host=int(os.environ.get("ELASTIC_PRIMARY", "0"))))
+    processes=Processes(barrier_timeout_secs=60,
+                        primary_host=int(os.environ.get("ELASTIC_PRIMARY", "0"))))
 state = cb.restore_or_initialize(state, make_target=make_target)
 saved: dict[str, str] = {}  # "generation/step": digest, at saves.
 recoveries, rejoins, digests = [], [], {}

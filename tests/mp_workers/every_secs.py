@@ -23,7 +23,7 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin.manager import schedule
 
 EVERY_SECS = 3.5
@@ -45,7 +45,7 @@ def main(directory: str) -> dict:
   schedule.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_secs=EVERY_SECS, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=30))
+      processes=Processes(barrier_timeout_secs=30))
   saved = []
   for step in range(1, NUM_STEPS + 1):
     now[0] = CLOCK_RATE * step

@@ -23,7 +23,7 @@ _setup.init()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 BARRIER_TIMEOUT_SECS = 30
 
@@ -31,7 +31,7 @@ BARRIER_TIMEOUT_SECS = 30
 def _callback(directory: str) -> flax_ckpt_plugin.CheckpointCallback:
   return flax_ckpt_plugin.CheckpointCallback(
       directory, every_steps=1, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
 
 
 def save(directory: str) -> dict:

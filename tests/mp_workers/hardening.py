@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 VALUES = np.arange(64, dtype=np.float32).reshape(8, 8)
 
@@ -50,7 +50,7 @@ def disagree(directory: str) -> dict:
   errors = {}
   with flax_ckpt_plugin.CheckpointManager(
       os.path.join(directory, "run"), max_to_keep=1,
-      commit=Commit(barrier_timeout_secs=30)) as mgr:
+      processes=Processes(barrier_timeout_secs=30)) as mgr:
     mgr.save(1, good)
     mgr.wait_until_finished()
     for step, (name, state) in enumerate(cases.items(), start=2):

@@ -29,7 +29,7 @@ import jax
 
 import flax_ckpt_plugin
 from flax_ckpt_plugin.format import storage
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 PRIMARY_HOST = int(os.environ.get("PRIMARY_HOST", "0"))
 KILL_AT_STEP = int(os.environ.get("KILL_AT_STEP", "-1"))
@@ -61,8 +61,8 @@ def _inject_kill() -> None:
 def _manager(directory: str) -> flax_ckpt_plugin.CheckpointManager:
   return flax_ckpt_plugin.CheckpointManager(
       directory, max_to_keep=None,
-      commit=Commit(primary_host=PRIMARY_HOST,
-                    barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
+      processes=Processes(primary_host=PRIMARY_HOST,
+                          barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
 
 
 def crash(directory: str) -> None:

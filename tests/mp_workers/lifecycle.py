@@ -31,7 +31,7 @@ import jax
 import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin.restore import data_files
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin.manager import schedule
 
 BARRIER_TIMEOUT_SECS = 30
@@ -51,8 +51,8 @@ def one_sided(directory: str) -> dict:
   for step in (1, 2):  # A manager opened twice, as a restarted loop would.
     with flax_ckpt_plugin.CheckpointManager(
         run,
-        commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
-                      hooks=[evaluate])) as mgr:
+        processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS),
+        hooks=[evaluate]) as mgr:
       mgr.save(step, state)
       mgr.wait_until_finished()
       steps = mgr.all_steps()
@@ -67,7 +67,7 @@ def restore_error(directory: str) -> dict:
     data_files.ByteReader.read_into = denied
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "run"),
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
   t0 = time.monotonic()
   error = None
   try:
@@ -104,7 +104,7 @@ def every_secs_calls(directory: str) -> dict:
   schedule.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "secs"), every_secs=50, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
   state = {"w": jax.numpy.arange(4.0)}
   saved = []
   before = counting.blocking_gets

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 COUNT = 300
 DTYPES = (np.float32, jnp.bfloat16, np.int8, np.bool_, np.int32)
@@ -51,7 +51,7 @@ def main(mode: str, directory: str) -> dict:
   want = values()
   if mode == "save":
     with flax_ckpt_plugin.CheckpointManager(
-        directory, commit=Commit(barrier_timeout_secs=60)) as mgr:
+        directory, processes=Processes(barrier_timeout_secs=60)) as mgr:
       mgr.save(4, {k: jax.make_array_from_callback(  # Not device_put: its
           v.shape, everywhere, lambda i, v=v: v[i])  # check fails on NaN.
                    for k, v in want.items()})
@@ -59,7 +59,7 @@ def main(mode: str, directory: str) -> dict:
   target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=everywhere)
             for k, v in want.items()}
   with flax_ckpt_plugin.CheckpointManager(
-      directory, commit=Commit(barrier_timeout_secs=60)) as mgr:
+      directory, processes=Processes(barrier_timeout_secs=60)) as mgr:
     step, tree = mgr.restore_newest_valid(target)
     read = mgr.last_restore_stats.nbytes_read
   wrong = [k for k, v in tree.items()

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 
 def main(url: str, dtype: str, length: str, x64: str = "") -> dict:
@@ -34,7 +34,7 @@ def main(url: str, dtype: str, length: str, x64: str = "") -> dict:
   target = {"w": jax.ShapeDtypeStruct((int(length),), np.dtype(dtype),
                                       sharding=everywhere)}
   with flax_ckpt_plugin.CheckpointManager(
-      url, commit=Commit(barrier_timeout_secs=60)) as mgr:
+      url, processes=Processes(barrier_timeout_secs=60)) as mgr:
     with jax.enable_x64(x64 == "x64"):
       step, tree = mgr.restore_newest_valid(target)
     read = mgr.last_restore_stats.nbytes_read

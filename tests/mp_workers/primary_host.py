@@ -20,7 +20,7 @@ topo.init()
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 NUM_STEPS, KEEP, PRIMARY = 4, 2, 1
 MESH = (2, 2)
@@ -32,7 +32,7 @@ def main(directory: str) -> dict:
   train_step = topo.make_train_step(mesh)
   mgr = flax_ckpt_plugin.CheckpointManager(
       directory, max_to_keep=KEEP,
-      commit=Commit(primary_host=PRIMARY, barrier_timeout_secs=60))
+      processes=Processes(primary_host=PRIMARY, barrier_timeout_secs=60))
   saved = {}
   for step in range(1, NUM_STEPS + 1):
     state = train_step(state)

@@ -28,7 +28,7 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 DIR = sys.argv[1]
 mesh = _train.mesh()  # ("data", "model"): rows are the processes.
@@ -54,11 +54,11 @@ class _Hints(logging.Handler):
 
 logging.getLogger("flax_ckpt_plugin").addHandler(_Hints())
 with flax_ckpt_plugin.CheckpointManager(
-    DIR, commit=Commit(barrier_timeout_secs=30)) as m:
+    DIR, processes=Processes(barrier_timeout_secs=30)) as m:
   m.save(1, state)
   m.save(2, state)
 with flax_ckpt_plugin.CheckpointManager(
-    DIR, read_only=True, commit=Commit(barrier_timeout_secs=30)) as m:
+    DIR, read_only=True, processes=Processes(barrier_timeout_secs=30)) as m:
   alone = m.restore(target)
   m.restore(target)
   alone_stats = m.last_restore_stats

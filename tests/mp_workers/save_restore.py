@@ -19,7 +19,7 @@ from flax.training import train_state
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 NUM_STEPS, EVERY, KEEP = 6, 2, 2
 
@@ -29,7 +29,7 @@ def save(directory: str) -> dict:
   train_step = _train.make_train_step()
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_steps=EVERY, max_to_keep=KEEP,
-      commit=Commit(barrier_timeout_secs=30))
+      processes=Processes(barrier_timeout_secs=30))
   saved = {}
   for step in range(1, NUM_STEPS + 1):
     state = train_step(state)
@@ -56,7 +56,7 @@ def save(directory: str) -> dict:
 def restore(directory: str) -> dict:
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_steps=EVERY, max_to_keep=KEEP,
-      commit=Commit(barrier_timeout_secs=30))
+      processes=Processes(barrier_timeout_secs=30))
   target = _train.abstract_state()
   state = cb.restore_or_initialize(target)
   # The same bytes under a partitioning the writer never used.

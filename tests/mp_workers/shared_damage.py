@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 
 def main(directory: str, length: str) -> dict:
@@ -32,7 +32,7 @@ def main(directory: str, length: str) -> dict:
                              PartitionSpec())
   leaf = jax.ShapeDtypeStruct((int(length),), np.float32, sharding=everywhere)
   with flax_ckpt_plugin.CheckpointManager(
-      directory, commit=Commit(barrier_timeout_secs=60)) as mgr:
+      directory, processes=Processes(barrier_timeout_secs=60)) as mgr:
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                                sharding=everywhere)
     step, tree = mgr.restore_newest_valid({"a": leaf, "b": leaf, "key": key})

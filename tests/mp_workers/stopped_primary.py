@@ -23,7 +23,7 @@ _setup.init()
 import numpy as np
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 BARRIER_TIMEOUT_SECS = 3.0
 TIMEOUT_EXIT, OTHER_ERROR_EXIT = 3, 4
@@ -40,7 +40,7 @@ def _wait_for(path: str, secs: float) -> None:
 def main(directory: str) -> None:
   mgr = flax_ckpt_plugin.CheckpointManager(
       os.path.join(directory, "run"), max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))
   state = {"w": np.arange(8, dtype=np.float32) + _setup.PROCESS_ID}
   mgr.save(1, state)
   mgr.wait_until_finished()

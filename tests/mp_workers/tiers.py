@@ -40,7 +40,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import PeerLostError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import FaultTolerance
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
@@ -82,7 +82,7 @@ cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=2,
     tolerance=FaultTolerance(local_directory=DIR / f"local_{_setup.PROCESS_ID}",
                              local_every_steps=LOCAL_EVERY),
-    commit=Commit(barrier_timeout_secs=60))
+    processes=Processes(barrier_timeout_secs=60))
 state = cb.restore_or_initialize(state)
 result = {"restored_step": cb.restored_step, "restored_tier":
           cb.restored_tier, "restored_extra": cb.restored_extra,

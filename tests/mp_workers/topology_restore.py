@@ -21,7 +21,7 @@ from flax.training import train_state
 import jax
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 
 def _target(layout: str, mesh_shape: str):
@@ -34,7 +34,7 @@ def _target(layout: str, mesh_shape: str):
 def main(directory: str, mesh_shape: str, layouts: str) -> dict:
   # Read-only, as an evaluation job reading a training job's directory.
   mgr = flax_ckpt_plugin.CheckpointManager(
-      directory, read_only=True, commit=Commit(barrier_timeout_secs=60))
+      directory, read_only=True, processes=Processes(barrier_timeout_secs=60))
   result = {"process_count": topo.NUM_PROCESSES,
             "local_devices": len(jax.local_devices())}
   for layout in layouts.split(","):

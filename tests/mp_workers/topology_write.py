@@ -16,7 +16,7 @@ topo.init()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import flax_ckpt_plugin
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 STEP = 2
 
@@ -29,7 +29,7 @@ def main(directory: str, mesh_shape: str) -> dict:
   for _ in range(STEP):
     state = train_step(state)
   mgr = flax_ckpt_plugin.CheckpointManager(
-      directory, commit=Commit(barrier_timeout_secs=60))
+      directory, processes=Processes(barrier_timeout_secs=60))
   mgr.save(STEP, state)
   mgr.wait_until_finished()
   target = topo.abstract_state(mesh, topo.SPECS)

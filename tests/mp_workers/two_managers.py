@@ -24,7 +24,7 @@ import jax
 
 import flax_ckpt_plugin
 from flax_ckpt_plugin.multihost import coordinator
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 NUM_STEPS = 4
 MESH = (2, 2)
@@ -56,10 +56,11 @@ def main(train_dir: str, ema_dir: str) -> dict:
               "ema": RecordingCoordinator()}
   train = flax_ckpt_plugin.CheckpointManager(
       train_dir, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=60, coordinator=barriers["train"]))
+      processes=Processes(barrier_timeout_secs=60,
+                          coordinator=barriers["train"]))
   ema_mgr = flax_ckpt_plugin.CheckpointManager(
       ema_dir, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=60, coordinator=barriers["ema"]))
+      processes=Processes(barrier_timeout_secs=60, coordinator=barriers["ema"]))
   saved = {"train": {}, "ema": {}}
   for step in range(1, NUM_STEPS + 1):
     state = train_step(state)

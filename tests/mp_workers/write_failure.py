@@ -28,7 +28,7 @@ import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin.multihost import coordinator
 from flax_ckpt_plugin.format import storage
-from flax_ckpt_plugin import Commit
+from flax_ckpt_plugin import Processes
 
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "-1"))
 KV_LATENCY_SECS = float(os.environ.get("KV_LATENCY_SECS", "0"))
@@ -69,8 +69,8 @@ def main(directory: str) -> dict:
   train_step = _train.make_train_step()
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_steps=2, max_to_keep=None,
-      commit=Commit(barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
-                    coordinator=_SlowReads() if KV_LATENCY_SECS > 0 else None))
+      processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS,
+                          coordinator=_SlowReads() if KV_LATENCY_SECS > 0 else None))
   saved = {}
   for step in range(1, 5):
     state = train_step(state)
