@@ -113,3 +113,20 @@ def test_the_records_reach_the_manager(tmp_path):
   assert not cb.save_on_preemption
   restored = CheckpointManager(tmp_path / "ckpt").restore(tiny(0))
   assert restored["w"].tolist() == [5, 5, 5]
+
+
+def test_the_old_commit_record_names_the_records_that_split_it(tmp_path):
+  """`Commit` is split by what it decided: the name and the keyword say
+  where each of its fields is now."""
+  import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
+  with pytest.raises(AttributeError, match=r"Storage \(backend, atomicity,"
+                     r" pinned_host_bytes\), Processes \(primary_host"):
+    flax_ckpt_plugin.Commit  # pylint: disable=pointless-statement
+  with pytest.raises(TypeError) as info:
+    CheckpointCallback(tmp_path, commit=None)
+  assert ("commit is storage=Storage(backend, atomicity, pinned_host_bytes),"
+          " processes=Processes(") in str(info.value)
+  assert "callback.add_commit_hook(hook)" in str(info.value)
+  with pytest.raises(ValueError, match="disagree: give it one way"):
+    CheckpointManager(tmp_path, max_to_keep=2,
+                      retention=Retention(max_to_keep=3))
