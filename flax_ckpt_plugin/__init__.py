@@ -82,13 +82,23 @@ _LAZY = {
 }
 
 
+_COMMIT_SPLIT = (
+    "Commit is split by what it decides: Storage(backend, atomicity,"
+    " pinned_host_bytes), Processes(primary_host, barrier_timeout_secs,"
+    " coordinator, name), and commit hooks: add_commit_hook(hook) (or the"
+    " manager's hooks=[...])")
+
+
+def _commit(*args, **kwargs) -> Any:
+  """The record that `Storage` and `Processes` replaced: says so."""
+  del args, kwargs
+  raise TypeError(_COMMIT_SPLIT)
+
+
 def __getattr__(name: str) -> Any:
   module = _LAZY.get(name)
-  if name == "Commit":
-    raise AttributeError(
-        "flax_ckpt_plugin.Commit is split by what it decides: Storage"
-        " (backend, atomicity, pinned_host_bytes), Processes (primary_host,"
-        " barrier_timeout_secs, coordinator, name), and the keyword hooks=")
+  if name == "Commit":  # `from flax_ckpt_plugin import Commit` finds it,
+    return _commit      # and using it says where its fields went.
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
   value = getattr(importlib.import_module(module), name)

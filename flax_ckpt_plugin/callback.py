@@ -165,7 +165,8 @@ class CheckpointCallback:
         forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
     if (every_steps is None and every_secs is None
-        and not self.triggers.on_steps and last_step is None):
+        and not self.triggers.on_steps and last_step is None
+        and tolerance.local_every_steps is None):
       log.warning(
           "CheckpointCallback(%s) has no trigger: it saves %s. Pass"
           " every_steps=N (Orbax's save_interval_steps; Orbax saves every"
@@ -180,6 +181,7 @@ class CheckpointCallback:
 
   def add_commit_hook(self, hook: Callable[[SaveStats], None]) -> None:
     """See `CheckpointManager.add_commit_hook`."""
+    self._check_open()
     self.manager.add_commit_hook(hook)
 
   def __call__(self, step: int, state: Any, *, extra: Any = None,
@@ -322,7 +324,9 @@ class CheckpointCallback:
     Raises:
       CheckpointCorruptedError: steps exist but none of them restores.
       StructureMismatchError: `state` does not fit the checkpoint.
+      RuntimeError: the callback is closed.
     """
+    self._check_open()
     if data_iterator is not None:
       self.data_iterator = data_iterator
     self.restore_data_state = restore_data_state
@@ -381,7 +385,12 @@ class CheckpointCallback:
     return done.state
 
   def wait_until_finished(self) -> None:
-    """Blocks until the running save is durable; raises its error."""
+    """Blocks until the running save is durable; raises its error.
+
+    Raises:
+      RuntimeError: the callback is closed.
+    """
+    self._check_open()
     try:
       self.tiers.wait_until_finished()
     finally:

@@ -305,10 +305,13 @@ def test_a_closed_callback_says_so_at_every_call(ckpt_dir):
   cb = CheckpointCallback(ckpt_dir, every_steps=2)
   cb(2, {"w": np.ones(2)})
   cb.close()
-  for step in (3, 4):
+  calls = [lambda: cb(3, {"w": np.ones(2)}), lambda: cb(4, {"w": np.ones(2)}),
+           lambda: cb.restore_or_initialize({"w": np.ones(2)}),
+           cb.wait_until_finished, lambda: cb.add_commit_hook(print)]
+  for call in calls:
     with pytest.raises(RuntimeError,
                        match=r"CheckpointCallback for .* is closed"):
-      cb(step, {"w": np.ones(2)})
+      call()
 
 
 def test_extra_comes_back_as_json_reads_it(ckpt_dir):

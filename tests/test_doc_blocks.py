@@ -142,14 +142,27 @@ SETUP = {
     "docs/troubleshooting.md:state = train_step(state)  # consumes the old"
     " state": "cb = CheckpointCallback(workdir, every_steps=1)",
 }
-EPILOGUE = {  # What a block leaves open for the page's next lines.
+# What runs after a block: what the page's next lines do with it (a save
+# that reaches its hooks and its metric writer), and closing what it left
+# open.
+_SAVE_AND_CLOSE = ("assert cb(1000, train_step(create_train_state()))\n"
+                   "cb.wait_until_finished()\ncb.close()")
+EPILOGUE = {
     "docs/usage.md:raw = mngr.restore(None)": "mngr.close()",
     "docs/troubleshooting.md:state = train_step(state)  # consumes the old"
     " state": "cb.close()",
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
-    " metric_writer=writer)": "cb.close()",
-    "docs/integrations.md:import subprocess": "cb.close()",
-    "docs/usage.md:import signal": "cb.close()",
+    " metric_writer=writer)": _SAVE_AND_CLOSE,
+    "docs/integrations.md:import subprocess": _SAVE_AND_CLOSE,
+    "docs/usage.md:import signal": _SAVE_AND_CLOSE,
+}
+# What a block prints, where the page shows it.
+PRINTS = {
+    "docs/usage.md:import jax.numpy as jnp": [
+        "[2, 3]", "3", "{'epoch': 0}", "2 2.0"],
+    "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
+    " metric_writer=writer)": ["scalars 1000 ['checkpoint/blocking_secs',"],
+    "docs/integrations.md:import subprocess": ["durable: 1000 "],
 }
 
 
@@ -200,6 +213,7 @@ def test_the_block_runs(tmp_path, page, line, code):
   script = "\n".join([PRELUDE, _key(page, code, SETUP) or "", code,
                       _key(page, code, EPILOGUE) or ""])
   (tmp_path / "block.py").write_text(script)
+  (tmp_path / "eval.py").write_text("")  # What a commit hook launches.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
              PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
                  "PYTHONPATH", "")]))
@@ -209,3 +223,6 @@ def test_the_block_runs(tmp_path, page, line, code):
   assert proc.returncode == 0, (
       f"{page}:{line} failed:\n{textwrap.indent(code, '  ')}\n"
       f"{proc.stderr[-3000:]}")
+  printed = proc.stdout.splitlines()
+  for expected in _key(page, code, PRINTS) or []:
+    assert any(p.startswith(expected) for p in printed), (expected, printed)
