@@ -8,6 +8,7 @@ its `extra`.
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -84,14 +85,25 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
   elastic = EXAMPLE.parent / "elastic.py"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  result = subprocess.run(
-      [sys.executable, os.fspath(elastic), "--launch", "4", "--workdir",
-       os.fspath(tmp_path / "ckpt"), "--local-dir",
-       os.fspath(tmp_path / "local"), "--num-steps", "60",
-       "--kill-process", "2", "--kill-step", "12", "--relaunch",
-       "--step-secs", "0.3"],
-      capture_output=True, text=True, env=env, timeout=300, check=False)
-  out = result.stdout + result.stderr
+  for attempt in range(2):
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+    shutil.rmtree(tmp_path / "local", ignore_errors=True)
+    result = subprocess.run(
+        [sys.executable, os.fspath(elastic), "--launch", "4", "--workdir",
+         os.fspath(tmp_path / "ckpt"), "--local-dir",
+         os.fspath(tmp_path / "local"), "--num-steps", "60",
+         "--kill-process", "2", "--kill-step", "12", "--relaunch",
+         "--step-secs", "0.3"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    out = result.stdout + result.stderr
+    # Once in CI (1 run of many), gloo, JAX's CPU collectives, aborted a
+    # survivor in the killed process's step ("gloo::EnforceNotMet ...
+    # Received data size doesn't match expected size"): a C++ abort inside
+    # the collective library, before any of this package's code runs, that
+    # NCCL on GPUs does not have. Only that abort earns a second run.
+    if attempt or "gloo::EnforceNotMet" not in out:
+      break
+    print("gloo aborted a survivor; running the example again:\n" + out)
   assert "process 2 exited with code 137" in out, out
   for p in range(4):
     assert f"process {p} exited with code 0" in out, out
