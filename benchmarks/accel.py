@@ -160,7 +160,7 @@ def _save_worker(args: argparse.Namespace) -> dict:
          "jax": jax.__version__, "state_bytes": sum(a.nbytes for a in leaves)}
   ours = args.worker.startswith("ours")
   if ours:
-    from flax_ckpt_plugin.save import pinned  # pylint: disable=g-import-not-at-top
+    from flax_ckpt_plugin.arrays import pinned  # pylint: disable=g-import-not-at-top
     out["pinned_path"] = pinned.takes(jax.devices()[0])
 
   def steps(n, synced=True):

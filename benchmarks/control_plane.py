@@ -16,7 +16,7 @@ then (`--faults`) one process stops answering, or restarts and asks to
 rejoin as a relaunched process of an elastic job does, or every process
 closes its watcher as at a job's end, and it measures the time until every
 survivor knows, and what the service was asked. `--write-plan`
-times one process's write plan (`writeplan.plan`: who writes which bytes)
+times one process's write plan (`division.plan`: who writes which bytes)
 for `--leaves` arrays of a transformer-like state on a (data, model) mesh of
 N processes x 8 devices, whose devices stand in for JAX's (`MeshSharding`).
 `--shares` runs the survivors' choice, for their save after a loss, of who
@@ -54,7 +54,7 @@ from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
-from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.arrays import division
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
 
@@ -719,12 +719,12 @@ def time_write_plan(n: int, leaves: int, process: int | None = None
   from cold caches (as a job's first save), and the pieces it gets."""
   arrays = tuple(transformer_arrays(n, leaves))
   process = n // 2 if process is None else process
-  for cache in (writeplan.plan, getattr(writeplan, "_held", None),
-                getattr(writeplan, "_grid", None)):
+  for cache in (division.plan, getattr(division, "_held", None),
+                getattr(division, "_grid", None)):
     if cache is not None:
       cache.cache_clear()
   t = time.process_time()
-  planned = writeplan.plan(arrays, process, n)
+  planned = division.plan(arrays, process, n)
   secs = time.process_time() - t
   listing = sum(s.cpu_secs for s in {id(a[0]): a[0] for a in arrays}.values())
   return {"processes": n, "devices": n * 8, "leaves": leaves,
@@ -733,7 +733,7 @@ def time_write_plan(n: int, leaves: int, process: int | None = None
           # indices (JAX's part with real shardings).
           "indices_cpu_secs": listing,
           "pieces": sum(len(p) for p in planned),
-          "bytes": int(sum(writeplan._volume(p.index) * d.itemsize  # pylint: disable=protected-access
+          "bytes": int(sum(division._volume(p.index) * d.itemsize  # pylint: disable=protected-access
                            for pieces, (_, _, d) in zip(planned, arrays)
                            for p in pieces))}
 

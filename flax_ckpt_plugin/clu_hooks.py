@@ -32,7 +32,7 @@ from typing import Any, Callable
 from clu import periodic_actions
 from etils import epath
 
-from flax_ckpt_plugin.callback import CheckpointCallback
+from flax_ckpt_plugin.loop.callback import CheckpointCallback
 from flax_ckpt_plugin.manager.manager import CheckpointManager
 from flax_ckpt_plugin.logs import log
 

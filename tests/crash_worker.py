@@ -49,7 +49,8 @@ from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.manager import manager as manager_lib
 from flax_ckpt_plugin.backends import layout
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
@@ -225,7 +226,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
           _die(moment, writing[0])
         real(data_file, buf, offset)
       return hooked
-    wrap(storage, "write_process_files", write_process_files)
+    wrap(writer, "write_process_files", write_process_files)
     wrap(datafile.DataFile, "write", write_shard)
   elif moment == "finalize_manifest":
     def write_manifest(real):
@@ -235,7 +236,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
           _die(moment, _step_of(step_dir))
         return manifest
       return hooked
-    wrap(storage, "write_manifest", write_manifest)
+    wrap(writer, "write_manifest", write_manifest)
   elif moment == "finalize_marker":
     def write_small(real):
       def hooked(self, path, text):
@@ -263,7 +264,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
             and due()):
           if moment == "retention_partial":
             # As if rmtree got part of the way: the data, then the manifest.
-            real(self, path / storage.DATA_DIR)
+            real(self, path / files.DATA_DIR)
             (path / layout.MANIFEST).unlink()
           _die(moment, _step_of(path))
         real(self, path)

@@ -212,7 +212,7 @@ def run_console(block: str, cwd: pathlib.Path) -> None:
 
 def pinned_counter(real: Callable[..., Any]
                    ) -> tuple[dict[str, int], Callable[..., Any]]:
-  """Counts the arrays that `real` (`pinned.copies_onto`) copies onto pinned
+  """Counts the arrays that `real` (`copies.copies_onto`) copies onto pinned
   host memory and off it, by memory kind. Returns the counts, which fill as
   it runs, and the counting function to put in its place."""
   seen = {"onto_pinned": 0, "off_pinned": 0}

@@ -38,7 +38,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
-from flax_ckpt_plugin.restore import restore as restore_lib
+from flax_ckpt_plugin.restore import tree as restore_lib
 from helpers import call_on_thread
 
 MANIFEST = "manifest.json"

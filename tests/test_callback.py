@@ -11,7 +11,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
-from flax_ckpt_plugin.manager import schedule
+from flax_ckpt_plugin.loop import triggers
 from fake_coordinator import FakeCluster
 from fake_coordinator import ThreadCoordinator
 
@@ -57,7 +57,7 @@ def test_step_triggers(ckpt_dir, kwargs, saved):
 
 def test_every_secs_with_fake_clock(ckpt_dir, monkeypatch):
   clock = FakeClock()
-  monkeypatch.setattr(schedule, "monotonic", clock)
+  monkeypatch.setattr(triggers, "monotonic", clock)
   callback = CheckpointCallback(ckpt_dir, every_secs=10.0, max_to_keep=None)
   start = clock.now
   saved = []

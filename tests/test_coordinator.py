@@ -21,7 +21,7 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
-from flax_ckpt_plugin.manager import schedule
+from flax_ckpt_plugin.loop import triggers
 from fake_coordinator import FakeCluster
 from fake_coordinator import run_threads
 
@@ -266,7 +266,7 @@ def test_every_secs_agrees_without_asking_at_every_step(tmp_path,
   interval, and all processes still save at the same steps."""
   steps = 400
   clocks = {}  # Each "process" (thread) has a clock of its own.
-  monkeypatch.setattr(schedule, "monotonic",
+  monkeypatch.setattr(triggers, "monotonic",
                       lambda: clocks[threading.get_ident()]())
 
   def work(coord):

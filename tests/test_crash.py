@@ -51,7 +51,8 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import layout
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
@@ -409,8 +410,8 @@ def _save_steps(directory, steps, make_state, train_step, host_copy,
 
 @pytest.mark.parametrize("removed", [
     [],
-    [storage.data_file(0)],
-    [storage.data_file(0), layout.MANIFEST],
+    [files.data_file(0)],
+    [files.data_file(0), layout.MANIFEST],
 ], ids=["nothing_removed", "data_removed", "data_and_manifest_removed"])
 def test_half_deleted_step_is_never_listed_and_is_removed_on_open(
     ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,
@@ -465,8 +466,8 @@ def _fail_marker(self, path, text):
 
 @pytest.mark.parametrize("atomicity_mode", ["rename", "commit_file"])
 @pytest.mark.parametrize("patch", [
-    (storage, "write_process_files", _fail_write),
-    (storage, "write_manifest", _fail_manifest),
+    (writer, "write_process_files", _fail_write),
+    (writer, "write_manifest", _fail_manifest),
     (backend_lib.LocalBackend, "write_small", _fail_marker),
 ], ids=["write", "manifest", "marker"])
 def test_only_step_survives_a_failing_newer_save_with_max_to_keep_1(

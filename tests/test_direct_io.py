@@ -31,7 +31,8 @@ from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.format import records
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
 from flax_ckpt_plugin import Storage
@@ -90,14 +91,14 @@ def _leaves(bufs: list[np.ndarray]) -> list[LeafSnapshot]:
 def _write(step_dir: pathlib.Path, bufs: list[np.ndarray],
            backend: backend_lib.Backend | None = None) -> dict:
   step_dir.mkdir()
-  storage.write_process_files(epath.Path(step_dir), _leaves(bufs), 0,
+  writer.write_process_files(epath.Path(step_dir), _leaves(bufs), 0,
                               backend=backend)
-  return json.loads((step_dir / storage.index_file(0)).read_text())
+  return json.loads((step_dir / files.index_file(0)).read_text())
 
 
 def _assert_file_holds(step_dir: pathlib.Path, table: dict,
                        bufs: list[np.ndarray]) -> None:
-  data = (step_dir / storage.data_file(0)).read_bytes()
+  data = (step_dir / files.data_file(0)).read_bytes()
   assert len(data) == table["nbytes"]
   for entry, buf in zip(table["shards"], bufs):
     got = data[entry["offset"]:entry["offset"] + entry["nbytes"]]

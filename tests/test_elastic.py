@@ -28,7 +28,7 @@ import pytest
 
 from flax_ckpt_plugin.tolerance import elastic
 from flax_ckpt_plugin.tolerance import generations
-from flax_ckpt_plugin.tolerance import tiers
+from flax_ckpt_plugin.loop import tiers
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
 from launcher import WorkerGroup

@@ -36,17 +36,17 @@ _EXIT_WITHOUT_CLOSE = textwrap.dedent("""
     import sys, time
     import numpy as np
     from flax_ckpt_plugin import CheckpointManager
-    from flax_ckpt_plugin.format import storage
+    from flax_ckpt_plugin.save import writer
     directory, fail = sys.argv[1], sys.argv[2] == "fail"
     if fail:  # Fault injected: the write fails in the background.
       def broken(*args, **kwargs):
         raise OSError(28, "No space left on device (injected)")
-      storage.write_process_files = broken
-    real = storage.write_process_files
+      writer.write_process_files = broken
+    real = writer.write_process_files
     def slow(*args, **kwargs):  # Still writing when the script ends.
       time.sleep(1.0)
       return real(*args, **kwargs)
-    storage.write_process_files = slow
+    writer.write_process_files = slow
     mgr = CheckpointManager(directory)
     mgr.save(7, {"w": np.arange(1000, dtype=np.float32)})
     print("script done", flush=True)

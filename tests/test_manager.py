@@ -16,8 +16,8 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin.restore import data_files
-from flax_ckpt_plugin.save import copies as copies_lib
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.arrays import copies as copies_lib
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import Retention
@@ -34,7 +34,7 @@ TIMEOUT = 60
 class GatedWrite:
   """Holds every background data write until `release` is set.
 
-  Fault injected: replaces storage.write_process_files; the real write runs
+  Fault injected: replaces writer.write_process_files; the real write runs
   once the test sets `release`.
   """
 
@@ -42,8 +42,8 @@ class GatedWrite:
     self.entered = threading.Event()
     self.release = threading.Event()
     self.step_dirs = []
-    self._real = storage.write_process_files
-    monkeypatch.setattr(storage, "write_process_files", self)
+    self._real = writer.write_process_files
+    monkeypatch.setattr(writer, "write_process_files", self)
 
   def __call__(self, step_dir, leaves, process_index, **kwargs):
     self.step_dirs.append(step_dir)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin.tolerance import tiers
+from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.backends import memfile
 
 
@@ -19,7 +19,7 @@ class _Process:
 
 
 def _tier(path, keep):
-  return tiers.LocalTier(path, "job", coordinator=_Process(), keep=keep)
+  return local_tier.LocalTier(path, "job", coordinator=_Process(), keep=keep)
 
 
 def _state(step, n):

@@ -120,7 +120,7 @@ def test_write_failure_on_one_process_fails_the_save_everywhere(
     tmp_path, primary_kv_latency_secs):
   """A background write error on process 1 reaches both processes promptly.
 
-  Injected faults: process 1's `storage.write_process_files` raises OSError
+  Injected faults: process 1's `writer.write_process_files` raises OSError
   (ENOSPC) for step 4 (a full disk cannot be produced on demand); in the
   `slow_coordinator_reads` case, process 0's key-value reads from the
   coordination service also answer 0.5 s late (a local coordinator is never

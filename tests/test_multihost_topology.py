@@ -48,7 +48,7 @@ def written_4x2(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
 
   In that mesh the 'model' axis spans processes 0-1 (data row 0) and 2-3
   (data row 1), so each shard of a leaf split on 'model' only is held by
-  two processes, and one of them writes it (`writeplan`).
+  two processes, and one of them writes it (`division`).
   """
   ckpt = tmp_path_factory.mktemp("written_4x2") / "ckpt"
   return ckpt, _write(ckpt, 4, "2x4")
@@ -69,7 +69,7 @@ def test_each_byte_is_written_once_by_its_writer(request, tmp_path,
   (biases, step, count), is saved by every process. Each process writes one
   file whose size is its `last_save_stats.process_bytes`; the files add up to the
   bytes of all global arrays, and per leaf the manifest places each process's
-  bytes in its own file as `writeplan` assigns them (these shards are
+  bytes in its own file as `division` assigns them (these shards are
   small, so each is written whole by one of its holders).
   """
   if num_processes == 4:
@@ -304,7 +304,7 @@ def test_kill_during_save_times_out_then_restart_resumes(tmp_path,
   """SIGKILL in the middle of a save: the survivor fails fast; restart works.
 
   Injected fault: process 1 sends SIGKILL to itself from inside
-  `storage.write_process_files` for step 4 (step 2 was finalized before).
+  `writer.write_process_files` for step 4 (step 2 was finalized before).
   Process 0 (`barrier_timeout_secs=5`) must get a TimeoutError naming the
   barrier key from its next call into the library, soon after the timeout.
   Step 4 is never finalized. A fresh pair of processes on the same directory

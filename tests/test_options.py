@@ -5,7 +5,6 @@ its machine goes away).
 
 The everyday choices are keywords of their own; the rest live in typed,
 immutable records that the callback, the manager and the clu action share.
-A keyword that moved gives an error naming where it is now.
 """
 
 import dataclasses
@@ -21,7 +20,6 @@ from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
 from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.manager import options as manager_options
 
 from helpers import tiny
 
@@ -31,34 +29,6 @@ def test_the_callback_takes_ten_keywords_at_most():
   keywords = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
   assert len(keywords) <= 10, keywords
   assert {"retention", "tolerance", "storage", "processes"} <= set(keywords)
-
-
-@pytest.mark.parametrize("old", sorted(manager_options.CALLBACK_MOVED))
-def test_a_moved_keyword_of_the_callback_names_where_it_is_now(tmp_path, old):
-  with pytest.raises(TypeError) as info:
-    CheckpointCallback(tmp_path, **{old: None})
-  message = str(info.value)
-  assert f"takes no {old!r}" in message
-  assert manager_options.CALLBACK_MOVED[old] in message
-  assert not (tmp_path / "0").exists()
-
-
-@pytest.mark.parametrize("old", sorted(manager_options.MANAGER_MOVED))
-def test_a_moved_keyword_of_the_manager_names_where_it_is_now(tmp_path, old):
-  with pytest.raises(TypeError, match=f"CheckpointManager takes no"
-                     f" {old!r}: {old} is "):
-    CheckpointManager(tmp_path, **{old: None})
-
-
-def test_each_moved_keyword_names_a_field_of_its_record():
-  fields = {record.__name__: {f.name for f in dataclasses.fields(record)}
-            for record in (Retention, FaultTolerance, Storage, Processes)}
-  for old, where in manager_options.CALLBACK_MOVED.items():
-    if ("=" not in where or where.startswith("restore_or_initialize")
-        or old in ("commit", "commit_hooks", "hooks")):
-      continue
-    record, field = where.split("=", 1)[1].split("(", 1)
-    assert field.split("=")[0] in fields[record], (old, where)
 
 
 def test_records_are_immutable_and_check_their_values():
@@ -115,18 +85,7 @@ def test_the_records_reach_the_manager(tmp_path):
   assert restored["w"].tolist() == [5, 5, 5]
 
 
-def test_the_old_commit_record_names_the_records_that_split_it(tmp_path):
-  """`Commit` is split by what it decided: the name and the keyword say
-  where each of its fields is now."""
-  from flax_ckpt_plugin import Commit  # pylint: disable=g-import-not-at-top
-  with pytest.raises(TypeError, match=r"Storage\(backend, atomicity,"
-                     r" pinned_host_bytes\), Processes\(primary_host"):
-    Commit(barrier_timeout_secs=60)
-  with pytest.raises(TypeError) as info:
-    CheckpointCallback(tmp_path, commit=None)
-  assert ("commit is storage=Storage(backend, atomicity, pinned_host_bytes),"
-          " processes=Processes(") in str(info.value)
-  assert "callback.add_commit_hook(hook)" in str(info.value)
+def test_max_to_keep_given_two_ways_must_agree(tmp_path):
   with pytest.raises(ValueError, match="disagree: give it one way"):
     CheckpointManager(tmp_path, max_to_keep=2,
                       retention=Retention(max_to_keep=3))

@@ -1,5 +1,5 @@
 """The accelerator path: snapshots through pinned host memory, and restores
-that send pinned buffers to the devices (`flax_ckpt_plugin.save.pinned`).
+that send pinned buffers to the devices (`flax_ckpt_plugin.arrays.pinned`, `save.pinned_staging`, `restore.window`).
 
 The CPU backend has the `pinned_host` memory kind too, and the switch
 `FLAX_CKPT_PLUGIN_PINNED_CPU=1` makes CPU devices take that path, so these
@@ -28,7 +28,10 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import handles
-from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.arrays import copies as copies_lib
+from flax_ckpt_plugin.arrays import pinned
+from flax_ckpt_plugin.restore import window as window_lib
+from flax_ckpt_plugin.save import pinned_staging
 from flax_ckpt_plugin import Storage
 from helpers import assert_only_finalized_steps
 from helpers import call_on_thread
@@ -51,8 +54,8 @@ def pinned_on_cpu(monkeypatch):
 def copies(monkeypatch):
   """Counts the arrays copied onto pinned memory and off it, while the
   runtime copies them as usual."""
-  seen, counting = pinned_counter(pinned.copies_onto)
-  monkeypatch.setattr(pinned, "copies_onto", counting)
+  seen, counting = pinned_counter(copies_lib.copies_onto)
+  monkeypatch.setattr(copies_lib, "copies_onto", counting)
   return seen
 
 
@@ -118,8 +121,8 @@ def test_the_first_save_blocks_no_longer_than_later_ones(
   gives the memory back to the runtime's pool), so the first save's call
   does no more than later ones."""
   asked = []
-  real = pinned.PinnedStaging.warm_up
-  monkeypatch.setattr(pinned.PinnedStaging, "warm_up",
+  real = pinned_staging.PinnedStaging.warm_up
+  monkeypatch.setattr(pinned_staging.PinnedStaging, "warm_up",
                       lambda self, pieces: asked.append(list(pieces))
                       or real(self, pieces))
   cb = CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=2)
@@ -144,8 +147,8 @@ def test_the_first_save_blocks_no_longer_than_later_ones(
 def test_an_abstract_state_is_warmed_up_at_the_first_call(
     ckpt_dir, make_state, train_step, monkeypatch):
   asked = []
-  real = pinned.PinnedStaging.warm_up
-  monkeypatch.setattr(pinned.PinnedStaging, "warm_up",
+  real = pinned_staging.PinnedStaging.warm_up
+  monkeypatch.setattr(pinned_staging.PinnedStaging, "warm_up",
                       lambda self, pieces: asked.append(list(pieces))
                       or real(self, pieces))
   cb = CheckpointCallback(ckpt_dir, every_steps=2)
@@ -212,9 +215,9 @@ def test_a_failed_transfer_is_the_save_s_error_and_finalizes_nothing(
   state = make_state()
   manager.save(1, state)
   manager.wait_until_finished()
-  real = pinned.copies_onto
+  real = copies_lib.copies_onto
   monkeypatch.setattr(
-      pinned, "copies_onto",
+      copies_lib, "copies_onto",
       lambda srcs, shardings: [_FailedTransfer(a)
                                for a in real(srcs, shardings)])
   manager.save(2, state)  # Returns: nothing is waited for.
@@ -222,7 +225,7 @@ def test_a_failed_transfer_is_the_save_s_error_and_finalizes_nothing(
     manager.save(3, state)  # The next call raises the commit's error.
   assert "step 2" in "".join(getattr(info.value, "__notes__", [])) + str(
       info.value)
-  monkeypatch.setattr(pinned, "copies_onto", real)
+  monkeypatch.setattr(copies_lib, "copies_onto", real)
   assert manager.all_steps() == [1]
   assert_only_finalized_steps(ckpt_dir, [1])
   assert_trees_equal(manager.restore(make_state(), 1), host_copy(state))
@@ -240,7 +243,7 @@ def test_restores_send_pinned_buffers_to_sharded_targets(
   window so small that each read waits for the transfers before it: the
   values and shardings are the target's, and the restored arrays can be
   donated (the step that takes them reuses their memory)."""
-  monkeypatch.setattr(pinned, "RESTORE_WINDOW_BYTES", 1 << 16)
+  monkeypatch.setattr(window_lib, "RESTORE_WINDOW_BYTES", 1 << 16)
   mesh = two_device_mesh()
   sharding = NamedSharding(mesh, spec)
   values = {f"k{i}": np.arange(i, i + 256 * 128, dtype=np.float32).reshape(
@@ -301,8 +304,8 @@ def test_a_refused_pinned_copy_costs_that_save_and_a_back_off_only(
       pinned_saves.add(step)
     return real(srcs, shardings)
 
-  real, pinned_saves = pinned.copies_onto, set()
-  monkeypatch.setattr(pinned, "copies_onto", copies_onto)
+  real, pinned_saves = copies_lib.copies_onto, set()
+  monkeypatch.setattr(copies_lib, "copies_onto", copies_onto)
   state = make_state()
   nbytes = sum(a.nbytes for a in jax.tree.leaves(state)
                if isinstance(a, jax.Array))
@@ -320,7 +323,7 @@ def test_a_refused_pinned_copy_costs_that_save_and_a_back_off_only(
       raise RuntimeError("RESOURCE_EXHAUSTED: injected: no pinned buffer")
 
     with monkeypatch.context() as m:
-      m.setattr(pinned, "pinned_buffer", no_buffer)
+      m.setattr(window_lib, "pinned_buffer", no_buffer)
       assert_trees_equal(manager.restore(make_state(), 3), host_copy(state))
     step = 4
     manager.save(step, state)
@@ -412,7 +415,7 @@ def test_a_damaged_newest_step_restored_through_pinned_buffers_falls_back(
       return real_read(self, offset, out)
 
     monkeypatch.setattr(handles.LocalFile, "read_into", failing)
-  monkeypatch.setattr(pinned, "RESTORE_WINDOW_BYTES", window_mib << 20)
+  monkeypatch.setattr(window_lib, "RESTORE_WINDOW_BYTES", window_mib << 20)
   target = {f"w{i}": jax.ShapeDtypeStruct((2 << 20,), jnp.float32)
             for i in range(4)}
   cb = CheckpointCallback(ckpt_dir, every_steps=1)
@@ -433,9 +436,9 @@ def test_a_full_restore_window_ends_its_wait_with_an_error_naming_it(
   hands it on) fills the window: the next `take` that needs room ends
   with an error naming the wait, after `FILL_WAIT_SECS`, not a hang. A
   buffer given back makes room at once."""
-  monkeypatch.setattr(pinned, "FILL_WAIT_SECS", 0.3)
+  monkeypatch.setattr(window_lib, "FILL_WAIT_SECS", 0.3)
   device = jax.devices()[0]
-  window = pinned.RestoreWindow(limit=1 << 20)
+  window = window_lib.RestoreWindow(limit=1 << 20)
   held, _ = window.take((192, 1024), np.float32, device)  # 768 KiB.
   thread, box = call_on_thread(
       lambda: window.take((128, 1024), np.float32, device), 30)

@@ -27,7 +27,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import reader as reader_lib
-from flax_ckpt_plugin.save import copies as copies_lib
+from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.backends import backend
 from flax_ckpt_plugin.backends import layout
 

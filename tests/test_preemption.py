@@ -28,7 +28,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import FaultTolerance
 
 from helpers import start_thread
@@ -364,7 +364,7 @@ def test_sigterm_during_inflight_commit_saves_next_step_after_it(
   test releases it, as on a slow disk."""
   _, received = previous_handlers
   writing, release = threading.Event(), threading.Event()
-  real_write = storage.write_process_files
+  real_write = writer.write_process_files
 
   def held_write(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode) or "<step>".
@@ -374,7 +374,7 @@ def test_sigterm_during_inflight_commit_saves_next_step_after_it(
         raise TimeoutError("the test never released the write of step 4")
     return real_write(step_dir, leaves, process_index, **kwargs)
 
-  monkeypatch.setattr(storage, "write_process_files", held_write)
+  monkeypatch.setattr(writer, "write_process_files", held_write)
   cb = CheckpointCallback(ckpt_dir, every_steps=4, max_to_keep=None)
   try:
     expected = {}

@@ -14,7 +14,7 @@ import numpy as np
 
 from fake_coordinator import run_threads
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.tolerance import tiers
+from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.tolerance import rescue
 from flax_ckpt_plugin import Processes
@@ -26,7 +26,7 @@ def _local_steps(tmp_path, parts, shape):
 
   def save(coord):
     p = coord.process_index
-    tier = tiers.LocalTier(tmp_path / f"local_{p}", "job",
+    tier = local_tier.LocalTier(tmp_path / f"local_{p}", "job",
                                 coordinator=coord)
     lo, hi = parts[p]
     tier.manager.save(4, {"w": np.arange(lo, hi, dtype=np.int32)},

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.save import copies as copies_lib
+from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format import treepaths
 

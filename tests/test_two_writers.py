@@ -20,7 +20,7 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.save import writer
 from helpers import all_entries as _entries
 from helpers import restore_read_only as _restore
 from launcher import run_workers
@@ -129,7 +129,7 @@ def test_older_job_never_deletes_after_a_takeover_at_the_worst_moment(
 class _Gates:
   """Holds the n-th data write open until `release[n]` is set.
 
-  Injected fault: wraps `storage.write_process_files` so that each write,
+  Injected fault: wraps `writer.write_process_files` so that each write,
   once its data file is written, sets `entered[n]` and waits on `release[n]`
   (n counts writes from 0). Lets a test interleave two saves exactly.
   """
@@ -139,7 +139,7 @@ class _Gates:
     self.release = [threading.Event() for _ in range(count)]
     self._next = 0
     self._lock = threading.Lock()
-    real_write = storage.write_process_files
+    real_write = writer.write_process_files
 
     def gated_write(step_dir, leaves, process_index, **kwargs):
       nbytes = real_write(step_dir, leaves, process_index, **kwargs)
@@ -151,7 +151,7 @@ class _Gates:
           raise TimeoutError(f"the test never released gated write {n}")
       return nbytes
 
-    monkeypatch.setattr(storage, "write_process_files", gated_write)
+    monkeypatch.setattr(writer, "write_process_files", gated_write)
 
   def release_all(self) -> None:
     for event in self.release:
@@ -198,7 +198,7 @@ def test_read_only_manager_never_disturbs_a_save_in_progress(
   """An evaluation job opens a training directory while a save is running.
 
   Injected fault: step 2's write is held open once its data file is written
-  (`_Gates`: `storage.write_process_files` waits on a threading.Event),
+  (`_Gates`: `writer.write_process_files` waits on a threading.Event),
   leaving a `2.partial` on disk. A read-only manager opened then lists only
   step 1, restores it, refuses to save, and neither removes `2.partial` nor
   writes or changes `_WRITER`. Released, the save finalizes.

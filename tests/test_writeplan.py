@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin.format import manifest as manifest_lib
-from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.arrays import division
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _tree(sharding):
 def test_the_bytes_are_spread_evenly_and_written_once(sharding):
   arrays = _tree(sharding)
   total = sum(math.prod(s) * 4 for _, s, _ in arrays)
-  per_process = writeplan.bytes_per_process(arrays, 4)
+  per_process = division.bytes_per_process(arrays, 4)
   assert sum(per_process) == total  # Every byte once.
   assert max(per_process) <= 1.25 * total / 4, per_process
 
@@ -83,7 +83,7 @@ def test_the_pieces_of_an_array_tile_it_as_a_grid(sharding):
   for n, (_, shape, _) in enumerate(arrays):
     indices = [list(map(list, p.index))
                for proc in range(4)
-               for p in writeplan.plan(key, proc, 4)[n]]
+               for p in division.plan(key, proc, 4)[n]]
     # What a reader checks of every saved array: no element missing or
     # written twice.
     manifest_lib.check_grid(indices, list(shape), f"leaf {n}")
@@ -93,7 +93,7 @@ def test_each_piece_is_a_row_range_of_a_shard_this_process_holds():
   arrays = _tree(HSDP)
   for proc in range(4):
     for (_, shape, _), pieces in zip(
-        arrays, writeplan.plan(tuple(arrays), proc, 4)):
+        arrays, division.plan(tuple(arrays), proc, 4)):
       for piece in pieces:
         assert piece.device.process_index == proc
         held = HSDP.devices_indices_map(shape)[piece.device]
@@ -105,13 +105,13 @@ def test_each_piece_is_a_row_range_of_a_shard_this_process_holds():
 
 def test_small_shards_are_written_whole_and_one_process_writes_all():
   small = [(DATA_PARALLEL, (64, 4), np.dtype(np.float32))] * 8
-  per_process = writeplan.bytes_per_process(small, 4)
+  per_process = division.bytes_per_process(small, 4)
   assert per_process == [2048, 2048, 2048, 2048]  # Whole, by least load.
   for proc in range(4):
-    for pieces in writeplan.plan(tuple(small), proc, 4):
+    for pieces in division.plan(tuple(small), proc, 4):
       assert all(p.rows is None for p in pieces)
   one = _Sharding(tuple(_Device(i, 0) for i in range(2)), 1)
-  assert writeplan.bytes_per_process(_tree(one), 1) == [
+  assert division.bytes_per_process(_tree(one), 1) == [
       sum(math.prod(s) * 4 for _, s, _ in _tree(one))]
 
 
@@ -159,7 +159,7 @@ def test_a_2d_mesh_is_written_once_evenly_from_held_shards(
   device of its writer that holds it, and spread evenly."""
   arrays = _mesh_arrays(processes, per_process, model)
   key = tuple(arrays)
-  plans = [writeplan.plan(key, proc, processes) for proc in range(processes)]
+  plans = [division.plan(key, proc, processes) for proc in range(processes)]
   total = sum(math.prod(s) * d.itemsize for _, s, d in arrays)
   for n, (sharding, shape, _) in enumerate(arrays):
     indices = []
@@ -176,7 +176,7 @@ def test_a_2d_mesh_is_written_once_evenly_from_held_shards(
           assert piece.index[1:] == region[1:]
         indices.append(list(map(list, piece.index)))
     manifest_lib.check_grid(indices, list(shape), f"leaf {n}")
-  per_process = writeplan.bytes_per_process(arrays, processes)
+  per_process = division.bytes_per_process(arrays, processes)
   assert sum(per_process) == total
   assert max(per_process) <= 1.25 * total / processes, per_process
 
@@ -200,7 +200,7 @@ def test_the_plan_reads_each_shardings_indices_once_not_per_leaf():
   arrays = [(shardings[k % 3], (64 * (1 + k % 5), 64), np.dtype(np.float32))
             for k in range(600)]
   arrays += [(shardings[1], (64, 12), np.dtype(np.float32))] * 100  # Uneven.
-  writeplan.plan(tuple(arrays), 5, 16)
+  division.plan(tuple(arrays), 5, 16)
   # Per sharding and rank, the grid's probe; and one for the uneven shape.
   assert len(calls) == 3 + 1, calls
 
@@ -213,10 +213,10 @@ def test_holder_sets_that_share_processes_spread_their_small_shards():
   sharding = SIM.MeshSharding(devices, (("data", 2), ("model", 3)),
                               ("model",))
   one = [(sharding, (3 * 256,), np.dtype(np.float32))]
-  assert writeplan.bytes_per_process(one, 3) == [1024] * 3
+  assert division.bytes_per_process(one, 3) == [1024] * 3
   many = [(sharding, (3 * (256 + 8 * k),), np.dtype(np.float32))
           for k in range(31)]
-  per_process = writeplan.bytes_per_process(many, 3)
+  per_process = division.bytes_per_process(many, 3)
   assert max(per_process) - min(per_process) <= 2 * 4 * (256 + 8 * 30), (
       per_process)
 
@@ -236,10 +236,10 @@ def test_real_shardings_give_their_grid_without_listing_devices_per_leaf():
   shardings.append(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   for sharding in shardings:
     ndim = 2 if len(getattr(sharding, "spec", ())) > 1 else 1
-    grid = writeplan._grid(sharding, ndim, 0)  # pylint: disable=protected-access
+    grid = division._grid(sharding, ndim, 0)  # pylint: disable=protected-access
     assert grid is not None, sharding
     shape = (64, 8)[:ndim]
-    held = writeplan._held(sharding, shape, 4, 0, writeplan.SPLIT_BYTES)  # pylint: disable=protected-access
+    held = division._held(sharding, shape, 4, 0, division.SPLIT_BYTES)  # pylint: disable=protected-access
     expected = sorted({index for index, _ in shard_plan(sharding,
                                                          shape).values()})
     got = [p.index for p in held.own] + [s[0] for s in held.shared]

@@ -1,6 +1,6 @@
 """The manifest of a step, parsed and validated once, as typed records.
 
-`read` turns a step's `manifest.json` (written by `storage.write_manifest`,
+`read` turns a step's `manifest.json` (written by `writer.write_manifest`,
 described in docs/format.md) into a `Manifest` of `LeafRecord`s and
 `ShardRecord`s (the types are in `records`; this module re-exports them), or raises `CheckpointCorruptedError` naming the file and the
 leaf. Every check happens here, before any data file is opened: readers

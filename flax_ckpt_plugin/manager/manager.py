@@ -27,13 +27,14 @@ from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.save import pinned_staging
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager import retention as retention_lib
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.commit import CommitHook
-from flax_ckpt_plugin.save.stats import SaveStats
+from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.restoring import Restoring
@@ -68,7 +69,7 @@ class CheckpointManager(Restoring):
       directory at every query, so it sees steps finalized after it opened,
       and it talks to other processes only in `restore_newest_valid`.
     scope: save, for the process it names, every distinct shard that
-      process holds, alone (the local tier's steps; see `tiers.LocalTier`).
+      process holds, alone (the local tier's steps; see `local_tier.LocalTier`).
     share_reads: in restores that every process makes together
       (`restore_newest_valid`, the callback's), split the reading of what
       several processes need and share it over JAX collectives, so that
@@ -96,7 +97,6 @@ class CheckpointManager(Restoring):
   block is attached to that exception as a note.
   """
 
-  @options.moved_keywords("CheckpointManager", options.MANAGER_MOVED)
   def __init__(self, directory: epath.PathLike, *,
                max_to_keep: int | None = None,
                retention: retention_lib.Retention | None = None,
@@ -104,7 +104,7 @@ class CheckpointManager(Restoring):
                processes: options.Processes | None = None,
                hooks: Sequence[CommitHook] = (),
                read_only: bool = False,
-               scope: storage.Scope | None = None,
+               scope: files.Scope | None = None,
                share_reads: bool = True):
     self.retention = retention_lib.Policy.of(max_to_keep, retention)
     self.storage = storage = storage or options.Storage()
@@ -123,20 +123,22 @@ class CheckpointManager(Restoring):
                                                      backend)
     self.primary_host = primary_host
     base = processes.name or hashlib.sha1(given.encode()).hexdigest()[:12]
+    self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
+    # Host copies of CPU shards, reused by each save (see staging.py). A
+    # directory of this process alone may hold its snapshots (tmpfs).
+    self._staging = HostStaging(arena=None if scope is None
+                                else backend.staging_arena(directory))
     super().__init__(
         directory, backend, coordinator=self.coordinator,
         is_primary=self.coordinator.process_index == primary_host,
         read_only=read_only, share_reads=share_reads, scope=scope,
         barrier_timeout_ms=int(processes.barrier_timeout_secs * 1000),
         base=f"flax_ckpt_plugin/{base}",
-        committer=AsyncCommitter(f"flax_ckpt_plugin-commit-{base}"),
-        # Host copies of CPU shards, reused by each save (see staging.py).
-        # A directory of this process alone may hold its snapshots (tmpfs).
-        staging=HostStaging(arena=None if scope is None
-                            else backend.staging_arena(directory)))
+        check_commit=lambda: self._committer.check(),
+        free_staging=lambda: self._staging.clear())
     self.name = self._base
-    # Accelerator shards' pinned host memory (see pinned.py).
-    self._pinned = pinned.PinnedStaging(storage.pinned_host_bytes)
+    # Accelerator shards' pinned host memory (see `arrays.pinned`).
+    self._pinned = pinned_staging.PinnedStaging(storage.pinned_host_bytes)
     self._saves = 0
     self.last_save_stats: SaveStats | None = None
     self._commit_hooks: list[CommitHook] = []
@@ -211,8 +213,8 @@ class CheckpointManager(Restoring):
     step = operator.index(step)
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}")
-    extra = storage.extra_to_json(extra)
-    metrics = storage.metrics_to_json(metrics)
+    extra = writer.extra_to_json(extra)
+    metrics = writer.metrics_to_json(metrics)
     encoded = None if data_state is None else datastate.encode(data_state)
     t0 = time.perf_counter()
     self._committer.wait()  # Only blocks if the previous commit still runs.

@@ -19,8 +19,6 @@ keyword `hooks`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Mapping, TypeVar
 
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
@@ -89,67 +87,3 @@ class Processes:
     if not self.barrier_timeout_secs > 0:
       raise ValueError("barrier_timeout_secs must be > 0, got"
                        f" {self.barrier_timeout_secs!r}")
-
-
-_RETENTION = "retention=Retention({}=...)"
-_STORAGE = "storage=Storage({}=...)"
-_PROCESSES = "processes=Processes({}=...)"
-_TOLERANCE = "tolerance=FaultTolerance({}=...)"
-_RESTORE = "restore_or_initialize(state, {}=...)"
-
-# The manager's keywords that belong to an option record: where each is.
-MANAGER_MOVED = {
-    **{k: _RETENTION.format(k) for k in (
-        "keep_every_n_steps", "keep_best", "best_metric", "best_mode",
-        "keep_without_metric")},
-    **{k: _STORAGE.format(k) for k in (
-        "backend", "atomicity", "pinned_host_bytes")},
-    **{k: _PROCESSES.format(k) for k in (
-        "primary_host", "barrier_timeout_secs", "coordinator", "name")},
-    "commit_hooks": "hooks=[...]",
-    "commit": ("storage=Storage(backend, atomicity, pinned_host_bytes),"
-               " processes=Processes(primary_host, barrier_timeout_secs,"
-               " coordinator, name) and hooks=[...]"),
-}
-_ADD_HOOK = "callback.add_commit_hook(hook), for each hook"
-
-# The callback's keywords that belong to an option record (or to where the
-# data iterator's state is restored): where each is.
-CALLBACK_MOVED = {
-    **MANAGER_MOVED,
-    "commit_hooks": _ADD_HOOK,
-    "hooks": _ADD_HOOK,
-    "commit": ("storage=Storage(backend, atomicity, pinned_host_bytes),"
-               " processes=Processes(primary_host, barrier_timeout_secs,"
-               " coordinator, name) and callback.add_commit_hook(hook)"),
-    **{k: _TOLERANCE.format(k) for k in (
-        "save_on_preemption", "preemption_signals", "watch_peers",
-        "watch_poll_secs", "elastic", "elastic_wait_secs", "local_directory",
-        "local_every_steps")},
-    "data_iterator": _RESTORE.format("data_iterator"),
-    "restore_data_state": _RESTORE.format("restore_data_state"),
-    "clock": ("flax_ckpt_plugin.manager.schedule.monotonic, which a test may"
-              " replace"),
-}
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def moved_keywords(owner: str, moved: Mapping[str, str]) -> Callable[[F], F]:
-  """Makes `owner`'s function raise a clear `TypeError` for a keyword that
-  moved: `moved` maps each old name to where it is now ("retention=
-  Retention(keep_best=...)"). The signature shown (`inspect`, help) stays
-  the function's own."""
-
-  def wrap(fn: F) -> F:
-    @functools.wraps(fn)
-    def checked(*args, **kwargs):
-      old = [k for k in kwargs if k in moved]
-      if old:
-        raise TypeError(
-            f"{owner} takes no {', '.join(map(repr, old))}: "
-            + "; ".join(f"{k} is {moved[k]}" for k in old)
-            + " (see docs/usage.md, *Options*)")
-      return fn(*args, **kwargs)
-    return checked  # type: ignore[return-value]
-  return wrap

@@ -2,7 +2,7 @@
 
 A call to the coordination service can hang (its process 0 hung, a peer
 that a barrier waits for is gone), and so can a wait for the runtime's
-copies (`save.pinned.wait_ready`). `Deadlines.call` runs it on a helper
+copies (`arrays.pinned.wait_ready`). `Deadlines.call` runs it on a helper
 thread and waits for it with a deadline, and optionally an `abort` check
 that ends the wait early (a lost peer, see `liveness`): the caller is never
 stuck, and an abandoned call's thread, a daemon, exits if the call returns.

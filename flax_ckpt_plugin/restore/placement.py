@@ -7,7 +7,7 @@ read once per process (`reader.LeafReader`) and goes
 to every device of the target's sharding that holds it:
 
 * on accelerators with pinned host memory, read into a pinned buffer and
-  sent from there (`pinned.RestoreWindow`), at the link's speed;
+  sent from there (`window_lib.RestoreWindow`), at the link's speed;
 * on CPU devices, large shards are read straight into memory that the
   runtime owns (made by a zeros program, then written in place through a
   view), so that the first train step can donate the restored state;
@@ -27,15 +27,16 @@ from jax import lax
 import numpy as np
 
 from flax_ckpt_plugin.restore import casting
-from flax_ckpt_plugin.save import pinned
-from flax_ckpt_plugin.save import copies
+from flax_ckpt_plugin.arrays import pinned
+from flax_ckpt_plugin.restore import window as window_lib
+from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.restore.data_files import host_buffer
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import is_python_scalar
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.arrays.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import normalize_index
 
 
@@ -211,7 +212,7 @@ def _assemble(shape: tuple[int, ...], dtype: np.dtype,
 
 def _through_pinned(lr: LeafReader | casting.CastReader,
                     shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-                    window: pinned.RestoreWindow) -> jax.Array | None:
+                    window: window_lib.RestoreWindow) -> jax.Array | None:
   """The array, each region read into a pinned host buffer and sent from
   there to every device that holds it (see `pinned`); None if the runtime
   gives no pinned memory (what was sent of it is then dropped, and the
@@ -243,7 +244,7 @@ def _through_pinned(lr: LeafReader | casting.CastReader,
 
 def place_array(lr: LeafReader | casting.CastReader,
                 shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-                window: pinned.RestoreWindow | None = None) -> jax.Array:
+                window: window_lib.RestoreWindow | None = None) -> jax.Array:
   """The leaf that `lr` reads, on `sharding`: each region this process
   holds read once, and placed on every device of it that holds it.
 
@@ -337,7 +338,7 @@ def on_context_mesh(path: str, leaf: Any) -> Any:
 
 def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
                  cast: bool = False,
-                 window: pinned.RestoreWindow | None = None) -> Any:
+                 window: window_lib.RestoreWindow | None = None) -> Any:
   """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
   a Python scalar, whose value is in the manifest). With `cast`, values
   are converted to the target's dtype as they are read (`casting`). With a

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from flax_ckpt_plugin.restore import replicas as replicas_lib
-from flax_ckpt_plugin.save import writeplan
-from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.arrays import division
+from flax_ckpt_plugin.arrays.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import normalize_index
 
@@ -64,7 +64,7 @@ def split(target: Any, load: dict[int, int] | None = None,
   array of 8 to 64-bit numbers or booleans, in regions of equal rows of
   `MIN_SHARED_BYTES` or more), else None.
 
-  A region of `writeplan.SPLIT_BYTES` or more is cut into one row range
+  A region of `division.SPLIT_BYTES` or more is cut into one row range
   per process that needs it, as a save cuts it (so each reads what one
   piece of the save holds, and no checksum block twice), and each range
   into one slot per device of the process holding the region. A smaller
@@ -101,7 +101,7 @@ def split(target: Any, load: dict[int, int] | None = None,
 def _planned(static: _Static, load: dict[Any, int]) -> Split | None:
   """The plan of a leaf of `static`'s kind, and its reads added to `load`.
   """
-  if static.nbytes >= writeplan.SPLIT_BYTES:
+  if static.nbytes >= division.SPLIT_BYTES:
     decision = None  # Cut over the processes: the same for every leaf.
   else:  # Whole, by the least loaded process, at its least loaded place.
     if not static.holders:
@@ -174,7 +174,7 @@ def _analyzed(by_region: dict[Index, list[Any]], mesh: Any,
   holders: set[int] = set()
   common: dict[int, set[int]] = {}
   at: dict[tuple[Index, int], Any] = {}
-  if nbytes < writeplan.SPLIT_BYTES:
+  if nbytes < division.SPLIT_BYTES:
     # Per process, per region: the places of its devices holding it.
     places: dict[int, dict[Index, set[int]]] = {}
     for r in regions:
@@ -237,10 +237,10 @@ def _gathered(static: _Static, decision: tuple[int, int] | None
       by_proc.setdefault(d.process_index, []).append(d)
     procs = sorted(by_proc)
     layout = [None] * static.replicas
-    for proc, (a, b) in zip(procs, writeplan.cuts(
+    for proc, (a, b) in zip(procs, division.cuts(
         length, min(len(procs), length))):
       mine = by_proc[proc]
-      for d, (c, e) in zip(mine, writeplan.cuts(b - a, len(mine))):
+      for d, (c, e) in zip(mine, division.cuts(b - a, len(mine))):
         slots[d] = (a + c, a + e)
         layout[position[d]] = (a + c, a + e)
     layouts.add(tuple(layout))
@@ -318,14 +318,14 @@ class Pack(NamedTuple):
 
 
 def pack(leaves: list, batch: list[int]) -> Pack | None:
-  """The pack of a batch's leaves under `writeplan.SPLIT_BYTES` that are
+  """The pack of a batch's leaves under `division.SPLIT_BYTES` that are
   replicated on every device of one mesh (the mesh of the first such
   leaf), or None when fewer than two such leaves are on that mesh. Their
   slots pack into one array; a larger leaf, or one sharded over some axis
   or on another mesh, keeps its own."""
   def replicated(i):
     leaf, t, _ = leaves[i]
-    return (leaf.nbytes < writeplan.SPLIT_BYTES
+    return (leaf.nbytes < division.SPLIT_BYTES
             and all(e is None for e in t.sharding.spec))
   chosen = [i for i in batch if replicated(i)]
   if len(chosen) < 2:

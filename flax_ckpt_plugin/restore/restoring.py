@@ -28,15 +28,13 @@ from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import shared_read
-from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.restore.restore import plain_target
-from flax_ckpt_plugin.restore.restore import restore_tree
-from flax_ckpt_plugin.save.staging import HostStaging
-from flax_ckpt_plugin.save.stats import RestoreStats
-from flax_ckpt_plugin.save.stats import step_metadata
-from flax_ckpt_plugin.save.stats import StepMetadata
+from flax_ckpt_plugin.restore.tree import plain_target
+from flax_ckpt_plugin.restore.tree import restore_tree
+from flax_ckpt_plugin.stats import RestoreStats
+from flax_ckpt_plugin.stats import step_metadata
+from flax_ckpt_plugin.stats import StepMetadata
 
 
 def _not_a_step(target: Any, step: int | None) -> None:
@@ -70,21 +68,24 @@ class Restoring:
     scope: see `CheckpointManager` (a local tier's steps).
     barrier_timeout_ms: how long restores wait for the other processes.
     base: the prefix of the keys that restores meet at.
-    committer: the background commit, whose error a restore raises first.
-    staging: the snapshots' host memory, which a restore frees first.
+    check_commit: raises the background commit's error (a restore raises
+      it first).
+    free_staging: frees the snapshots' host memory (a restore allocates a
+      whole state of its own).
   """
 
   def __init__(self, directory: epath.Path, backend: interface.Backend, *,
                coordinator: coordinator_lib.Coordinator, is_primary: bool,
                read_only: bool, share_reads: bool, scope: Any,
                barrier_timeout_ms: int, base: str,
-               committer: AsyncCommitter, staging: HostStaging):
+               check_commit: Callable[[], None],
+               free_staging: Callable[[], None]):
     self.directory, self.backend = directory, backend
     self.coordinator, self.is_primary = coordinator, is_primary
     self.read_only, self.share_reads = read_only, share_reads
     self.scope, self.barrier_timeout_ms = scope, barrier_timeout_ms
     self._base = base
-    self._committer, self._staging = committer, staging
+    self._check_commit, self._free_staging = check_commit, free_staging
     self._closed, self._lock = False, threading.Lock()
     self._steps: list[int] = []  # A writer's finalized steps.
     # The newest step known to restore (-1: none); retention keeps it.
@@ -190,7 +191,7 @@ class Restoring:
         first local device when a `ShapeDtypeStruct` has none); Python scalars
         and numpy leaves keep their type; non-array fields come from target.
         None: the step as saved, in plain nested dicts of numpy arrays (for
-        looking at it or converting it; see `restore.plain_target`).
+        looking at it or converting it; see `tree.plain_target`).
       step: which step; None for the newest.
       verify: check the CRC-32C of every block read (a partial read of a
         shard then reads the whole 4 MiB blocks around what it needs).
@@ -227,12 +228,12 @@ class Restoring:
     """
     self._check_open()
     _not_a_step(target, step)
-    self._committer.check()
+    self._check_commit()
     self._hint_together(target)
     # A restore allocates a whole state of its own: free the save staging
     # buffers first, so host memory peaks at one extra state, not two. (A
     # running commit keeps its own references; the next save maps new ones.)
-    self._staging.clear()
+    self._free_staging()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
     hand_over = None if data_iterator is None else datastate.prepare(
@@ -270,8 +271,8 @@ class Restoring:
       return self.restore(target, step, verify=verify,
                           data_iterator=data_iterator, cast=cast)
     self._check_open()
-    self._committer.check()
-    self._staging.clear()
+    self._check_commit()
+    self._free_staging()
     t0 = time.perf_counter()
     key = f"{self._base}/shared"
     key = f"{key}/{self.coordinator.next_round(key)}"
@@ -362,7 +363,7 @@ class Restoring:
         damage (that process raises its own error).
     """
     self._check_open()
-    self._committer.check()
+    self._check_commit()
     key = f"{self._base}/restore"
     key = f"{key}/{self.coordinator.next_round(key)}"
     found, skipped = fallback.restore_newest(

@@ -37,13 +37,14 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
-from flax_ckpt_plugin.save.stats import SaveStats
+from flax_ckpt_plugin.stats import SaveStats
 
 
 CommitHook = Callable[[SaveStats], None]
@@ -66,7 +67,7 @@ class CommitInputs(NamedTuple):
   # Raises ConcurrentWriterError (with the given consequence) when another
   # job claimed the directory since this one opened it.
   check_still_writer: Callable[[str], None]
-  scope: storage.Scope | None = None  # One process's shards (local tier).
+  scope: files.Scope | None = None  # One process's shards (local tier).
   writers: Sequence[int] | None = None  # Who writes; None: every process.
   data_state: datastate.Encoded | None = None  # This process's, if any.
   retention: dict[str, Any] | None = None  # The policy, for the manifest.
@@ -183,7 +184,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
                                        timeout_ms=inputs.timeout_ms))
   nbytes = _phase(
       inputs, "written",
-      lambda: storage.write_process_files(tmp.path, inputs.leaves, pid,
+      lambda: writer.write_process_files(tmp.path, inputs.leaves, pid,
                                           identity=identity,
                                           backend=inputs.backend,
                                           data_state=inputs.data_state))
@@ -191,14 +192,14 @@ def commit(inputs: CommitInputs) -> SaveStats:
   def finalize():
     if inputs.is_primary:
       inputs.check_still_writer(f"step {step} was not finalized")
-      merged, origins = storage.merge_tables(
+      merged, origins = writer.merge_tables(
           tmp.path, step=step, leaves=inputs.leaves, process_count=count,
           primary=pid, extra=inputs.extra, metrics=inputs.metrics,
           backend=inputs.backend, scope=inputs.scope, writers=inputs.writers,
           retention=inputs.retention)
       text = checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
-      storage.write_manifest(tmp.path, text=text, process_count=count,
+      writer.write_manifest(tmp.path, text=text, process_count=count,
                              backend=inputs.backend, writers=inputs.writers)
       tmp.finalize()
 
@@ -208,7 +209,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
     try:
       inputs.backend.prefetch(
           inputs.directory, inputs.directory / str(step) /
-          storage.data_file(pid), secs)
+          files.data_file(pid), secs)
     except Exception as e:  # pylint: disable=broad-except
       log.warning("step %d is final; reading it back failed: %r", step, e)
   log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"
@@ -228,7 +229,7 @@ def checked_text(manifest: dict[str, Any],
   accepts it: a step is finalized only if it would restore.
 
   Args:
-    manifest: the merged manifest (see `storage.merge_tables`).
+    manifest: the merged manifest (see `writer.merge_tables`).
     origins: per leaf path, the shard indices each process wrote.
     where: the step, for messages.
 

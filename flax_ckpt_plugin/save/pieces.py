@@ -3,7 +3,7 @@
 Per leaf: every distinct shard this process holds (a copy for it alone:
 the local tier), or the whole value on the primary (an array of this
 process's own, the same everywhere), or the shards and row ranges of them
-that `writeplan` gives this process (arrays that several processes hold).
+that `division` gives this process (arrays that several processes hold).
 What depends only on the tree's layout (its structure, and each array's
 shape, dtype and sharding) is worked out once per layout and cached; each
 save only fills in the state's arrays. A train loop saves one layout again
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.arrays import division
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import KeyEntry
 from flax_ckpt_plugin.format.treepaths import leaf_paths
@@ -62,9 +62,9 @@ def _own_copy_specs(arr: jax.Array) -> list[_PieceSpec]:
   return out
 
 
-def _planned_specs(arr: jax.Array, pieces: tuple[writeplan.Piece, ...]
+def _planned_specs(arr: jax.Array, pieces: tuple[division.Piece, ...]
                    ) -> list[_PieceSpec]:
-  """The pieces of `arr` that `writeplan` gave this process."""
+  """The pieces of `arr` that `division` gave this process."""
   if not pieces:
     return []
   place = {s.device: k for k, s in enumerate(arr.addressable_shards)}
@@ -162,7 +162,7 @@ def _single_arrays(arr: jax.Array) -> list[jax.Array]:
 def _layout(leaves: list[tuple[str, list[KeyEntry], Any]], process_count: int,
             is_primary: bool, own_copy: bool) -> Layout:
   out: list[LeafLayout | None] = []
-  shared = []  # (place in out, array) of the arrays `writeplan` spreads.
+  shared = []  # (place in out, array) of the arrays `division` spreads.
   for path, keys, leaf in leaves:
     if not isinstance(leaf, jax.Array):
       out.append(None)
@@ -187,7 +187,7 @@ def _layout(leaves: list[tuple[str, list[KeyEntry], Any]], process_count: int,
         type(arr.sharding) is jax.sharding.SingleDeviceSharding, impl,
         tuple(specs or ())))
   if shared:
-    planned = writeplan.plan(
+    planned = division.plan(
         tuple((arr.sharding, tuple(arr.shape), np.dtype(arr.dtype))
               for _, arr in shared), jax.process_index(), jax.process_count())
     for (at, arr), mine in zip(shared, planned):

@@ -18,9 +18,10 @@ import math
 from typing import Any, NamedTuple, TYPE_CHECKING
 
 from flax_ckpt_plugin.format.treepaths import extents
-from flax_ckpt_plugin.save import copies
-from flax_ckpt_plugin.save import pinned
-from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.arrays import copies
+from flax_ckpt_plugin.arrays import pinned
+from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
+from flax_ckpt_plugin.arrays.copies import bits_dtype
 
 if TYPE_CHECKING:  # Annotations only: `snapshot` imports both anyway.
   from flax_ckpt_plugin.save import pieces as pieces_lib
@@ -47,7 +48,7 @@ class Routes(NamedTuple):
 
 
 def _routes(layout: pieces_lib.Layout, arena: bool,
-            budget: pinned.PinnedStaging | None, takes: dict[Any, bool]
+            budget: PinnedStaging | None, takes: dict[Any, bool]
             ) -> Routes:
   first, count = [], 0
   pinned_todo, rest = [], []
@@ -93,7 +94,7 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
 
 
 def of(plan: pieces_lib.Plan, staging: HostStaging,
-       pinned_staging: pinned.PinnedStaging | None) -> Routes:
+       pinned_staging: PinnedStaging | None) -> Routes:
   """The routes of `plan`'s layout for this staging (worked out at the
   first save of the layout that asks)."""
   layout = plan.layout

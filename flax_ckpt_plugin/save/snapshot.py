@@ -1,7 +1,7 @@
 """A consistent host copy of a pytree: the only blocking part of a save.
 
 Each process keeps only the parts it writes of every global `jax.Array`:
-its share of the shards it holds, as `writeplan` spreads them over the
+its share of the shards it holds, as `division` spreads them over the
 processes that hold them (every byte once). Host-local values (numpy
 arrays and Python scalars, and `jax.Array`s that are fully addressable
 while several processes run) are the same on every process by contract, so
@@ -46,13 +46,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_ckpt_plugin.save import copies
+from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.save import pieces as pieces_lib
-from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
 from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
-from flax_ckpt_plugin.save.copies import Packed
-from flax_ckpt_plugin.save.pinned import wait_ready
+from flax_ckpt_plugin.arrays.copies import Packed
+from flax_ckpt_plugin.arrays.pinned import wait_ready
 from flax_ckpt_plugin.save.pieces import cut
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format.treepaths import extents
@@ -149,13 +149,13 @@ class LeafSnapshot:
 
 def prepare(tree: Any, *, process_count: int, is_primary: bool,
             staging: HostStaging, own_copy: bool = False,
-            pinned_staging: pinned.PinnedStaging | None = None
+            pinned_staging: PinnedStaging | None = None
             ) -> list[jax.Array]:
   """Queues the compiles of the programs that a save of `tree` copies its
   CPU shards with (see `copies.groups`: its first save then finds them
   ready, instead of having the runtime copy every shard), and returns the
   arrays that it copies onto pinned host memory (see
-  `pinned.PinnedStaging.warm_up`). Does not wait."""
+  `PinnedStaging.warm_up`). Does not wait."""
   plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
   routes = routes_lib.of(plan, staging, pinned_staging)
   for key, _ in routes.groups:
@@ -227,7 +227,7 @@ class Snapshot(collections.abc.Sequence):
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                   staging: HostStaging, own_copy: bool = False,
-                  pinned_staging: pinned.PinnedStaging | None = None
+                  pinned_staging: PinnedStaging | None = None
                   ) -> Snapshot:
   """Starts copying the shards this process writes to host memory.
 

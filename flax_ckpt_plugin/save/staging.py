@@ -39,7 +39,7 @@ import crc32c
 import jax
 import numpy as np
 
-from flax_ckpt_plugin.save import copies as copies_lib
+from flax_ckpt_plugin.arrays import copies as copies_lib
 
 _COPY_CHUNK_BYTES = 16 << 20
 

@@ -69,7 +69,7 @@ from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.tolerance import tiers
+  from flax_ckpt_plugin.tolerance import local_tier
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
 # error (a runtime, timeout or connection error) came first: a collective
@@ -112,7 +112,7 @@ class Peers:
   """
 
   def __init__(self, manager: CheckpointManager,
-               local: tiers.LocalTier | None, directory: Any, *,
+               local: local_tier.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
                primary_host: int, group: generations.Group | None = None):
     self._manager, self._local = manager, local

@@ -39,7 +39,7 @@ class FaultTolerance:
       above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
       that long in a collective with the dead process).
     local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
-      local tier (see `tiers.LocalTier`): every `local_every_steps` steps
+      local tier (see `local_tier.LocalTier`): every `local_every_steps` steps
       each process also saves there every shard it holds, apart from the
       other processes and from the persistent tier's schedule, keeping the
       newest 2 steps. A restore then takes the newest step from the fastest tier

@@ -42,7 +42,7 @@ from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
-from flax_ckpt_plugin.save.copies import bits_dtype
+from flax_ckpt_plugin.arrays.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 from flax_ckpt_plugin.format.treepaths import normalize_index
 
@@ -117,7 +117,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
     key: a prefix of keys no earlier call used (same on every process).
     step: the step.
     holders: the processes whose local tier holds it (sorted).
-    local: this process's local tier (`tiers.LocalTier`).
+    local: this process's local tier (`local_tier.LocalTier`).
     target: what to restore into, as for `CheckpointManager.restore`.
     timeout_ms: how long to wait for the others at each phase.
     devices: the devices that receive the leaves that travel whole, in

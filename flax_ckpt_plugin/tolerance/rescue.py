@@ -44,7 +44,7 @@ from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.tolerance import tiers
+  from flax_ckpt_plugin.tolerance import local_tier
 
 # How long the main thread has, once the survivors' save is done, to reach
 # the exit hook by itself before the process ends anyway.
@@ -66,7 +66,7 @@ SETTLE_SECS = 600.0
 
 
 def watch(manager: CheckpointManager,
-          local: tiers.LocalTier | None, *, poll_secs: float,
+          local: local_tier.LocalTier | None, *, poll_secs: float,
           exit_code: int, elastic_secs: float | None = None,
           members: Any = None, key: str | None = None, joins: bool = False,
           lost_key: str | None = None
@@ -102,7 +102,7 @@ class Rescue:
   """
 
   def __init__(self, manager: CheckpointManager,
-               local: tiers.LocalTier | None, *, exit_code: int,
+               local: local_tier.LocalTier | None, *, exit_code: int,
                elastic_secs: float | None = None):
     self._manager = manager
     self._local = local

@@ -30,7 +30,7 @@ from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 from flax_ckpt_plugin.save.snapshot import ShardData
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.tolerance import tiers
+  from flax_ckpt_plugin.tolerance import local_tier
 
 
 def agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
@@ -44,7 +44,7 @@ def agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
   return outcome.result
 
 
-def assigned(group: groups.Survivors, key: str, local: tiers.LocalTier,
+def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
              step: int, timeout_ms: int
              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor

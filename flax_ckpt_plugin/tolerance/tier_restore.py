@@ -2,7 +2,7 @@
 
 A checkpoint in the persistent tier (a shared file system or a bucket)
 holds every byte once and is written by all processes together; each
-process's local tier (`tiers.LocalTier`) holds its own copy of its shards,
+process's local tier (`local_tier.LocalTier`) holds its own copy of its shards,
 replicas included, on a per-host path.
 
 At start, `restore_newest` has every process list what it holds; all then
@@ -26,7 +26,7 @@ from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.manager import CheckpointManager
-  from flax_ckpt_plugin.tolerance.tiers import LocalTier
+  from flax_ckpt_plugin.tolerance.local_tier import LocalTier
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 TIERS = (LOCAL, PEER, PERSISTENT)

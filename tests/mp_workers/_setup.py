@@ -84,10 +84,10 @@ def leaf_digests(tree: Any) -> dict[str, str]:
 
 def count_pinned() -> dict[str, int]:
   """Counts the arrays this process copies onto pinned host memory and off
-  it (`flax_ckpt_plugin.save.pinned`) from now on; the dict fills as it runs."""
-  from flax_ckpt_plugin.save import pinned  # pylint: disable=g-import-not-at-top
+  it (`flax_ckpt_plugin.arrays.copies`) from now on; the dict fills as it runs."""
+  from flax_ckpt_plugin.arrays import copies  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
-  seen, pinned.copies_onto = helpers.pinned_counter(pinned.copies_onto)
+  seen, copies.copies_onto = helpers.pinned_counter(copies.copies_onto)
   return seen
 
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.arrays import division
 
 PROCESS_ID = _setup.PROCESS_ID
 NUM_PROCESSES = _setup.NUM_PROCESSES
@@ -175,13 +175,13 @@ def array_bytes_by_leaf(tree: Any) -> dict[str, int]:
 
 
 def owned_bytes_by_leaf(tree: Any) -> dict[str, int]:
-  """Bytes this process writes, per leaf: its share under `writeplan`.
+  """Bytes this process writes, per leaf: its share under `division`.
 
   The tests check that the shares add up to every byte once, and that the
   process that writes most writes at most 1.25x an even share.
   """
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  pieces = writeplan.plan(
+  pieces = division.plan(
       tuple((l.sharding, tuple(l.shape), np.dtype(l.dtype)) for _, l in flat),
       jax.process_index(), jax.process_count())
   return {leaf_path(kp): sum(

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from flax_ckpt_plugin.save import writeplan
+from flax_ckpt_plugin.arrays import division
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 32
 
@@ -123,10 +123,10 @@ def total_array_bytes(tree: Any) -> int:
 
 def owned_bytes(tree: Any) -> int:
   """Bytes this process writes of `tree` (every leaf a global array): its
-  share under `writeplan`, which the tests check adds up to every byte
+  share under `division`, which the tests check adds up to every byte
   once over the processes."""
   leaves = jax.tree.leaves(tree)
-  pieces = writeplan.plan(
+  pieces = division.plan(
       tuple((l.sharding, tuple(l.shape), np.dtype(l.dtype)) for l in leaves),
       jax.process_index(), jax.process_count())
   return sum(math.prod(b - a for a, b in p.index) * l.dtype.itemsize

@@ -7,7 +7,7 @@ N processes x 2 devices. `data_parallel`: every array replicated on all
 devices. `hsdp`: arrays sharded over the 2 devices of a process and
 replicated over the processes. The state is an Adam-like tree of 1-4 MB
 kernels with their two moments and small biases, so large shards are cut
-among their holders and small ones written whole (`writeplan`). Saves one
+among their holders and small ones written whole (`division`). Saves one
 step, restores it into the same shardings, by this process alone and by
 all together (`restore_newest_valid`, which shares the reading), and
 prints the bytes this process wrote and read, the digests saved and

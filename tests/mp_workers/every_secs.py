@@ -24,7 +24,7 @@ import numpy as np
 import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin import Processes
-from flax_ckpt_plugin.manager import schedule
+from flax_ckpt_plugin.loop import triggers
 
 EVERY_SECS = 3.5
 NUM_STEPS = 12
@@ -42,7 +42,7 @@ def main(directory: str) -> dict:
           (4,), NamedSharding(mesh, P()), lambda idx: w[0][idx]),
   }
   now = [0.0]
-  schedule.monotonic = lambda: now[0]  # This process's own clock.
+  triggers.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       directory, every_secs=EVERY_SECS, max_to_keep=None,
       processes=Processes(barrier_timeout_secs=30))

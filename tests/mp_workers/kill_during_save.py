@@ -7,7 +7,7 @@
 picks the primary host (0: the survivor; 1: the process that dies).
 
 Injected fault (crash): with KILL_AT_STEP=S in its environment, this process
-wraps `storage.write_process_files` so that the background write of step S
+wraps `writer.write_process_files` so that the background write of step S
 sends SIGKILL to its own process: a real SIGKILL, at a moment chosen by the
 test (a machine lost mid-write cannot be produced on demand). The survivor
 reports how its next call into the library ended and how long it took; then
@@ -28,7 +28,7 @@ topo.init()
 import jax
 
 import flax_ckpt_plugin
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import Processes
 
 PRIMARY_HOST = int(os.environ.get("PRIMARY_HOST", "0"))
@@ -39,7 +39,7 @@ MESH = (2, 2)
 
 
 def _inject_kill() -> None:
-  real = storage.write_process_files
+  real = writer.write_process_files
 
   def dying(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode).
@@ -55,7 +55,7 @@ def _inject_kill() -> None:
       os.kill(os.getpid(), signal.SIGKILL)
     return real(step_dir, leaves, process_index, **kwargs)
 
-  storage.write_process_files = dying
+  writer.write_process_files = dying
 
 
 def _manager(directory: str) -> flax_ckpt_plugin.CheckpointManager:

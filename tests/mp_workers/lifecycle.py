@@ -32,7 +32,7 @@ import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin import Processes
-from flax_ckpt_plugin.manager import schedule
+from flax_ckpt_plugin.loop import triggers
 
 BARRIER_TIMEOUT_SECS = 30
 
@@ -101,7 +101,7 @@ def every_secs_calls(directory: str) -> dict:
   counting = _CountingClient(distributed.global_state.client)
   distributed.global_state.client = counting
   now = [0.0]
-  schedule.monotonic = lambda: now[0]  # This process's own clock.
+  triggers.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
       os.path.join(directory, "secs"), every_secs=50, max_to_keep=None,
       processes=Processes(barrier_timeout_secs=BARRIER_TIMEOUT_SECS))

@@ -3,7 +3,7 @@
     write_failure.py DIR
 
 Saves every 2 steps. With FAIL_AT_STEP=S in its environment, this process's
-`storage.write_process_files` raises OSError (ENOSPC) for step S: a full disk
+`writer.write_process_files` raises OSError (ENOSPC) for step S: a full disk
 cannot be produced on demand, so the fault is injected, in that process only.
 
 With KV_LATENCY_SECS=T, this process's reads from the coordination service's
@@ -27,7 +27,8 @@ _setup.init()
 import _train
 import flax_ckpt_plugin
 from flax_ckpt_plugin.multihost import coordinator
-from flax_ckpt_plugin.format import storage
+from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import Processes
 
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "-1"))
@@ -38,16 +39,16 @@ BARRIER_TIMEOUT_SECS = 20
 
 
 def _inject_fault() -> None:
-  real = storage.write_process_files
+  real = writer.write_process_files
 
   def failing(step_dir, leaves, process_index, **kwargs):
     # `step_dir` is "<step>.partial" (rename mode) or "<step>".
     if step_dir.name.split(".")[0] == str(FAIL_AT_STEP):
       raise OSError(errno.ENOSPC, "No space left on device (injected by the"
-                    " test)", str(step_dir / storage.data_file(process_index)))
+                    " test)", str(step_dir / files.data_file(process_index)))
     return real(step_dir, leaves, process_index, **kwargs)
 
-  storage.write_process_files = failing
+  writer.write_process_files = failing
 
 
 class _SlowReads(coordinator.JaxCoordinator):

@@ -27,16 +27,16 @@ from typing import Any, Callable, Iterable
 from etils import epath
 
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.tolerance.tiers import Restored
-from flax_ckpt_plugin.tolerance.tiers import Tiers
-from flax_ckpt_plugin.save.stats import MetricWriter
-from flax_ckpt_plugin.save.stats import SaveMetrics
-from flax_ckpt_plugin.save.stats import SaveStats
+from flax_ckpt_plugin.loop.tiers import Restored
+from flax_ckpt_plugin.loop.tiers import Tiers
+from flax_ckpt_plugin.stats import MetricWriter
+from flax_ckpt_plugin.stats import SaveMetrics
+from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager.retention import Retention
-from flax_ckpt_plugin.tolerance.preemption import SignalFlag
-from flax_ckpt_plugin.manager.schedule import Triggers
+from flax_ckpt_plugin.loop.preemption import SignalFlag
+from flax_ckpt_plugin.loop.triggers import Triggers
 from flax_ckpt_plugin.tolerance.options import FaultTolerance
 
 # The exit code for a job that stopped after its preemption checkpoint:
@@ -101,7 +101,7 @@ class CheckpointCallback:
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
-    triggers: the `schedule.Triggers` (when each tier saves).
+    triggers: the `triggers.Triggers` (when each tier saves).
     should_stop: True once a preemption checkpoint is durable.
     should_rebuild: True once the survivors of a loss take a relaunched
       process back (see `elastic`): call `recover` before the next step.
@@ -109,7 +109,7 @@ class CheckpointCallback:
     restored_extra: the `extra` saved with that step, or None.
     restored_tier: where that step came from: "local", "peer" or
       "persistent"; None when nothing was restored.
-    local: the `tiers.LocalTier`, or None.
+    local: the `local_tier.LocalTier`, or None.
     tiers: the `tiers.Tiers` it saves through (the manager, the local tier
       and the watch over the other processes).
 
@@ -120,7 +120,6 @@ class CheckpointCallback:
   waiting for the running save).
   """
 
-  @options.moved_keywords("CheckpointCallback", options.CALLBACK_MOVED)
   def __init__(self, directory: epath.PathLike, *,
                every_steps: int | None = None,
                every_secs: float | None = None,

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.backends import interface
-from flax_ckpt_plugin.save import pinned
+from flax_ckpt_plugin.restore import window as window_lib
 from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.format.records import held_elements
@@ -98,7 +98,7 @@ def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
 
 
 def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
-                   cast: bool, window: pinned.RestoreWindow) -> list[Any]:
+                   cast: bool, window: window_lib.RestoreWindow) -> list[Any]:
   ranges = [] if len(batch) < 2 else [
       r for saved, target in batch if not saved.is_scalar
       for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
@@ -196,7 +196,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes,
              "where": where}
-  window = pinned.RestoreWindow()
+  window = window_lib.RestoreWindow()
   try:
     with concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:

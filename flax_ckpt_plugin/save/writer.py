@@ -1,22 +1,17 @@
-"""Storage format v1: a JSON manifest and one data file per process.
+"""The save's writer: each process's data file and shard table, the
+primary's merge of the tables into the manifest, and the manifest's write.
 
-A step directory holds:
-
-* `manifest.json` - format name and version, step, timestamps, every leaf by
-  key path with its kind, dtype and global shape, and for every shard the
-  file, byte offset, byte count and the shard's index in the global array;
-  user `extra` state and `metrics`.
-* `data/process_NNNNN.bin` - the raw little-endian C-order bytes of the
-  shards that process NNNNN owns, one after another.
-* `_COMMITTED` - the commit marker (see `atomicity`).
-
-While a step is written, each process also leaves `data/process_NNNNN.json`
-(its shard table, with a digest of how it sees every leaf) and
-`data/process_NNNNN.views.json` (that view, read only if its digest differs
-from the primary's); the primary host merges the tables into the manifest
-and removes both before finalizing. `docs/format.md` describes the format for
-readers with numpy alone; `manifest` reads and validates the manifest and
-`reader` the data files. Nothing read here is ever executed: only JSON and raw bytes.
+A process writes its shards' bytes one after another into
+`data/process_NNNNN.bin` (`write_process_files`), with the CRC-32C of each
+block, and leaves its shard table (`data/process_NNNNN.json`, with a
+digest of how it sees every leaf) and that view
+(`data/process_NNNNN.views.json`, read only if its digest differs from the
+primary's). The primary host merges the tables into the manifest
+(`merge_tables`), checking that every process saw the same tree, writes
+it (`write_manifest`) and removes both before finalizing. `extra_to_json`
+and `metrics_to_json` check what `manager.save` is given before anything
+is written. What a step is (its files, records and manifest) is
+`format`'s; `docs/format.md` describes it for readers with numpy alone.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import json
 import math
 import time
 import threading
-from typing import Any, NamedTuple, Sequence, TYPE_CHECKING
+from typing import Any, Sequence
 
 from etils import epath
 import numpy as np
@@ -38,39 +33,15 @@ from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.errors import SaveFailedError
+from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
+from flax_ckpt_plugin.format.files import DATA_DIR
+from flax_ckpt_plugin.format.files import data_file
+from flax_ckpt_plugin.format.files import index_file
+from flax_ckpt_plugin.format.files import MAX_TABLE_BYTES
+from flax_ckpt_plugin.format.files import Scope
+from flax_ckpt_plugin.format.files import views_file
 from flax_ckpt_plugin.format.records import block_checksums
-
-if TYPE_CHECKING:  # snapshot imports jax; the CLI reads without it.
-  from flax_ckpt_plugin.save.snapshot import LeafSnapshot
-
-DATA_DIR = layout.DATA_DIR
-CHECKSUM_BLOCK = layout.CHECKSUM_BLOCK
-
-
-# The most bytes of one process's shard table (the manifest's own cap).
-MAX_TABLE_BYTES = 256 << 20
-
-
-class Scope(NamedTuple):
-  """A step that holds only the shards of one process of a job (every
-  distinct shard it held, replicas included): what that process needs to
-  restore itself, in the local tier. Its arrays are not covered whole."""
-  process_index: int
-  process_count: int
-
-
-def data_file(process_index: int) -> str:
-  return f"{DATA_DIR}/process_{process_index:05d}.bin"
-
-
-def index_file(process_index: int) -> str:
-  return f"{DATA_DIR}/process_{process_index:05d}.json"
-
-
-def views_file(process_index: int) -> str:
-  """How that process sees every leaf; read only if its digest differs."""
-  return f"{DATA_DIR}/process_{process_index:05d}.views.json"
-
+from flax_ckpt_plugin.save.snapshot import LeafSnapshot
 
 def _views(leaves: list[LeafSnapshot]) -> tuple[str, str]:
   """The JSON of every leaf's `_view`, and its SHA-256."""
