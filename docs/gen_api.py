@@ -3,8 +3,9 @@
     python docs/gen_api.py          # rewrites docs/api.md
     python docs/gen_api.py --check  # exits 1 if docs/api.md is out of date
 
-Documents what `flax_ckpt_plugin.__all__` lists, then the public modules of
-`EXTRA_MODULES` that exist (`clu_hooks` needs the `clu` extra). It imports the
+Documents what `flax_ckpt_plugin.__all__` lists: the public API (every
+module inside the package is private; `CheckpointAction` needs the `clu`
+extra installed to be documented). It imports the
 package from this checkout and reads it with `inspect`, `ast` and `tokenize`
 only, so the output depends on the source alone: no memory addresses, no
 dates, no dependence on the terminal or the Python version.
@@ -35,22 +36,15 @@ from typing import Any, Iterable
 REPO = pathlib.Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "api.md"
 PACKAGE = "flax_ckpt_plugin"
-# Public modules that `__all__` does not re-export, documented when they
-# exist; importing one that exists must work (it needs its extra installed).
-EXTRA_MODULES = ("flax_ckpt_plugin.clu_hooks", "flax_ckpt_plugin.tools.cli",
-                 "flax_ckpt_plugin.tools.commands",
-                 "flax_ckpt_plugin.manager.retention",
-                 "flax_ckpt_plugin.tools.importer")
-# The API of an extra module without `__all__`; otherwise every public class
-# and function defined there. The CLI's other functions are its internals.
-MODULE_API = {
-    "flax_ckpt_plugin.tools.cli": ("main",),
-    "flax_ckpt_plugin.tools.commands": ("EXIT_OK", "EXIT_CORRUPT", "EXIT_USAGE",
-                                  "EXIT_NOT_FOUND", "EXIT_IO", "EXIT_EXISTS"),
-    "flax_ckpt_plugin.manager.retention": ("Policy",),
-    "flax_ckpt_plugin.tools.importer": (
-        "import_orbax", "locate", "read_tree", "ImportResult", "OrbaxStep",
-        "OrbaxImportError", "TensorstoreNotInstalledError", "OrbaxReadError"),
+# Public modules that `__all__` does not re-export: none (the package's
+# names are its API); kept for a page of another package's modules.
+EXTRA_MODULES: tuple[str, ...] = ()
+# The API of an extra module without `__all__`.
+MODULE_API: dict[str, tuple[str, ...]] = {}
+# Classes whose methods are the package's internals: their constructor and
+# docstring only (a backend's methods are what the manager calls).
+CLASS_API: dict[str, tuple[str, ...]] = {
+    "LocalBackend": (),
 }
 # The classes a user meets first, in this order; then the rest by kind.
 FIRST = ("CheckpointCallback", "CheckpointManager")
@@ -608,6 +602,8 @@ class Page:
           + (f": {_escape(comments[m.name])}" if comments.get(m.name) else "")
           for m in cls))
     members = self.members(cls)
+    if name in CLASS_API:
+      members = {k: v for k, v in members.items() if k in CLASS_API[name]}
     if "__enter__" in members and "__exit__" in members:
       self.para(f"Also a context manager: `with {name}(...) as x:`.")
     for member_name, member in members.items():

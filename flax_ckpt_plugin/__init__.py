@@ -1,4 +1,9 @@
-"""Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops."""
+"""Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops.
+
+The names this package exports, and the `flax-ckpt` command, are its whole
+public API. Every module inside it (`flax_ckpt_plugin.save.commit` and the
+like) is private: its names may change in any release.
+"""
 
 # The names below that need JAX (and the export, which needs none but whose
 # module a plain import need not load) are imported on first use (PEP 562),
@@ -34,10 +39,15 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.options import Storage
   from flax_ckpt_plugin.manager.retention import Retention
   from flax_ckpt_plugin.tolerance.options import FaultTolerance
+  from flax_ckpt_plugin.backends.local import LocalBackend
+  from flax_ckpt_plugin.clu_hooks import CheckpointAction
+  from flax_ckpt_plugin.tools.importer import ImportResult
+  from flax_ckpt_plugin.tools.importer import OrbaxImportError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointAction",
     "CheckpointCallback",
     "CheckpointCorruptedError",
     "CheckpointExistsError",
@@ -49,6 +59,9 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "FaultTolerance",
+    "ImportResult",
+    "LocalBackend",
+    "OrbaxImportError",
     "PREEMPTED_EXIT_CODE",
     "PeerLostError",
     "Processes",
@@ -77,6 +90,10 @@ _LAZY = {
     "ExportResult": "flax_ckpt_plugin.tools.exporting",
     "export": "flax_ckpt_plugin.tools.exporting",
     "import_orbax": "flax_ckpt_plugin.tools.importer",
+    "ImportResult": "flax_ckpt_plugin.tools.importer",
+    "OrbaxImportError": "flax_ckpt_plugin.tools.importer",
+    "LocalBackend": "flax_ckpt_plugin.backends.local",
+    "CheckpointAction": "flax_ckpt_plugin.clu_hooks",  # Needs clu.
 }
 
 
@@ -84,7 +101,13 @@ def __getattr__(name: str) -> Any:
   module = _LAZY.get(name)
   if module is None:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
+  try:
+    value = getattr(importlib.import_module(module), name)
+  except ModuleNotFoundError as e:
+    if e.name != "clu":
+      raise
+    raise ImportError(f"{name} needs clu: pip install"
+                      " 'flax_ckpt_plugin[clu]'") from e
   globals()[name] = value  # Later lookups skip this function.
   return value
 

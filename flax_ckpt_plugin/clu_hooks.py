@@ -4,7 +4,7 @@ The Flax examples' train loops call a list of `clu.periodic_actions` after
 every step. `CheckpointAction` is one of them:
 
     from clu import metric_writers, periodic_actions
-    from flax_ckpt_plugin.clu_hooks import CheckpointAction
+    from flax_ckpt_plugin import CheckpointAction
 
     writer = metric_writers.create_default_writer(
         workdir, just_logging=jax.process_index() > 0)

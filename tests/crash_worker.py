@@ -48,7 +48,6 @@ from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.manager import manager as manager_lib
-from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import CheckpointCallback
@@ -265,7 +264,7 @@ def install_hook(moment: str, kill_on: int, saving: list[int]) -> None:
           if moment == "retention_partial":
             # As if rmtree got part of the way: the data, then the manifest.
             real(self, path / files.DATA_DIR)
-            (path / layout.MANIFEST).unlink()
+            (path / files.MANIFEST).unlink()
           _die(moment, _step_of(path))
         real(self, path)
       return hooked

@@ -19,7 +19,7 @@ from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.restore import data_files
-from flax_ckpt_plugin.backends import layout
+from flax_ckpt_plugin.format import files
 
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.int8, np.int32)
 
@@ -105,7 +105,7 @@ def test_a_flipped_byte_in_a_leaf_read_with_others_names_that_leaf(ckpt_dir):
   state = {k: jnp.asarray(v) for k, v in _many_leaves(50, seed=3).items()}
   _save(ckpt_dir, state)
   _save(ckpt_dir, state, step=2)
-  manifest = json.loads((ckpt_dir / "2" / layout.MANIFEST).read_text())
+  manifest = json.loads((ckpt_dir / "2" / files.MANIFEST).read_text())
   (leaf,) = [l for l in manifest["leaves"] if "leaf_0017" in l["path"]]
   (shard,) = leaf["shards"]
   with open(ckpt_dir / "2" / shard["file"], "r+b") as f:

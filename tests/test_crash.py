@@ -50,7 +50,6 @@ import pytest
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
 from flax_ckpt_plugin.backends import backend as backend_lib
-from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import CheckpointCallback
@@ -411,7 +410,7 @@ def _save_steps(directory, steps, make_state, train_step, host_copy,
 @pytest.mark.parametrize("removed", [
     [],
     [files.data_file(0)],
-    [files.data_file(0), layout.MANIFEST],
+    [files.data_file(0), files.MANIFEST],
 ], ids=["nothing_removed", "data_removed", "data_and_manifest_removed"])
 def test_half_deleted_step_is_never_listed_and_is_removed_on_open(
     ckpt_dir, make_state, train_step, host_copy, assert_trees_equal,

@@ -32,7 +32,6 @@ import pytest
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
-from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin import StructureMismatchError
 from helpers import flip_byte as _flip_byte
@@ -70,9 +69,9 @@ def _leaf(manifest: dict, path: str) -> dict:
 
 def _edit_manifest(step_dir: pathlib.Path,
                    edit: Callable[[dict], None]) -> None:
-  manifest = json.loads((step_dir / layout.MANIFEST).read_text())
+  manifest = json.loads((step_dir / files.MANIFEST).read_text())
   edit(manifest)
-  (step_dir / layout.MANIFEST).write_text(json.dumps(manifest))
+  (step_dir / files.MANIFEST).write_text(json.dumps(manifest))
 
 
 # -- Damaged and hostile input ------------------------------------------------
@@ -89,24 +88,24 @@ def two_steps(ckpt_dir, host_copy):
 
 def _truncate_manifest(step_dir, outside):
   del outside
-  text = (step_dir / layout.MANIFEST).read_text()
-  (step_dir / layout.MANIFEST).write_text(text[:len(text) // 2])
+  text = (step_dir / files.MANIFEST).read_text()
+  (step_dir / files.MANIFEST).write_text(text[:len(text) // 2])
 
 
 def _invalid_json(step_dir, outside):
   del outside
-  (step_dir / layout.MANIFEST).write_text('{"format": "flax_ckpt_plugin",,}')
+  (step_dir / files.MANIFEST).write_text('{"format": "flax_ckpt_plugin",,}')
 
 
 def _not_utf8(step_dir, outside):
   del outside
-  text = (step_dir / layout.MANIFEST).read_bytes()
-  (step_dir / layout.MANIFEST).write_bytes(b"\xff\xfe" + text)
+  text = (step_dir / files.MANIFEST).read_bytes()
+  (step_dir / files.MANIFEST).write_bytes(b"\xff\xfe" + text)
 
 
 def _deeply_nested(step_dir, outside):
   del outside
-  (step_dir / layout.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+  (step_dir / files.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
 
 
 def _edit(edit):
@@ -226,7 +225,7 @@ def _dtype_named(name):
 
 
 def _manifest_at(step_dir):
-  return str(step_dir / layout.MANIFEST)
+  return str(step_dir / files.MANIFEST)
 
 
 def _data_at(step_dir):
@@ -325,12 +324,12 @@ def test_a_byte_swapped_dtype_falls_back_to_the_older_step(
   assert step == 1
   assert_trees_equal(restored, two_steps[1])
   warned = "\n".join(r.getMessage() for r in caplog.records)
-  assert str(ckpt_dir / "2" / layout.MANIFEST) in warned, warned
+  assert str(ckpt_dir / "2" / files.MANIFEST) in warned, warned
   assert "leaf 'w'" in warned and "'>f4'" in warned, warned
 
 
 def _w_shard(step_dir: pathlib.Path, n: int) -> dict:
-  manifest = json.loads((step_dir / layout.MANIFEST).read_text())
+  manifest = json.loads((step_dir / files.MANIFEST).read_text())
   return _leaf(manifest, "w")["shards"][n]
 
 
@@ -435,7 +434,7 @@ def test_flipped_byte_in_a_partially_read_large_shard(ckpt_dir):
                                                     np.float32)
   one_device = jax.device_put(values, jax.devices()[0])
   _save_steps(ckpt_dir, {1: {"w": one_device}, 2: {"w": one_device}})
-  manifest = json.loads((ckpt_dir / "2" / layout.MANIFEST).read_text())
+  manifest = json.loads((ckpt_dir / "2" / files.MANIFEST).read_text())
   start = manifest["leaves"][0]["shards"][0]["offset"]
   flipped = 7_000_000
   _flip_byte(ckpt_dir / "2" / DATA, start + flipped)
@@ -478,7 +477,7 @@ class _BaseCheckpoint:
         lambda x: np.array(x) if isinstance(x, jax.Array) else x, state)
     _save_steps(directory, {1: state})
     self.manifest = json.loads(
-        (directory / "1" / layout.MANIFEST).read_text())
+        (directory / "1" / files.MANIFEST).read_text())
 
   def __repr__(self) -> str:  # Hypothesis prints it with every failure.
     return f"_BaseCheckpoint({str(self.directory)!r})"
@@ -622,7 +621,7 @@ def test_any_manifest_mutation_restores_identically_or_raises_clearly(
   for mutation in mutations:
     doc = _mutate(doc, mutation)
   text = json.dumps(doc)
-  manifest_path = directory / "1" / layout.MANIFEST
+  manifest_path = directory / "1" / files.MANIFEST
   manifest_path.write_text(text)
   try:
     try:

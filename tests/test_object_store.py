@@ -48,7 +48,7 @@ from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin import ConcurrentWriterError
-from flax_ckpt_plugin.backends import layout
+from flax_ckpt_plugin.format import files
 from gcs_server import GCSServer
 from helpers import two_device_mesh
 from launcher import REPO_ROOT
@@ -266,7 +266,7 @@ def bucket(store, store_server, monkeypatch) -> Bucket:
 def _step_keys(step: int) -> list[str]:
   """The objects of a finalized step written by one process."""
   return [f"run/{step}/{name}"
-          for name in ("_COMMITTED", DATA, layout.MANIFEST)]
+          for name in ("_COMMITTED", DATA, files.MANIFEST)]
 
 
 def _expected_keys(*steps: int) -> list[str]:
@@ -417,9 +417,9 @@ def test_walking_a_checkpoint_in_a_bucket(bucket):
   with CheckpointManager(bucket.url) as manager:
     manager.save(1, {"w": np.arange(3)})
   found = {}
-  for root, _, files in object_store.as_path(bucket.url).walk():
+  for root, _, names in object_store.as_path(bucket.url).walk():
     assert isinstance(root, object_store.ObjectStorePath)
-    for name in files:
+    for name in names:
       found[os.fspath(root / name)] = (root / name).stat().length
   prefix = f"{bucket.scheme}://{bucket.name}/"
   assert sorted(found) == [prefix + key for key in _expected_keys(1)]
@@ -470,7 +470,7 @@ def test_train_state_round_trip_and_the_objects_a_user_sees(
   # What `aws s3 ls --recursive` shows: the marker, the manifest, one data
   # object; no shard tables, no attempt token, nothing else.
   assert bucket.keys() == _expected_keys(1)
-  manifest = json.loads(bucket.get(f"run/1/{layout.MANIFEST}"))
+  manifest = json.loads(bucket.get(f"run/1/{files.MANIFEST}"))
   assert manifest["step"] == 1 and manifest["extra"] == {"data_position": 17}
   assert manifest["files"] == {DATA: stats.process_bytes}
   assert len(bucket.get(f"run/1/{DATA}")) == stats.process_bytes
@@ -516,7 +516,7 @@ def test_sharded_train_state_restores_into_any_partitioning(
   # Every shard is small and they lie side by side in the one data object:
   # the whole restore is one ranged GET, whichever devices need which
   # parts of them (one per shard before reads were coalesced).
-  manifest = json.loads(bucket.get(f"run/3/{layout.MANIFEST}"))
+  manifest = json.loads(bucket.get(f"run/3/{files.MANIFEST}"))
   shards = sum(len(leaf.get("shards", ())) for leaf in manifest["leaves"])
   assert shards > 10
   bucket.wait_for_requests("read", data_key, before + 1)
@@ -607,7 +607,7 @@ def _copy_step_without_marker(b: Bucket, src: int, dst: int) -> None:
   for key in b.keys(f"run/{src}/"):
     if not key.endswith("/_COMMITTED"):
       body = b.get(key)
-      if key.endswith(layout.MANIFEST):
+      if key.endswith(files.MANIFEST):
         body = body.replace(b'"step": %d' % src, b'"step": %d' % dst)
       b.put(key.replace(f"run/{src}/", f"run/{dst}/"), body)
 
@@ -685,7 +685,7 @@ def test_writer_killed_before_the_marker_leaves_nothing_that_looks_final(
       proc.wait()
   # Everything of step 2 but the marker reached the bucket.
   keys = bucket.keys()
-  assert f"run/2/{layout.MANIFEST}" in keys and f"run/2/{DATA}" in keys
+  assert f"run/2/{files.MANIFEST}" in keys and f"run/2/{DATA}" in keys
   assert "run/2/_COMMITTED" not in keys
 
   with CheckpointManager(bucket.url, read_only=True) as reader:
@@ -844,7 +844,7 @@ def test_restore_or_initialize_skips_a_corrupted_newest_step(
       state = train_step(state)
       cb(step, state)
       saved[step] = host_copy(state)
-  manifest = json.loads(bucket.get(f"run/2/{layout.MANIFEST}"))
+  manifest = json.loads(bucket.get(f"run/2/{files.MANIFEST}"))
   shard = next(leaf for leaf in manifest["leaves"]
                if leaf["path"].endswith("kernel"))["shards"][0]
   _flip_byte(bucket, 2, shard["offset"] + 3)
@@ -881,7 +881,7 @@ def test_two_processes_save_and_restore_a_sharded_train_state_in_a_bucket(
   keys = bucket.keys()
   assert keys == sorted(["run/_WRITER"] + [
       f"run/{s}/{name}" for s in (4, 6)
-      for name in ("_COMMITTED", layout.MANIFEST, "data/process_00000.bin",
+      for name in ("_COMMITTED", files.MANIFEST, "data/process_00000.bin",
                    "data/process_00001.bin")])
   sizes = [len(bucket.get(f"run/6/data/process_{p:05d}.bin")) for p in (0, 1)]
   assert sizes == [saving[0]["owned_bytes"], saving[1]["owned_bytes"]]

@@ -29,7 +29,7 @@ from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import reader as reader_lib
 from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.backends import backend
-from flax_ckpt_plugin.backends import layout
+from flax_ckpt_plugin.format import files
 
 DATA = "data/process_00000.bin"
 
@@ -194,7 +194,7 @@ def test_a_flipped_byte_in_a_mapped_region_fails_the_restore(
   with CheckpointManager(ckpt_dir) as manager:
     manager.save(1, {"w": values})
     manager.save(2, {"w": values})
-  manifest = json.loads((ckpt_dir / "2" / layout.MANIFEST).read_text())
+  manifest = json.loads((ckpt_dir / "2" / files.MANIFEST).read_text())
   start = manifest["leaves"][0]["shards"][0]["offset"]
   flipped = 200 * 64 * 4 + 12  # In the rows of device 1.
   path = ckpt_dir / "2" / DATA

@@ -30,10 +30,11 @@ from flax_ckpt_plugin.format.records import BIG_ENDIAN_WRITTEN_UNTIL
 from flax_ckpt_plugin.format.records import parse_dtype
 from flax_ckpt_plugin.format.records import SCALAR_KINDS
 from flax_ckpt_plugin.format.records import ShardRecord
-from flax_ckpt_plugin.backends.layout import FORMAT_NAME
-from flax_ckpt_plugin.backends.layout import FORMAT_VERSION
-from flax_ckpt_plugin.backends.layout import MANIFEST
+from flax_ckpt_plugin.format.files import FORMAT_NAME
+from flax_ckpt_plugin.format.files import FORMAT_VERSION
+from flax_ckpt_plugin.format.files import MANIFEST
 from flax_ckpt_plugin.errors import NOT_A_FILE
+from flax_ckpt_plugin.errors import SaveFailedError
 
 # The largest manifest read (docs/format.md); a million shards take ~60 MiB.
 MAX_MANIFEST_BYTES = 256 << 20
@@ -294,3 +295,38 @@ def of_step(raw: bytes, step_dir: epath.Path, step: int | None) -> Manifest:
         f"{path}: records step {manifest.step!r}, but lives in the directory"
         f" of step {step}")
   return manifest
+
+
+def checked_text(manifest: dict[str, Any],
+                 origins: dict[str, dict[int, list[list[list[int]]]]],
+                 where: str) -> str:
+  """The JSON of a merged manifest, once the reader (`manifest.parse`)
+  accepts it: a step is finalized only if it would restore.
+
+  Args:
+    manifest: the merged manifest (see `writer.merge_tables`).
+    origins: per leaf path, the shard indices each process wrote.
+    where: the step, for messages.
+
+  Raises:
+    SaveFailedError: the reader would refuse it; names the leaf and every
+      process's shards of it.
+  """
+  text = json.dumps(manifest)  # indent= would take the slow Python encoder.
+  if len(text) > MAX_MANIFEST_BYTES:  # `read` would refuse it.
+    raise SaveFailedError(
+        f"{where}: its manifest would have {len(text)} bytes, over the"
+        f" {MAX_MANIFEST_BYTES} that a restore reads. Not"
+        " finalized.")
+  try:
+    parse(text.encode(), where)
+  except CheckpointCorruptedError as e:
+    views = origins.get(getattr(e, "leaf_path", None), {})
+    shards = "; ".join(
+        f"process {p}: {idx[:8]}" + (" ..." if len(idx) > 8 else "")
+        for p, idx in sorted(views.items()))
+    raise SaveFailedError(
+        f"{e}; the shards each process wrote: {shards or 'none'}. Not"
+        " finalized: the step would not restore. Do all processes save the"
+        " same state, with the same shardings?") from None
+  return text

@@ -18,7 +18,7 @@ import crc32c
 import ml_dtypes
 import numpy as np
 
-from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
+from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ same global arrays). Every process writes only its own shards; only the
 primary host creates, finalizes and deletes step directories.
 
 This module holds the save side (snapshot, commit, hooks, retention); the
-listing and the restores are its base class, `restoring.Restoring`.
+listing and the restores are the `directory_reader.DirectoryReader` it
+holds, whose methods it hands on under the same names.
 """
 
 from __future__ import annotations
@@ -34,16 +35,27 @@ from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.commit import CommitHook
+from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.restore.restoring import Restoring
+from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
 
 
-class CheckpointManager(Restoring):
+def _reader_method(name: str) -> Any:
+  """`DirectoryReader`'s method `name`, called on the manager's reader."""
+  method = getattr(DirectoryReader, name)
+
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    return method(self._reader, *args, **kwargs)
+  return call
+
+
+class CheckpointManager:
   """Saves, lists, restores and prunes the steps of one directory.
 
   Called on every process. `save` blocks only for a host snapshot; a
@@ -128,14 +140,20 @@ class CheckpointManager(Restoring):
     # directory of this process alone may hold its snapshots (tmpfs).
     self._staging = HostStaging(arena=None if scope is None
                                 else backend.staging_arena(directory))
-    super().__init__(
+    self.directory, self.backend = directory, backend
+    self.is_primary = self.coordinator.process_index == primary_host
+    self.read_only, self.scope = read_only, scope
+    self.barrier_timeout_ms = int(processes.barrier_timeout_secs * 1000)
+    self._base = f"flax_ckpt_plugin/{base}"
+    self._closed = False
+    self.check_still_writer = None  # A writer's, set when it opens.
+    self._reader = DirectoryReader(
         directory, backend, coordinator=self.coordinator,
-        is_primary=self.coordinator.process_index == primary_host,
-        read_only=read_only, share_reads=share_reads, scope=scope,
-        barrier_timeout_ms=int(processes.barrier_timeout_secs * 1000),
-        base=f"flax_ckpt_plugin/{base}",
-        check_commit=lambda: self._committer.check(),
-        free_staging=lambda: self._staging.clear())
+        is_primary=self.is_primary, read_only=read_only,
+        share_reads=share_reads, scope=scope,
+        barrier_timeout_ms=self.barrier_timeout_ms, base=self._base,
+        check_commit=self._committer.check,
+        free_staging=self._staging.clear, check_open=self._check_open)
     self.name = self._base
     # Accelerator shards' pinned host memory (see `arrays.pinned`).
     self._pinned = pinned_staging.PinnedStaging(storage.pinned_host_bytes)
@@ -156,7 +174,8 @@ class CheckpointManager(Restoring):
       self.check_still_writer = functools.partial(
           directory_lib.check_still_writer, self.directory, token,
           writer_count=count, backend=self.backend)
-      self._steps = steps
+      self._reader.check_still_writer = self.check_still_writer
+      self._reader.listed(steps)
       # Not at the first save: that comes right after a train step, whose
       # runtime threads hold the cores a few ms more (a start waits 3-7 ms).
       # The same for the thread that compiles the staging copies' programs.
@@ -289,11 +308,8 @@ class CheckpointManager(Restoring):
     del inputs  # The snapshot's buffers go back to the staging area.
     self._staging.release_spent()
     self.last_save_stats = stats
-    with self._lock:
-      self._steps = sorted(set(self._steps) | {step})
-      self._metrics[step] = metrics
-      # The reader accepted it. A max, as in restores: either order agrees.
-      self._known_good = max(step, self._known_good)
+    self._metrics[step] = metrics
+    self._reader.finalized(step)  # The reader's checks accepted it.
     try:
       commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
                            is_primary=self.is_primary,
@@ -304,8 +320,7 @@ class CheckpointManager(Restoring):
       raise
 
   def _retention(self, key: str, stats: SaveStats) -> None:
-    with self._lock:
-      steps, protect = list(self._steps), self._known_good
+    steps, protect = self._reader.steps_and_protected()
     if self.retention.needs_metrics:
       doomed = retention_lib.decided_by_primary(
           self.retention, self.coordinator, f"{key}/retention_plan", steps,
@@ -316,8 +331,7 @@ class CheckpointManager(Restoring):
           timeout_ms=self.barrier_timeout_ms)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
-    with self._lock:
-      self._steps = [s for s in self._steps if s not in doomed]
+    self._reader.forget(doomed)
     if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
           self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
@@ -365,14 +379,14 @@ class CheckpointManager(Restoring):
     self._saves = 0
     self.primary_host = primary_host
     self.is_primary = coordinator.process_index == primary_host
+    self._reader.regroup(coordinator, self.is_primary)
     # That save may have finalized its step before it broke: the primary
     # lists the steps anew, for all.
     steps = commit_lib.listed_by_primary(
         coordinator, self.directory,
         f"{self.name}/regroup/{coordinator.next_round(self.name)}",
         is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
-    with self._lock:
-      self._steps = sorted(steps)
+    self._reader.listed(steps)
 
   def check_for_errors(self) -> None:
     """Raises the error of a finished background save, without waiting."""
@@ -383,7 +397,33 @@ class CheckpointManager(Restoring):
     """Whether a background commit is running now."""
     return self._committer.is_running
 
+  # -- listing and restoring (the reader's) ----------------------------------
+
+  all_steps = _reader_method("all_steps")
+  latest_step = _reader_method("latest_step")
+  metadata = _reader_method("metadata")
+  data_state = _reader_method("data_state")
+  restore = _reader_method("restore")
+  restore_together = _reader_method("restore_together")
+  restore_newest_valid = _reader_method("restore_newest_valid")
+  discard = _reader_method("discard")
+  set_aside = _reader_method("set_aside")
+
+  @property
+  def last_restore_stats(self) -> RestoreStats | None:
+    """`RestoreStats` of the newest restore, or None."""
+    return self._reader.last_restore_stats
+
   # -- lifetime --------------------------------------------------------------
+
+  @property
+  def closed(self) -> bool:
+    """Whether `close` was called (and did not refuse: see `close`)."""
+    return self._closed
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
 
   def close(self, *, leaving: bool = False) -> None:
     """Waits for the running save and raises its error. Idempotent.

@@ -39,7 +39,6 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.logs import log
@@ -197,7 +196,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
           primary=pid, extra=inputs.extra, metrics=inputs.metrics,
           backend=inputs.backend, scope=inputs.scope, writers=inputs.writers,
           retention=inputs.retention)
-      text = checked_text(
+      text = manifest_lib.checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
       writer.write_manifest(tmp.path, text=text, process_count=count,
                              backend=inputs.backend, writers=inputs.writers)
@@ -220,41 +219,6 @@ def commit(inputs: CommitInputs) -> SaveStats:
                    path=inputs.directory / str(step),
                    finalized_at=time.time(),
                    pinned_fallback_bytes=inputs.pinned_fallback_bytes)
-
-
-def checked_text(manifest: dict[str, Any],
-                 origins: dict[str, dict[int, list[list[list[int]]]]],
-                 where: str) -> str:
-  """The JSON of a merged manifest, once the reader (`manifest.parse`)
-  accepts it: a step is finalized only if it would restore.
-
-  Args:
-    manifest: the merged manifest (see `writer.merge_tables`).
-    origins: per leaf path, the shard indices each process wrote.
-    where: the step, for messages.
-
-  Raises:
-    SaveFailedError: the reader would refuse it; names the leaf and every
-      process's shards of it.
-  """
-  text = json.dumps(manifest)  # indent= would take the slow Python encoder.
-  if len(text) > manifest_lib.MAX_MANIFEST_BYTES:  # `read` would refuse it.
-    raise SaveFailedError(
-        f"{where}: its manifest would have {len(text)} bytes, over the"
-        f" {manifest_lib.MAX_MANIFEST_BYTES} that a restore reads. Not"
-        " finalized.")
-  try:
-    manifest_lib.parse(text.encode(), where)
-  except CheckpointCorruptedError as e:
-    views = origins.get(getattr(e, "leaf_path", None), {})
-    shards = "; ".join(
-        f"process {p}: {idx[:8]}" + (" ..." if len(idx) > 8 else "")
-        for p, idx in sorted(views.items()))
-    raise SaveFailedError(
-        f"{e}; the shards each process wrote: {shards or 'none'}. Not"
-        " finalized: the step would not restore. Do all processes save the"
-        " same state, with the same shardings?") from None
-  return text
 
 
 def step_state(directory: epath.Path, step: int) -> str:

@@ -50,7 +50,7 @@ from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.save import pieces as pieces_lib
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
 from flax_ckpt_plugin.save import routes as routes_lib
-from flax_ckpt_plugin.backends.layout import CHECKSUM_BLOCK
+from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
 from flax_ckpt_plugin.arrays.copies import Packed
 from flax_ckpt_plugin.arrays.pinned import wait_ready
 from flax_ckpt_plugin.save.pieces import cut
@@ -72,7 +72,7 @@ class ShardData:
   # waits for it.
   data: np.ndarray | jax.Array | Packed
   dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
-  # The CRC-32C of each `layout.CHECKSUM_BLOCK` bytes, when the copy took
+  # The CRC-32C of each `files.CHECKSUM_BLOCK` bytes, when the copy took
   # them (`HostStaging.copy_summed`); else the writer does.
   crc32c: list[int] | None = None
 

@@ -31,10 +31,12 @@ import numpy as np
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
 from flax_ckpt_plugin.format.files import DATA_DIR
+from flax_ckpt_plugin.format.files import FORMAT_NAME
+from flax_ckpt_plugin.format.files import FORMAT_VERSION
+from flax_ckpt_plugin.format.files import MANIFEST
 from flax_ckpt_plugin.format.files import data_file
 from flax_ckpt_plugin.format.files import index_file
 from flax_ckpt_plugin.format.files import MAX_TABLE_BYTES
@@ -314,8 +316,8 @@ def merge_tables(step_dir: epath.Path, *, step: int,
             if t.get("data_state")}
   return {
       **held,
-      "format": layout.FORMAT_NAME,
-      "format_version": layout.FORMAT_VERSION,
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
       "step": step,
       "created_unix": now,
       "created": datetime.datetime.fromtimestamp(
@@ -337,7 +339,7 @@ def write_manifest(step_dir: epath.Path, *, text: str, process_count: int,
                    writers: Sequence[int] | None = None) -> None:
   """Writes a manifest (checked by the caller) durably and removes the
   shard tables (of `writers`, default all). Primary host only."""
-  backend.write_small(step_dir / layout.MANIFEST, text)
+  backend.write_small(step_dir / MANIFEST, text)
   for p in range(process_count) if writers is None else writers:
     (step_dir / index_file(p)).unlink(missing_ok=True)
     (step_dir / views_file(p)).unlink(missing_ok=True)

@@ -1,13 +1,15 @@
-"""The restores of a `CheckpointManager`, and the steps they set aside.
+"""The reading side of a directory's steps: `DirectoryReader`, which a
+`CheckpointManager` holds.
 
-`restore` reads a step on one process alone; `restore_together` is the
-same, called on every process, with the reading of what several processes
-need split among them (`shared_read`); `restore_newest_valid` is the
-agreement of all processes on the newest step that restores on every one
-of them (`fallback`), which sets damaged steps aside. `Restoring` is the
-reading side of a directory's steps, and `CheckpointManager` adds the
-writing side: its save side keeps the step list that `set_aside` and
-`discard` take steps out of.
+It keeps the list of finalized steps (a writer's: the manager adds each
+step it finalizes and takes out those retention deletes; a read-only
+reader lists the directory anew at each query) and the newest step known
+to restore, which retention keeps. `restore` reads a step on one process
+alone; `restore_together` is the same, called on every process, with the
+reading of what several processes need split among them
+(`shared_read`); `restore_newest_valid` is the agreement of all processes
+on the newest step that restores on every one of them (`fallback`), which
+sets damaged steps aside.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def _not_a_step(target: Any, step: int | None) -> None:
         " step as saved, in nested dicts.)")
 
 
-class Restoring:
-  """Lists and restores the steps of one directory; `CheckpointManager`
-  adds saving to it.
+class DirectoryReader:
+  """Lists and restores the steps of one directory (a `CheckpointManager`
+  holds one; its methods of the same names are these).
 
   Args:
     directory: the checkpoint directory.
@@ -72,6 +74,7 @@ class Restoring:
       it first).
     free_staging: frees the snapshots' host memory (a restore allocates a
       whole state of its own).
+    check_open: raises where the manager is closed.
   """
 
   def __init__(self, directory: epath.Path, backend: interface.Backend, *,
@@ -79,14 +82,16 @@ class Restoring:
                read_only: bool, share_reads: bool, scope: Any,
                barrier_timeout_ms: int, base: str,
                check_commit: Callable[[], None],
-               free_staging: Callable[[], None]):
+               free_staging: Callable[[], None],
+               check_open: Callable[[], None]):
     self.directory, self.backend = directory, backend
     self.coordinator, self.is_primary = coordinator, is_primary
     self.read_only, self.share_reads = read_only, share_reads
     self.scope, self.barrier_timeout_ms = scope, barrier_timeout_ms
     self._base = base
     self._check_commit, self._free_staging = check_commit, free_staging
-    self._closed, self._lock = False, threading.Lock()
+    self._check_open = check_open
+    self._lock = threading.Lock()
     self._steps: list[int] = []  # A writer's finalized steps.
     # The newest step known to restore (-1: none); retention keeps it.
     self._known_good = -1
@@ -115,14 +120,37 @@ class Restoring:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  @property
-  def closed(self) -> bool:
-    """Whether `close` was called (and did not refuse: see `close`)."""
-    return self._closed
+  # -- the writer's list ------------------------------------------------------
 
-  def _check_open(self) -> None:
-    if self._closed:
-      raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
+  def finalized(self, step: int) -> None:
+    """A writer finalized `step`: listed, and known to restore (the commit
+    ran the reader's checks on it)."""
+    with self._lock:
+      self._steps = sorted(set(self._steps) | {step})
+      self._known_good = max(step, self._known_good)  # Either order agrees.
+
+  def listed(self, steps: list[int]) -> None:
+    """The directory's finalized steps as a writer found them (at its
+    open, or listed anew after a regroup)."""
+    with self._lock:
+      self._steps = sorted(steps)
+
+  def steps_and_protected(self) -> tuple[list[int], int]:
+    """The writer's steps, and the newest known to restore (-1: none),
+    which retention never deletes."""
+    with self._lock:
+      return list(self._steps), self._known_good
+
+  def forget(self, steps: list[int]) -> None:
+    """Takes `steps` out of the list (retention deleted them)."""
+    with self._lock:
+      self._steps = [s for s in self._steps if s not in steps]
+
+  def regroup(self, coordinator: coordinator_lib.Coordinator,
+              is_primary: bool) -> None:
+    """Restores meet these processes from now on (see
+    `CheckpointManager.regroup`)."""
+    self.coordinator, self.is_primary = coordinator, is_primary
 
   def _finalized_dir(self, step: int | None) -> tuple[int, epath.Path]:
     if step is None:
@@ -403,7 +431,6 @@ class Restoring:
     """Takes `steps` out of the list; the primary runs `remove`."""
     if self.read_only or not steps:
       return
-    with self._lock:
-      self._steps = [s for s in self._steps if s not in steps]
+    self.forget(steps)
     if self.is_primary:
       remove()
