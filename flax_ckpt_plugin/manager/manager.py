@@ -27,6 +27,7 @@ from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.backends import backend as backend_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.save import pinned_staging
 from flax_ckpt_plugin.manager import options
@@ -323,12 +324,13 @@ class CheckpointManager:
     steps, protect = self._reader.steps_and_protected()
     if self.retention.needs_metrics:
       doomed = retention_lib.decided_by_primary(
-          self.retention, self.coordinator, f"{key}/retention_plan", steps,
+          self.retention, meetings.Meeting(
+              self.coordinator, f"{key}/retention_plan",
+              self.barrier_timeout_ms), steps,
           protect=protect, metrics=self._metrics,
           read_metrics=functools.partial(
               retention_lib.recorded_metrics, self.directory, self.backend,
-              self.retention.best_metric), is_primary=self.is_primary,
-          timeout_ms=self.barrier_timeout_ms)
+              self.retention.best_metric), is_primary=self.is_primary)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
     self._reader.forget(doomed)
@@ -383,9 +385,11 @@ class CheckpointManager:
     # That save may have finalized its step before it broke: the primary
     # lists the steps anew, for all.
     steps = commit_lib.listed_by_primary(
-        coordinator, self.directory,
-        f"{self.name}/regroup/{coordinator.next_round(self.name)}",
-        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
+        meetings.Meeting(
+            coordinator,
+            f"{self.name}/regroup/{coordinator.next_round(self.name)}",
+            self.barrier_timeout_ms), self.directory,
+        is_primary=self.is_primary)
     self._reader.listed(steps)
 
   def check_for_errors(self) -> None:

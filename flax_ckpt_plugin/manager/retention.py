@@ -24,7 +24,6 @@ decides and the others learn its list (see `CheckpointManager`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
 
@@ -34,8 +33,7 @@ from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 
 BestMode = Literal["min", "max"]
 
@@ -229,43 +227,34 @@ def recorded_metrics(directory: epath.Path, backend: interface.Backend,
     return None
 
 
-def decided_by_primary(policy: Policy, coord: coordinator_lib.Coordinator,
-                       key: str, steps: list[int], *, protect: int | None,
+def decided_by_primary(policy: Policy, meeting: meetings.Meeting,
+                       steps: list[int], *, protect: int | None,
                        metrics: MutableMapping[int, Any],
-                       read_metrics: Callable[[int], Any], is_primary: bool,
-                       timeout_ms: int) -> list[int]:
+                       read_metrics: Callable[[int], Any], is_primary: bool
+                       ) -> list[int]:
   """The steps to delete by a policy that ranks metrics, the same on all.
 
-  Called by every process after a finalized save, with a `key` of that
+  Called by every process after a finalized save, with a meeting of that
   save. The primary decides from its recorded metrics (`metrics`, filled
   in with `read_metrics(step)` for steps it has not seen, such as those of
-  an earlier run) and shares its list under `key`; the others, whose own
-  metrics may differ, take it.
+  an earlier run) and shares its list; the others, whose own metrics may
+  differ, take it (`meetings.decided_by_one`).
 
   Raises:
     Exception: the primary's error while deciding (on the others, a
       RuntimeError naming it); nothing is deleted then.
   """
-  if not is_primary:
-    plan = json.loads(groups.fetch_text(coord, key, timeout_ms))
-    if "error" in plan:
-      raise RuntimeError(
-          f"retention after step {steps[-1]} failed on the primary host (the"
-          f" step is finalized; older steps are left): {plan['error']}")
-    return plan["doomed"]
-  multi = coord.process_count > 1
-  try:
+
+  def decide() -> list[int]:
     for step in steps:
       if step not in metrics:
         metrics[step] = read_metrics(step)
-    doomed = policy.to_delete(steps, metrics, protect)
-  except Exception as e:
-    if multi:
-      groups.share_text(coord, key, json.dumps(
-          {"error": f"{type(e).__name__}: {e}"}))
-    raise
-  if multi:
-    groups.share_text(coord, key, json.dumps({"doomed": doomed}))
+    return policy.to_delete(steps, metrics, protect)
+
+  doomed = meetings.decided_by_one(
+      meeting, decide, decides=is_primary,
+      what=f"retention after step {steps[-1]}",
+      consequence="the step is finalized; older steps are left")
   for step in doomed:
     metrics.pop(step, None)
   return doomed

@@ -4,8 +4,8 @@
 itself alone (the local tier) meets nobody. `Survivors` is the processes
 left after a peer was lost: their barriers name them (`process_ids=`), and
 their calls ignore the watcher that ended every wait of the job's
-coordinator (see `rescue`). `share_text` and `fetch_text` pass a text of
-any size through the key-value store, in chunks.
+coordinator (see `rescue`). `common_newest`: the newest step that every
+member of a group has.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import json
 from typing import Sequence
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost.coordinator import Rounds
-
-_CHUNK = 1 << 20  # Characters per key-value entry of a shared text.
 
 
 class SoloCoordinator(Rounds):
@@ -136,28 +135,15 @@ def common_newest(group: Survivors, key: str, steps: Sequence[int],
   me = group.process_index
   group.kv_set(f"{key}/steps/{me}", json.dumps([list(steps), latest]))
   group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
-  if me == group.members[0]:
+
+  def decide() -> list[int | None]:
     listed = [json.loads(v) for v in group.kv_dir(f"{key}/steps").values()]
     common = set.intersection(*(set(s) for s, _ in listed))
-    group.kv_set(f"{key}/common", json.dumps([max(common, default=None), max(
-        (s for _, s in listed if s is not None), default=None)]))
-  step, newest = json.loads(group.kv_get(f"{key}/common",
-                                         timeout_ms=timeout_ms))
+    return [max(common, default=None),
+            max((s for _, s in listed if s is not None), default=None)]
+
+  step, newest = meetings.decided_by_one(
+      meetings.Meeting(group, f"{key}/common", timeout_ms), decide,
+      decides=me == group.members[0],
+      what=f"the newest step that processes {list(group.members)} hold")
   return step, newest
-
-
-def share_text(coord: coordinator_lib.Coordinator, key: str,
-               text: str) -> None:
-  """Sets `text` under `key` for `fetch_text`, in chunks."""
-  chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
-  for n, chunk in enumerate(chunks):
-    coord.kv_set(f"{key}/{n}", chunk)
-  coord.kv_set(f"{key}/count", str(len(chunks)))
-
-
-def fetch_text(coord: coordinator_lib.Coordinator, key: str,
-               timeout_ms: int) -> str:
-  """The text another process shared under `key` (waits for it)."""
-  count = int(coord.kv_get(f"{key}/count", timeout_ms=timeout_ms))
-  return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
-                 for n in range(count))

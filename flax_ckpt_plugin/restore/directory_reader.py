@@ -25,6 +25,7 @@ import numpy as np
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.format import manifest as manifest_lib
@@ -334,12 +335,10 @@ class DirectoryReader:
     Raises:
       CheckpointNotFoundError: the primary sees no finalized step.
     """
-    if self.is_primary:
-      newest = self.latest_step()
-      self.coordinator.kv_set(key, "none" if newest is None else str(newest))
-    else:
-      said = self.coordinator.kv_get(key, timeout_ms=self.barrier_timeout_ms)
-      newest = None if said == "none" else int(said)
+    newest = meetings.decided_by_one(
+        meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+        self.latest_step, decides=self.is_primary,
+        what=f"the newest step of {self.directory}")
     if newest is None:
       raise CheckpointNotFoundError(
           f"no finalized checkpoint in {self.directory}")

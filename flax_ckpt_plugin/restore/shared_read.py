@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import read_plan
@@ -119,7 +119,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
     if reads_manifest:
       raw = read_manifest()
       own.append(manifest_lib.of_step(raw, step_dir, step))  # Valid UTF-8.
-      groups.share_text(coord, shared, raw.decode("utf-8"))
+      meetings.share_text(coord, shared, raw.decode("utf-8"))
 
   _check(coordinator_lib.agree(coord, f"{key}/shared", share,
                                timeout_ms=timeout_ms), where,
@@ -128,7 +128,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
   def plan():
     log.debug("%s: manifest shared", where)
     manifest = own[0] if own else manifest_lib.of_step(
-        groups.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
+        meetings.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
     return (manifest,) + _plan(step_dir, manifest, target, where, cast)
 

@@ -35,7 +35,7 @@ from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
@@ -103,32 +103,25 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
     steps = directory_lib.finalized_steps(directory)
     if multi:
       coord.kv_set(f"{base}/writer", token)
-      groups.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
+      meetings.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
   # Reused by every opening of this directory: a barrier key may be used
   # again once all passed it, and the primary set the token before it.
   coord.barrier(f"{base}/open", timeout_ms=timeout_ms)
   if not is_primary:
     token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
-    steps = json.loads(groups.fetch_text(coord, f"{base}/steps/{token}",
+    steps = json.loads(meetings.fetch_text(coord, f"{base}/steps/{token}",
                                          timeout_ms))
   return token, steps
 
 
-def listed_by_primary(coord: coordinator_lib.Coordinator,
-                      directory: epath.Path, key: str, *, is_primary: bool,
-                      timeout_ms: int) -> list[int]:
-  """The finalized steps, listed by the primary for all (under `key`): what
-  a new group of processes goes on from, after a save that broke may have
-  finalized its step."""
-  outcome = coordinator_lib.agree(
-      coord, f"{key}/listed", lambda: is_primary and groups.share_text(
-          coord, f"{key}/steps", json.dumps(
-              directory_lib.finalized_steps(directory))),
-      timeout_ms=timeout_ms)
-  if outcome.failures:
-    raise RuntimeError(f"listing {directory} failed: "
-                       + coordinator_lib.describe_failures(outcome.failures))
-  return json.loads(groups.fetch_text(coord, f"{key}/steps", timeout_ms))
+def listed_by_primary(meeting: meetings.Meeting, directory: epath.Path, *,
+                      is_primary: bool) -> list[int]:
+  """The finalized steps, listed by the primary for all: what a new group
+  of processes goes on from, after a save that broke may have finalized
+  its step."""
+  return meetings.decided_by_one(
+      meeting, lambda: directory_lib.finalized_steps(directory),
+      decides=is_primary, what=f"listing the steps of {directory}")
 
 
 def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:

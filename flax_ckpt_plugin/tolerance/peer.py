@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 import numpy as np
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import replicas as replicas_lib
@@ -139,13 +139,13 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
 
   def share():
     if me == source:
-      groups.share_text(coord, f"{key}/manifest",
+      meetings.share_text(coord, f"{key}/manifest",
                         local_read(step_dir, backend).decode("utf-8"))
 
   _agree(coord, f"{key}/shared", share, where, timeout_ms)
 
   def prepare():
-    saved = manifest_lib.parse(groups.fetch_text(
+    saved = manifest_lib.parse(meetings.fetch_text(
         coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
     return _prepare(saved, target, step_dir if holding else None, backend,
                     me == source, set(holders), where,

@@ -24,6 +24,7 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.save.snapshot import LeafSnapshot
@@ -83,7 +84,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
   def share() -> list[int]:
     found = json.loads(group.kv_get(f"{key}/writers", timeout_ms=timeout_ms))
     if me in found:
-      groups.share_text(group, f"{key}/list/{me}", json.dumps(held))
+      meetings.share_text(group, f"{key}/list/{me}", json.dumps(held))
     return found
 
   if agreed(group, f"{key}/writers", writers, timeout_ms,
@@ -98,7 +99,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
       return True
     owner: dict[str, dict[tuple, int]] = {}
     for p in reversed(listers):  # The lowest holder wins.
-      for path, indices in json.loads(groups.fetch_text(
+      for path, indices in json.loads(meetings.fetch_text(
           group, f"{key}/list/{p}", timeout_ms)).items():
         for index in indices:
           owner.setdefault(path, {})[tuple(map(tuple, index))] = p
@@ -114,7 +115,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
           break
     if not missing:
       for p in listers:
-        groups.share_text(group, f"{key}/mine/{p}", json.dumps(
+        meetings.share_text(group, f"{key}/mine/{p}", json.dumps(
             {path: [i for i, q in where.items() if q == p]
              for path, where in owner.items()}))
     group.kv_set(f"{key}/missing", json.dumps(missing))
@@ -132,7 +133,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
   mine: dict[str, set[tuple]] = {}
   if me in listers:
     mine = {path: {tuple(map(tuple, i)) for i in indices}
-            for path, indices in json.loads(groups.fetch_text(
+            for path, indices in json.loads(meetings.fetch_text(
                 group, f"{key}/mine/{me}", timeout_ms)).items()}
 
   def read() -> tuple[list[LeafSnapshot], datastate.Encoded | None]:

@@ -18,6 +18,7 @@ import json
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.tolerance import peer
@@ -45,16 +46,14 @@ class Plan(NamedTuple):
 def _inventory(coord: coordinator_lib.Coordinator, key: str,
                local: LocalTier | None, persistent: CheckpointManager,
                timeout_ms: int) -> Plan:
-  """Every process publishes its local steps, the primary the persistent
-  ones; all read everyone's."""
+  """Every process publishes its local steps and reads everyone's; the
+  persistent tier's primary lists its steps for all."""
   mine = local.manager.all_steps() if local is not None else []
   if coord.process_count == 1:
     return Plan({0: mine}, persistent.all_steps())
 
   def publish() -> None:
     coord.kv_set(f"{key}/local/{coord.process_index}", json.dumps(mine))
-    if persistent.is_primary:
-      coord.kv_set(f"{key}/persistent", json.dumps(persistent.all_steps()))
 
   outcome = coordinator_lib.agree(coord, f"{key}/listed", publish,
                                   timeout_ms=timeout_ms)
@@ -66,8 +65,10 @@ def _inventory(coord: coordinator_lib.Coordinator, key: str,
         f" {coordinator_lib.describe_failures(outcome.failures)}")
   local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
                  for k, v in coord.kv_dir(f"{key}/local").items()}
-  listed = json.loads(coord.kv_get(f"{key}/persistent",
-                                   timeout_ms=timeout_ms))
+  listed = meetings.decided_by_one(
+      meetings.Meeting(coord, f"{key}/persistent", timeout_ms),
+      persistent.all_steps, decides=persistent.is_primary,
+      what=f"listing the steps of {persistent.directory}")
   return Plan(local_steps, listed)
 
 
