@@ -127,13 +127,13 @@ def _system(name: str):
   """(open_manager, save, restore) of one system; every step is kept."""
   if name in BACKENDS:
     import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
-    from flax_ckpt_plugin.backends import backend  # pylint: disable=g-import-not-at-top
+    from flax_ckpt_plugin.backends import registry  # pylint: disable=g-import-not-at-top
     _, save, restore = scaling.system("ours", max_to_keep=None)
 
     def open_manager(directory):
       return flax_ckpt_plugin.CheckpointManager(
           directory, max_to_keep=None,
-          storage=Storage(backend=backend.LocalBackend(**BACKENDS[name])))
+          storage=Storage(backend=registry.LocalBackend(**BACKENDS[name])))
 
     return open_manager, save, restore
   return scaling.system("orbax" if name == "orbax" else "ours",

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib

@@ -55,7 +55,7 @@ LAYOUTS = ("data_parallel", "hsdp")
 def paced_backend(mbps: float):
   """A local-disk backend whose writes and reads take `mbps` MB/s per
   process (see the module doc)."""
-  from flax_ckpt_plugin.backends import backend as backend_lib  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin.backends import registry as backend_lib  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin.backends import handles  # pylint: disable=g-import-not-at-top
 
   rate = mbps * 1e6

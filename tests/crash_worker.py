@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.manager import manager as manager_lib
 from flax_ckpt_plugin.format import files

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 
 # The writer's claim on a checkpoint directory (docs/format.md); not a step.
 _WRITER = "_WRITER"

@@ -9,7 +9,7 @@ import pytest
 import flax_ckpt_plugin
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin import Storage
 
 from helpers import entries

@@ -32,7 +32,7 @@ import pytest
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError

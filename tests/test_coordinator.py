@@ -16,7 +16,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage

@@ -27,7 +27,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.format import records

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import ConcurrentWriterError
 from flax_ckpt_plugin import Storage

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin.tolerance import generations

@@ -39,7 +39,7 @@ import pytest
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.backends import object_store
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import Retention

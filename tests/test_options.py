@@ -19,7 +19,7 @@ from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 
 from helpers import tiny
 

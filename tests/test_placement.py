@@ -28,7 +28,7 @@ from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import reader as reader_lib
 from flax_ckpt_plugin.arrays import copies as copies_lib
-from flax_ckpt_plugin.backends import backend
+from flax_ckpt_plugin.backends import registry
 from flax_ckpt_plugin.format import files
 
 DATA = "data/process_00000.bin"
@@ -226,7 +226,7 @@ def test_a_range_past_the_file_is_not_mapped(tmp_path):
   path = tmp_path / "f.bin"
   path.write_bytes(bytes(range(256)) * 64)
   reader = data_files.ByteReader(tmp_path, {"f.bin": 256 * 64},
-                                  backend.LOCAL)
+                                  registry.LOCAL)
   with reader.mapped("f.bin", 100, 50, 50) as view:
     assert bytes(view) == (bytes(range(256)) * 64)[100:150]
   with reader.mapped("f.bin", 256 * 64 - 10, 11, 11) as view:

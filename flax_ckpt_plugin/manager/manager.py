@@ -24,7 +24,7 @@ import jax
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings

@@ -32,7 +32,7 @@ class Storage:
   `CheckpointCallback(storage=...)`, `CheckpointManager(storage=...)`.
 
   Attributes:
-    backend: the directory's storage (`backends.backend.Backend`); default:
+    backend: the directory's storage (`Backend`); default:
       the one its path's scheme names (local file system, or an object
       store). `LocalBackend(direct_io=..., cache_saved=...)` tunes a local
       disk.

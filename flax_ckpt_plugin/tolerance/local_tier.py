@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager.manager import CheckpointManager

@@ -24,7 +24,7 @@ from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity
-from flax_ckpt_plugin.backends import backend
+from flax_ckpt_plugin.backends import registry
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.tools.inventory import committed_unix
@@ -67,7 +67,7 @@ def _dumps(value: Any) -> str:
 
 def existing_dir(name: str) -> epath.Path:
   # Object stores go through fsspec (see object_store).
-  directory, _ = backend.make_path(name)
+  directory, _ = registry.make_path(name)
   if not directory.exists():
     raise CliError(f"directory {name} does not exist", EXIT_NOT_FOUND)
   if not directory.is_dir():

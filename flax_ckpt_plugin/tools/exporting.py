@@ -44,7 +44,7 @@ from typing import Any, Iterable, Sequence, TextIO
 from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.format.records import LeafRecord

@@ -30,7 +30,7 @@ from typing import TextIO
 from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
-from flax_ckpt_plugin.backends import backend as backend_lib
+from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.tools import zarr_tree
 from flax_ckpt_plugin.tools.commands import CliError
