@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -303,3 +304,16 @@ def test_every_relative_link_in_the_docs_points_to_a_file():
       if not (page.parent / target).exists():
         broken.append(f"{page.relative_to(REPO)} -> {target}")
   assert not broken, broken
+
+
+def test_the_architecture_page_names_every_module():
+  """docs/architecture.md's index has a line for every module of the
+  package, by its path under the package, and none that is gone."""
+  page = (REPO / "docs" / "architecture.md").read_text()
+  package = REPO / "flax_ckpt_plugin"
+  modules = {p.relative_to(package).as_posix()
+             for p in package.rglob("*.py")
+             if p.name not in ("__init__.py", "__main__.py")}
+  listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", page, re.M))
+  assert modules - listed == set(), "not in docs/architecture.md"
+  assert listed - modules == set(), "gone, still in docs/architecture.md"
