@@ -40,7 +40,6 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.retention import Retention
   from flax_ckpt_plugin.tolerance.options import FaultTolerance
   from flax_ckpt_plugin.backends.local import LocalBackend
-  from flax_ckpt_plugin.clu_hooks import CheckpointAction
   from flax_ckpt_plugin.tools.importer import ImportResult
   from flax_ckpt_plugin.tools.importer import OrbaxImportError
 

@@ -33,6 +33,7 @@ from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.format import records
 from flax_ckpt_plugin import StructureMismatchError
 from helpers import flip_byte as _flip_byte
 from helpers import restore_read_only as _restore
@@ -491,7 +492,7 @@ def base_checkpoint(tmp_path_factory):
 
 
 _INTERESTING_INTS = [0, 1, -1, 2**31, 2**32, 2**61, 2**62, 2**63, 2**64,
-                     -2**63, 10**400, files.CHECKSUM_BLOCK]
+                     -2**63, 10**400, records.CHECKSUM_BLOCK]
 _INTERESTING_STRINGS = [
     "", ".", "..", "../x", "/etc/passwd", "data", DATA, "data/../../1",
     "manifest.json", "_COMMITTED", "float32", "bfloat16", "int32", "float64",

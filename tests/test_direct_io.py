@@ -33,8 +33,8 @@ from flax_ckpt_plugin.backends import handles
 from flax_ckpt_plugin.format import records
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
-from flax_ckpt_plugin.save.snapshot import LeafSnapshot
-from flax_ckpt_plugin.save.snapshot import ShardData
+from flax_ckpt_plugin.save.leaves import LeafSnapshot
+from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin import Storage
 
 MIB = 1 << 20

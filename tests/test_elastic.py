@@ -210,7 +210,7 @@ def _peers(watcher, local) -> elastic.Peers:
   peers = elastic.Peers(
       types.SimpleNamespace(coordinator=coord), local, "/tmp/x",
       poll_secs=0.5, exit_code=75, elastic_secs=1.0, primary_host=0,
-      group=generations.Group((0,), 1, 0))
+      group=generations.Group((0,), 1, 0), watch=None)
   peers.watcher, peers.rescue = watcher, object()
   return peers
 

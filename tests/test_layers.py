@@ -45,7 +45,7 @@ def _longest_chain(root: pathlib.Path) -> list[str]:
 import functools, json, sys
 import grimp
 graph = grimp.build_graph("flax_ckpt_plugin",
-                          exclude_type_checking_imports=True)
+                          exclude_type_checking_imports=True, cache_dir=None)
 sys.setrecursionlimit(10000)
 @functools.lru_cache(None)
 def longest(m):

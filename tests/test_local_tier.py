@@ -15,6 +15,8 @@ from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin.tolerance import generations
+from flax_ckpt_plugin.loop import tiers
+from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin import FaultTolerance
@@ -109,8 +111,9 @@ def test_a_step_of_one_process_holds_every_distinct_shard_it_had(
   replicated = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P()))
   split = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
   state = {"r": replicated, "s": split}
-  tier = local_tier.LocalTier(tmp_path / "local", "job",
-                              coordinator=_Process(1, 4))
+  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+      tmp_path / "local", "job",
+      coordinator=_Process(1, 4)))
   tier.manager.save(3, state)
   tier.manager.wait_until_finished()
   m = manifest_lib.read(tier.directory / "3")
@@ -139,9 +142,10 @@ class _Process:
 
 def test_nothing_is_fsynced_on_a_file_system_in_memory(tmp_path,
                                                         small_tmpfs):
-  assert backend_lib.for_local_path(small_tmpfs / "x") is backend_lib.MEMORY
-  assert backend_lib.for_local_path(tmp_path) is backend_lib.LOCAL
-  tier = local_tier.LocalTier(small_tmpfs, "job", coordinator=_Process(0, 1))
+  assert backend_lib.for_own_path(small_tmpfs / "x") is backend_lib.MEMORY
+  assert backend_lib.for_own_path(tmp_path) is backend_lib.LOCAL
+  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+      small_tmpfs, "job", coordinator=_Process(0, 1)))
   assert tier.manager.backend is backend_lib.MEMORY
   tier.manager.save(1, {"w": jnp.ones(4)})
   tier.manager.close()
@@ -170,8 +174,9 @@ def test_without_a_local_tier_the_restored_tier_is_the_persistent_one(
 
 def test_in_memory_a_new_step_overwrites_the_data_file_of_a_deleted_one(
     small_tmpfs):
-  tier = local_tier.LocalTier(small_tmpfs, "job", coordinator=_Process(0, 1),
-                              keep=1)
+  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+      small_tmpfs, "job", coordinator=_Process(0, 1),
+      keep=1))
   data = lambda step: tier.directory / str(step) / "data/process_00000.bin"
   spare = tier.directory / backend_lib.SPARE_FILE
   tier.manager.save(1, {"w": jnp.arange(100_000.0)})
@@ -243,12 +248,12 @@ def test_a_local_tier_that_fails_to_open_on_one_process_is_off_on_all(
   (tmp_path / "local_1").write_text("a file, not a directory")
 
   def open_on(coord):
-    return local_tier.open_tier(tmp_path / f"local_{coord.process_index}",
+    return tiers.open_tier(tmp_path / f"local_{coord.process_index}",
                                 "job", coordinator=coord, timeout_ms=10_000)
 
   assert run_threads(2, open_on) == [None, None]
   assert "the local tier in" in caplog.text and "is off" in caplog.text
-  good = run_threads(2, lambda c: local_tier.open_tier(
+  good = run_threads(2, lambda c: tiers.open_tier(
       tmp_path / f"fine_{c.process_index}", "job", coordinator=c,
       timeout_ms=10_000))
   assert [t.directory.name for t in good] == ["process_00000",

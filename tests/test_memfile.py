@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.backends import memfile
 
@@ -19,7 +20,8 @@ class _Process:
 
 
 def _tier(path, keep):
-  return local_tier.LocalTier(path, "job", coordinator=_Process(), keep=keep)
+  return local_tier.LocalTier(CheckpointManager.for_this_process(
+      path, "job", coordinator=_Process(), keep=keep))
 
 
 def _state(step, n):

@@ -26,8 +26,9 @@ def _local_steps(tmp_path, parts, shape):
 
   def save(coord):
     p = coord.process_index
-    tier = local_tier.LocalTier(tmp_path / f"local_{p}", "job",
-                                coordinator=coord)
+    tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+      tmp_path / f"local_{p}", "job",
+      coordinator=coord))
     lo, hi = parts[p]
     tier.manager.save(4, {"w": np.arange(lo, hi, dtype=np.int32)},
                       extra={"step": 4})

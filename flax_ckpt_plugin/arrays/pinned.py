@@ -11,7 +11,7 @@ from a numpy array. So:
   device's `pinned_host` memory, all in one batched call (`PinnedStaging.
   copy`), and does not wait: the writer waits for each shard just before it
   checksums and writes it, reading the pinned buffer through a zero-copy
-  view (`snapshot.ShardData.host`). A step that donates the state right
+  view (`leaves.ShardData.host`). A step that donates the state right
   after the call does not tear the copy: the runtime orders the donation
   after the transfer (checked bit for bit on the H100).
 * A restore reads file bytes into pinned buffers and moves them to the
@@ -70,7 +70,7 @@ PINNED = "pinned_host"
 CPU_SWITCH = "FLAX_CKPT_PLUGIN_PINNED_CPU"
 
 # The longest a copy between a device and host memory is waited for (here
-# and by the writer, `snapshot.ShardData.host`). Far longer than any copy
+# and by the writer, `leaves.ShardData.host`). Far longer than any copy
 # takes (a 13 GB state crosses the slowest path, pageable host memory at
 # 1.8 GB/s, in 7 s): a wait this long is a runtime that hangs, and the
 # waiting thread gets an error instead of hanging too.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from etils import epath
 
@@ -222,6 +222,8 @@ class Backend(abc.ABC):
 # other schemes; `backend` fills them when the package is imported.
 _BY_SCHEME: dict[str | None, Backend] = {}
 _OTHER: list[Backend] = []
+# (whether a local path is on a file system in memory, its backend).
+_IN_MEMORY: list[tuple[Callable[[epath.PathLike], bool], Backend]] = []
 
 
 def scheme(path: epath.PathLike) -> str | None:
@@ -238,6 +240,31 @@ def register(backend: Backend, scheme_name: str | None = None, *,
     _OTHER[:] = [backend]
   else:
     _BY_SCHEME[scheme_name] = backend
+
+
+def register_in_memory(backend: Backend,
+                       test: Callable[[epath.PathLike], bool]) -> None:
+  """Makes `backend` the one of local paths that `test` finds on a file
+  system in memory, for directories of one process alone
+  (`for_own_path`)."""
+  _IN_MEMORY[:] = [(test, backend)]
+
+
+def for_own_path(path: epath.PathLike) -> Backend:
+  """The backend of a local directory that one process alone writes (the
+  local tier's): the in-memory one on a file system in memory."""
+  for test, backend in _IN_MEMORY:
+    if test(path):
+      return backend
+  return for_path(path)
+
+
+def make_path(given: epath.PathLike, backend: Backend | None = None
+              ) -> tuple[epath.Path, Backend]:
+  """`given` as the path this package uses, and its backend (by default,
+  the one its scheme names)."""
+  backend = backend or for_path(given)
+  return backend.as_path(os.fspath(given)), backend
 
 
 def for_path(path: epath.PathLike) -> Backend:

@@ -12,9 +12,7 @@ manager, the tools).
 
 from __future__ import annotations
 
-import os
 
-from etils import epath
 
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import local
@@ -37,17 +35,7 @@ OBJECT_STORE = ObjectStoreBackend()
 # `epath` makes of them, as object stores.
 interface.register(LOCAL, None)
 interface.register(OBJECT_STORE, other=True)
+interface.register_in_memory(MEMORY, local.in_memory)
 for_path = interface.for_path
-
-
-def for_local_path(path: epath.PathLike) -> Backend:
-  """The backend of a local path: `MEMORY` on a file system in memory."""
-  return MEMORY if local.in_memory(path) else LOCAL
-
-
-def make_path(given: epath.PathLike, backend: Backend | None = None
-              ) -> tuple[epath.Path, Backend]:
-  """`given` as the path this package uses, and its backend (by default,
-  the one its scheme names)."""
-  backend = backend or for_path(given)
-  return backend.as_path(os.fspath(given)), backend
+for_own_path = interface.for_own_path
+make_path = interface.make_path

@@ -28,6 +28,7 @@ from flax_ckpt_plugin.backends import layout
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import DataStateMismatchError
 from flax_ckpt_plugin.errors import Unsuitable
+from flax_ckpt_plugin.format.records import DataStateRecord as Record
 from flax_ckpt_plugin.logs import log
 
 ENCODINGS = ("bytes", "json")
@@ -49,15 +50,6 @@ class Encoded:
   """One process's state as stored."""
   encoding: str  # 'bytes' | 'json'
   data: bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-  """A manifest's entry for one process's state file."""
-  file: str
-  encoding: str
-  nbytes: int
-  crc32c: int
 
 
 def state_file(process_index: int) -> str:

@@ -1,7 +1,7 @@
 """The files of a step directory, by name: the manifest (and the format's
 name and version it states), the data file, shard table and view of each
-process (see `docs/format.md`), the checksum block, and `Scope`, a step
-that holds one process's shards alone."""
+process (see `docs/format.md`), and `Scope`, a step that holds one
+process's shards alone."""
 
 from __future__ import annotations
 
@@ -14,9 +14,6 @@ FORMAT_NAME = "flax_ckpt_plugin"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_DIR = layout.DATA_DIR  # Where the backends find the data files.
-# Every shard carries a CRC-32C per block of this many bytes (the last block
-# may be shorter), so a reader of part of a shard verifies whole blocks only.
-CHECKSUM_BLOCK = 4 << 20
 
 
 # The most bytes of one process's shard table (the manifest's own cap).

@@ -12,20 +12,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterable, Iterator, TYPE_CHECKING
+from typing import Any, Iterable, Iterator
 
 import crc32c
 import ml_dtypes
 import numpy as np
 
-from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
-
-if TYPE_CHECKING:
-  from flax_ckpt_plugin.format import datastate
 
 Index = tuple[tuple[int, int], ...]
 SCALAR_KINDS = ("int", "float", "bool")
+# Every shard carries a CRC-32C per block of this many bytes (the last block
+# may be shorter), so a reader of part of a shard verifies whole blocks only.
+CHECKSUM_BLOCK = 4 << 20
 ARRAY_KINDS = ("array", "numpy")
 
 
@@ -182,6 +181,16 @@ class LeafRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataStateRecord:
+  """A manifest's entry for one process's data state file (see
+  `datastate`)."""
+  file: str
+  encoding: str
+  nbytes: int
+  crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
   """A step's validated `manifest.json` (see docs/format.md for each field).
 
@@ -207,7 +216,7 @@ class Manifest:
   scope: tuple[int, int] | None = None
   # Per process index, its data state's file (see `datastate`); None if
   # the step has none.
-  data_states: dict[int, datastate.Record] | None = None
+  data_states: dict[int, DataStateRecord] | None = None
   # The writer's retention policy when it saved the step, as its JSON
   # (informational; `retention.Policy.from_json` reads it).
   retention: Any = None

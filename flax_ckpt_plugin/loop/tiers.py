@@ -38,9 +38,35 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
+from flax_ckpt_plugin.tolerance import rescue
 from flax_ckpt_plugin.tolerance import tier_restore
-from flax_ckpt_plugin.tolerance.local_tier import open_tier
+from flax_ckpt_plugin.tolerance.local_tier import LocalTier
 from flax_ckpt_plugin.tolerance.options import FaultTolerance
+
+
+def open_tier(directory: epath.PathLike, job: str, *,
+              coordinator: coordinator_lib.Coordinator, timeout_ms: int,
+              pinned_host_bytes: int | None = None) -> LocalTier | None:
+  """Every process opens its local tier; None on all if any failed.
+
+  All processes must take the same path through a restore (see
+  `restore_newest`), so a tier that cannot open on one process (a path
+  not writable there) is off everywhere, with an error in the log.
+  """
+  outcome = coordinator_lib.agree(
+      coordinator, f"flax_ckpt_plugin/local/{job}/open/"
+      f"{coordinator.next_round(f'local/{job}/open')}",
+      lambda: LocalTier(CheckpointManager.for_this_process(
+          directory, job, coordinator=coordinator,
+          pinned_host_bytes=pinned_host_bytes)),
+      timeout_ms=timeout_ms)
+  if not outcome.failures:
+    return outcome.result
+  if outcome.result is not None:
+    outcome.result.manager.close()
+  log.error("the local tier in %s is off: it failed to open on %s",
+            directory, coordinator_lib.describe_failures(outcome.failures))
+  return None
 
 
 class Restored(NamedTuple):
@@ -96,8 +122,8 @@ class Tiers:
         self.manager, self.local, directory,
         poll_secs=tolerance.watch_poll_secs, exit_code=exit_code,
         elastic_secs=tolerance.elastic_wait_secs if elastic else None,
-        primary_host=processes.primary_host, group=rejoins) if watch_peers \
-        else None
+        primary_host=processes.primary_host, group=rejoins,
+        watch=rescue.watch) if watch_peers else None
     self._metric_writer = metric_writer
     self._warmed_up = False  # See `warm_up`.
     # The step at which the group takes back a relaunched process (saved

@@ -24,9 +24,10 @@ import jax
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.backends import registry as backend_lib
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.save import pinned_staging
@@ -131,7 +132,7 @@ class CheckpointManager:
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
-    directory, backend = backend_lib.make_path(given, storage.backend)
+    directory, backend = interface.make_path(given, storage.backend)
     self.atomicity = atomicity_lib.resolve_atomicity(given, storage.atomicity,
                                                      backend)
     self.primary_host = primary_host
@@ -183,6 +184,36 @@ class CheckpointManager:
       self._committer.prepare()
       self._staging.prepare()
     self._opened_name = self.name  # `regroup` names its groups under it.
+
+  @classmethod
+  def for_this_process(cls, directory: epath.PathLike, job: str, *,
+                       coordinator: coordinator_lib.Coordinator,
+                       keep: int = 2, pinned_host_bytes: int | None = None
+                       ) -> "CheckpointManager":
+    """A manager of this process's own steps (the local tier's), under
+    `directory/job/process_NNNNN`: every distinct shard the process holds,
+    replicas included (`files.Scope`), saved and restored without meeting
+    another process, the newest `keep` kept. On a file system in memory
+    its backend fsyncs nothing (`interface.for_own_path`).
+
+    Args:
+      directory: a per-host path (a local SSD, or `/dev/shm`).
+      job: a name for the job (see `generations.job_name`).
+      coordinator: the job's coordinator (names this process).
+      keep: how many of the newest steps to keep.
+      pinned_host_bytes: see `Storage`.
+    """
+    pid = coordinator.process_index
+    path = epath.Path(os.path.abspath(os.fspath(directory)))
+    path = path / job / f"process_{pid:05d}"
+    return cls(path, max_to_keep=keep,
+               storage=options.Storage(
+                   backend=interface.for_own_path(path),
+                   pinned_host_bytes=pinned_host_bytes),
+               processes=options.Processes(
+                   coordinator=groups.SoloCoordinator(),
+                   name=f"local/{job}/{pid}"),
+               scope=files.Scope(pid, coordinator.process_count))
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.

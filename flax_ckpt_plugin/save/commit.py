@@ -42,7 +42,7 @@ from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.save.snapshot import LeafSnapshot
+from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.stats import SaveStats
 
 

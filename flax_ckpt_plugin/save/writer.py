@@ -32,7 +32,7 @@ from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.errors import SaveFailedError
-from flax_ckpt_plugin.format.files import CHECKSUM_BLOCK
+from flax_ckpt_plugin.format.records import CHECKSUM_BLOCK
 from flax_ckpt_plugin.format.files import DATA_DIR
 from flax_ckpt_plugin.format.files import FORMAT_NAME
 from flax_ckpt_plugin.format.files import FORMAT_VERSION
@@ -43,7 +43,7 @@ from flax_ckpt_plugin.format.files import MAX_TABLE_BYTES
 from flax_ckpt_plugin.format.files import Scope
 from flax_ckpt_plugin.format.files import views_file
 from flax_ckpt_plugin.format.records import block_checksums
-from flax_ckpt_plugin.save.snapshot import LeafSnapshot
+from flax_ckpt_plugin.save.leaves import LeafSnapshot
 
 def _views(leaves: list[LeafSnapshot]) -> tuple[str, str]:
   """The JSON of every leaf's `_view`, and its SHA-256."""
@@ -154,7 +154,7 @@ def _write_by_offset(out: interface.StepWriter, name: str,
   """Writes the data file by offset (local disks); returns its size.
 
   Every shard is placed in the file first (its size and address are known
-  while its copy is still in flight, see `snapshot.ShardData`), then each
+  while its copy is still in flight, see `leaves.ShardData`), then each
   is waited for just before it is written, so the writes overlap the
   transfers of the shards after it. The checksums are computed by a second
   thread while this one writes (both release the GIL), so a save costs

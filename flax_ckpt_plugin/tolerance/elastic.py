@@ -64,7 +64,6 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import peer
-from flax_ckpt_plugin.tolerance import rescue as rescue_lib
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
@@ -109,17 +108,21 @@ class Peers:
       survivors wait for the loop's `recover` before they save and leave.
     primary_host: the primary the user asked for (kept when a member).
     group: the running group this process rejoins (`joining`), or None.
+    watch: starts the watch over the members and the survivors' save
+      (`rescue.watch`), again at each new group.
   """
 
   def __init__(self, manager: CheckpointManager,
                local: local_tier.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
-               primary_host: int, group: generations.Group | None = None):
+               primary_host: int, group: generations.Group | None = None,
+               watch: Callable[..., tuple[Any, Any]]):
     self._manager, self._local = manager, local
     self._key = generations.group_key(
         generations.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
+    self._start_watch = watch
     count = manager.coordinator.process_count
     self.rejoining = group is not None
     self.group = group or generations.Group(tuple(range(count)), 0,
@@ -146,7 +149,7 @@ class Peers:
     members = list(self.group.members)
     degraded = len(members) < self._manager.coordinator.process_count
     elastic = self._elastic_secs is not None
-    self.watcher, self.rescue = rescue_lib.watch(
+    self.watcher, self.rescue = self._start_watch(
         self._manager, self._local, poll_secs=self._poll_secs,
         exit_code=self._exit_code, elastic_secs=self._elastic_secs,
         members=members, joins=degraded and elastic,

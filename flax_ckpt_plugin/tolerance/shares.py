@@ -27,8 +27,8 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
-from flax_ckpt_plugin.save.snapshot import LeafSnapshot
-from flax_ckpt_plugin.save.snapshot import ShardData
+from flax_ckpt_plugin.save.leaves import LeafSnapshot
+from flax_ckpt_plugin.save.leaves import ShardData
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.tolerance import local_tier

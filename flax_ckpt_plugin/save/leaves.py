@@ -1,0 +1,105 @@
+"""What a snapshot holds, as the writer reads it: each leaf of the saved
+tree (`LeafSnapshot`) and the shards of it this process writes
+(`ShardData`), whose values are on the host or being copied there
+(`snapshot` starts the copies; `ShardData.host` waits for one)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_ckpt_plugin.arrays.copies import Packed
+from flax_ckpt_plugin.arrays.pinned import wait_ready
+from flax_ckpt_plugin.format.treepaths import extents
+from flax_ckpt_plugin.format.treepaths import Index
+from flax_ckpt_plugin.format.treepaths import KeyEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardData:
+  """One shard's values, on the host or being copied there."""
+  index: Index  # [start, stop) per dimension of the global array.
+  # A C-contiguous host array of the shard's values, or a copy still being
+  # made: in pinned host memory (see `pinned`), or (CPU backend) a staging
+  # copy, a jax.Array of the values or of their bits as unsigned integers
+  # of the same width (a copy in reused memory, see `staging`), or the
+  # shard's bits in a pack of small shards (`copies.Packed`); `host()`
+  # waits for it.
+  data: np.ndarray | jax.Array | Packed
+  dtype: np.dtype | None = None  # The values' dtype, for a staging copy.
+  # The CRC-32C of each `records.CHECKSUM_BLOCK` bytes, when the copy took
+  # them (`HostStaging.copy_summed`); else the writer does.
+  crc32c: list[int] | None = None
+
+  @property
+  def nbytes(self) -> int:
+    return self.data.nbytes
+
+  @property
+  def address(self) -> int | None:
+    """Where `host()`'s values are in memory, known while the copy is in
+    flight; None if the runtime does not say."""
+    if isinstance(self.data, np.ndarray):
+      return self.data.ctypes.data
+    try:
+      if isinstance(self.data, Packed):
+        return self.data.pack.unsafe_buffer_pointer() + self.data.offset
+      return self.data.unsafe_buffer_pointer()
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  def host(self) -> np.ndarray:
+    """The values as a host array (a zero-copy view of a staging or pinned
+    copy). Raises the copy's error if it failed.
+
+    Hold the view no longer than needed: while it lives, the staging
+    buffer cannot be donated to the next save's copy (which then copies
+    into new memory, still correctly).
+    """
+    if isinstance(self.data, np.ndarray):
+      return self.data
+    if isinstance(self.data, Packed):  # Reused: DLPack, as below.
+      packed = self.data
+      wait_ready([packed.pack], lambda: "the copy of a pack of small"
+                 f" shards ({packed.pack.nbytes} bytes) to host memory")
+      flat = np.from_dlpack(packed.pack)
+      return flat[packed.offset:packed.offset + packed.nbytes].view(
+          self.dtype).reshape(extents(self.index))
+    wait_ready([self.data], lambda: "the copy of shard"
+               f" {[list(r) for r in self.index]} ({self.data.nbytes} bytes)"
+               " to host memory")
+    if self.data.dtype == self.dtype:  # Not reused: its view pins nothing.
+      return np.asarray(self.data)
+    # DLPack, not np.asarray: the view goes when the caller drops it,
+    # while np.asarray's stays cached on the copy and keeps it from being
+    # donated to the next save.
+    return np.from_dlpack(self.data).view(self.dtype)
+
+
+@dataclasses.dataclass
+class LeafSnapshot:
+  """One leaf of the saved tree and the shards this process writes."""
+  path: str
+  keys: list[KeyEntry]
+  kind: str  # 'array' | 'numpy' | 'int' | 'float' | 'bool'
+  dtype: str | None
+  shape: tuple[int, ...]
+  shards: list[ShardData]
+  value: Any = None  # Python scalars only.
+  key_impl: str | None = None  # Typed PRNG key arrays only.
+
+  def meta(self) -> dict[str, Any]:
+    """The manifest entry, without shard locations."""
+    entry: dict[str, Any] = {"path": self.path, "keys": self.keys,
+                             "kind": self.kind}
+    if self.kind in ("int", "float", "bool"):
+      entry["value"] = self.value
+      return entry
+    entry["dtype"] = self.dtype
+    entry["shape"] = list(self.shape)
+    if self.key_impl is not None:
+      entry["key_impl"] = self.key_impl
+    return entry
