@@ -11,6 +11,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-    -m "not multiprocess" tests/test_pinned.py 2>&1 | tee "$out/tests.log" | tail -25
+    -m "not multiprocess" tests/arrays/test_pinned.py 2>&1 | tee "$out/tests.log" | tail -25
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/accel.py --json "$out/accel.json" "$@" \
     2>&1 | tee "$out/bench.log" | tail -30

@@ -1,4 +1,4 @@
-"""A training process for the crash harness (`tests/test_crash.py`).
+"""A training process for the crash harness (`tests/save/test_crash.py`).
 
     python tests/crash_worker.py CKPT_DIR
 

@@ -199,8 +199,10 @@ def test_every_block_is_run_here_or_by_a_test_that_names_its_page():
   for page, line, code in BLOCKS:
     test = _elsewhere(page, code)
     if test is not None:
-      assert os.path.basename(page) in (
-          pathlib.Path(__file__).parent / test).read_text(), (page, line, test)
+      found = list(pathlib.Path(__file__).parent.rglob(test))
+      assert len(found) == 1, (test, found)
+      assert os.path.basename(page) in found[0].read_text(), (
+          page, line, test)
 
 
 @pytest.mark.multiprocess

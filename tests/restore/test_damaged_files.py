@@ -595,7 +595,7 @@ _ALLOWED_ERRORS = (CheckpointCorruptedError, StructureMismatchError,
 @example(mutations=[("replace", ("files", DATA), 2**70)])
 @example(mutations=[("duplicate_shard", 0, None)])
 @example(mutations=[("replace", ("leaves", "@w", "shape"), [2**61])])
-# Found by the hardening audit (tests/test_bounded_reads.py has the rest:
+# Found by the hardening audit (tests/backends/test_bounded_reads.py has the rest:
 # FIFOs, /dev/zero, sparse files, hostile key_impl, many shards).
 @example(mutations=[("replace", ("checksum", "block_bytes"), 2**50)])
 @example(mutations=[("replace", ("leaves", "@w", "dtype"), None)])

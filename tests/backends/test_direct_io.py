@@ -46,7 +46,7 @@ def _direct_io_dir(tmp_path: pathlib.Path) -> pathlib.Path:
   pytest's tmp_path first; where that is a tmpfs (which refuses O_DIRECT),
   a directory beside the tests, on the checkout's disk.
   """
-  here = pathlib.Path(__file__).resolve().parent
+  here = pathlib.Path(__file__).resolve().parents[1]
   for base in (tmp_path, here):
     d = base / f"direct_io_probe_{os.getpid()}"
     d.mkdir(exist_ok=True)
@@ -400,7 +400,7 @@ def test_a_closing_writer_has_its_newest_step_read_back_at_once(direct_dir):
 def test_read_back_benchmark_reports_every_bound(direct_dir):
   """benchmarks/read_back.py, tiny: each bound's reading back and the write
   against it, twice, and nothing left behind."""
-  script = pathlib.Path(__file__).parent.parent / "benchmarks" / "read_back.py"
+  script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "read_back.py"
   proc = subprocess.run(
       [sys.executable, str(script), "--dir", str(direct_dir), "--gb", "0.0625",
        "--write-gb", "0.0625"], capture_output=True, text=True, timeout=120,

@@ -77,7 +77,7 @@ def test_an_abstract_leaf_the_checkpoint_lacks_has_no_value_to_keep(
 
 def test_the_usage_doc_example_runs_as_shown(tmp_path, capsys):
   """docs/usage.md's block under "Restoring part of a checkpoint"."""
-  doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" /
+  doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" /
          "usage.md").read_text()
   section = doc.split("## Restoring part of a checkpoint", 1)[1]
   code = section.split("```python\n", 1)[1].split("```", 1)[0]

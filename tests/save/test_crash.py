@@ -61,7 +61,7 @@ from crash_worker import MOMENTS
 from crash_worker import stale_entries
 from launcher import StdoutLines
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 WORKER = TESTS / "crash_worker.py"
 
 TRIALS = int(os.environ.get("FLAX_CKPT_PLUGIN_CRASH_TRIALS", "20"))

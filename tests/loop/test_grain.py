@@ -24,7 +24,7 @@ from test_preemption import run_to_end
 
 pytest.importorskip("grain")  # The [grain] extra; CI installs it.
 
-GRAIN = pathlib.Path(__file__).resolve().parent.parent / "examples" / (
+GRAIN = pathlib.Path(__file__).resolve().parents[2] / "examples" / (
     "grain_train.py")
 NUM_STEPS, EVERY_STEPS = 16, 6
 BATCH_LINE = re.compile(r"process (\d) step (\d+) batch (\w+)")

@@ -11,7 +11,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointManager
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_read_only_manager_sees_steps_finalized_after_it_opened(ckpt_dir):

@@ -1,10 +1,10 @@
-"""`writeplan`: every byte written once, spread over the processes.
+"""`division`: every byte written once, spread over the processes.
 
 The plan depends on the shardings alone, so these tests build shardings of
 a 4-process x 2-device job from stand-in devices (one JAX process cannot
 have devices of four): `_Sharding.devices_indices_map` is all the plan
 reads, with each device's `process_index`. The real 4-process job is in
-`tests/test_multihost_topology.py`.
+`tests/multihost/test_multihost_topology.py`.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_small_shards_are_written_whole_and_one_process_writes_all():
 
 
 def _simulator():
-  path = pathlib.Path(__file__).parent.parent / "benchmarks" / "control_plane.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
   spec = importlib.util.spec_from_file_location("control_plane_sim", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

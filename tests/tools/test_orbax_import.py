@@ -42,7 +42,7 @@ from helpers import run_console
 from helpers import two_device_mesh
 from launcher import run_workers
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent  # Where `flax-ckpt` is installed.
 KERNEL = "params/params/Dense_0/kernel"
 

@@ -34,7 +34,7 @@ from flax_ckpt_plugin import FaultTolerance
 from helpers import start_thread
 from launcher import StdoutLines
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = REPO_ROOT / "examples" / "train.py"
 MULTIHOST = REPO_ROOT / "examples" / "multihost.py"
 

@@ -32,7 +32,7 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointManager
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "format.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "format.md"
 
 
 def reader_source() -> str:

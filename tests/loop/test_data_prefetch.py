@@ -20,7 +20,7 @@ from flax_ckpt_plugin import CheckpointCallback
 
 grain = pytest.importorskip("grain")  # The [grain] extra; CI installs it.
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / (
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / (
     "integrations.md")
 NUM_BATCHES = 40
 
