@@ -53,6 +53,7 @@ from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.arrays import division
 from flax_ckpt_plugin.tolerance import generations
@@ -484,7 +485,8 @@ def _rejoin_asked(service: Service, coords: list[SimCoordinator],
     w.start()
 
   def ask() -> None:
-    joined = generations.next_group_without(relaunched, key, group, 600_000)
+    joined = generations.next_group_without(
+        meetings.Meeting(relaunched, key, 600_000), group)
     generations.ask_to_join(relaunched, key, joined)
 
   asking = threading.Thread(target=ask, daemon=True)
@@ -525,8 +527,10 @@ def simulate_elastic(n: int, *, latency_ms: float = 0.0,
     survivors = groups.Survivors(coord, members)
     common = getattr(groups, "common_newest", None)
     if common is not None:
-      return common(survivors, "sim/1/recover", steps_held[coord.process_index],
-                    None, timeout_ms=600_000)
+      return common(
+          meetings.Meeting(survivors, "sim/1/recover", 600_000),
+          steps_held[coord.process_index],
+          None)
     from flax_ckpt_plugin.tolerance import rescue  # pylint: disable=g-import-not-at-top
 
     class _Tier:  # (Before groups.common_newest: the same, by the tiers.)
@@ -613,8 +617,10 @@ def simulate_shares(n: int, *, leaves: int = 100,
 
     def work(coord: SimCoordinator) -> list[int]:
       group = groups.Survivors(coord, members)
-      found = assign(group, "sim/rescue", Tier(coord.process_index), 7,
-                     600_000)
+      found = assign(
+          meetings.Meeting(group, "sim/rescue", 600_000),
+          Tier(coord.process_index),
+          7)
       assert found is not None, "the survivors found a shard missing"
       return sum(len(leaf.shards) for leaf in found[0])
 

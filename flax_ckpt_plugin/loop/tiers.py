@@ -34,6 +34,7 @@ from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
 from flax_ckpt_plugin.tolerance import generations
@@ -53,19 +54,19 @@ def open_tier(directory: epath.PathLike, job: str, *,
   `restore_newest`), so a tier that cannot open on one process (a path
   not writable there) is off everywhere, with an error in the log.
   """
-  outcome = coordinator_lib.agree(
+  meeting = meetings.Meeting(
       coordinator, f"flax_ckpt_plugin/local/{job}/open/"
-      f"{coordinator.next_round(f'local/{job}/open')}",
-      lambda: LocalTier(CheckpointManager.for_this_process(
+      f"{coordinator.next_round(f'local/{job}/open')}", timeout_ms)
+  outcome = meetings.agree(meeting, lambda: LocalTier(
+      CheckpointManager.for_this_process(
           directory, job, coordinator=coordinator,
-          pinned_host_bytes=pinned_host_bytes)),
-      timeout_ms=timeout_ms)
+          pinned_host_bytes=pinned_host_bytes)))
   if not outcome.failures:
     return outcome.result
   if outcome.result is not None:
     outcome.result.manager.close()
   log.error("the local tier in %s is off: it failed to open on %s",
-            directory, coordinator_lib.describe_failures(outcome.failures))
+            directory, meetings.describe_failures(outcome.failures))
   return None
 
 
@@ -165,8 +166,7 @@ class Tiers:
 
   def restore(self, state: Any, *, cast: bool,
               make_target: Callable[[list[Any]], Any] | None,
-              data_iterator: datastate.DataIterator | None
-              ) -> Restored | None:
+              data_iterator: datastate.DataIterator | None) -> Restored | None:
     """The newest good step like `state`, from the fastest tier that has
     it whole (`tier_restore.restore_for_callback`), or None; a relaunched
     process instead waits until the survivors take it back (see

@@ -343,9 +343,11 @@ class CheckpointManager:
     self._metrics[step] = metrics
     self._reader.finalized(step)  # The reader's checks accepted it.
     try:
-      commit_lib.run_hooks(self.coordinator, key, self._commit_hooks, stats,
-                           is_primary=self.is_primary,
-                           timeout_ms=self.barrier_timeout_ms)
+      commit_lib.run_hooks(
+          meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+          self._commit_hooks,
+          stats,
+          is_primary=self.is_primary)
       self._retention(key, stats)
     except BaseException as e:
       e.add_note(f"Step {step} is finalized in {self.directory}.")
@@ -367,8 +369,8 @@ class CheckpointManager:
     self._reader.forget(doomed)
     if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
-          self.coordinator, key, stats, timeout_ms=self.barrier_timeout_ms,
-          delete=lambda: self.is_primary and directory_lib.delete_steps(
+          meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+          stats, delete=lambda: self.is_primary and directory_lib.delete_steps(
               self.directory, doomed, self.check_still_writer, self.backend))
 
   def wait_until_finished(self, timeout: float | None = None) -> bool:

@@ -2,11 +2,10 @@
 
 A coordinator knows this process's index and the process count, meets the
 others at named barriers (all of them, or a subset), and exchanges small
-strings through a key-value store. `agree` builds the one cross-process
-pattern the package uses on it: every process runs a piece of work, then all
-of them learn together whether it failed anywhere (commit phases, commit
-hooks, the restore fallback), so no process waits for a timeout to hear of a
-peer's error.
+strings through a key-value store. The meetings built on it (`meetings`:
+every process runs a piece of work and all learn together whether it failed
+anywhere; one process decides for all) are how the package's processes
+agree, so no process waits for a timeout to hear of a peer's error.
 
 `JaxCoordinator` (the default) wraps the coordination service that
 `jax.distributed.initialize()` starts; it is the only place in the package
@@ -26,7 +25,7 @@ import collections
 import copy
 import threading
 import time
-from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 from typing import TypeVar
 
 from flax_ckpt_plugin.multihost.deadlines import DEADLINES
@@ -38,9 +37,10 @@ T = TypeVar("T")
 class Coordinator(Protocol):
   """What the package needs of the processes around it.
 
-  Every method that meets other processes (`barrier`, and `agree` built on
-  it) must be called by all of them (or all of `process_ids`) with the same
-  key. A barrier key may be used again once every process passed it.
+  Every method that meets other processes (`barrier`, and the meetings
+  built on it) must be called by all of them (or all of `process_ids`)
+  with the same key. A barrier key may be used again once every process
+  passed it.
   """
 
   @property
@@ -117,8 +117,6 @@ def _failure(what: str, e: BaseException, secs: float,
     return f"{what} timed out after {secs:.1f}s on {where}"
   return (f"{what} failed after {secs:.1f}s (of a {timeout_secs:.1f}s"
           f" timeout) on {where}: {e}")
-
-
 
 
 class Rounds:
@@ -333,62 +331,3 @@ def default() -> JaxCoordinator:
     if _DEFAULT is None:
       _DEFAULT = JaxCoordinator()
     return _DEFAULT
-
-
-class Outcome(NamedTuple, Generic[T]):
-  """What `agree` learned: this process's result or error, and everyone's."""
-  result: T | None  # `fn()`'s value here (None if it raised).
-  error: Exception | None  # What `fn` raised here, or None.
-  # Every process whose `fn` raised (this one included): its index, and the
-  # error's type name and message, as recorded before the barrier.
-  failures: dict[int, tuple[str, str]]
-
-  def failed_elsewhere(self, me: int) -> dict[int, tuple[str, str]]:
-    return {p: f for p, f in self.failures.items() if p != me}
-
-
-def describe_failures(failures: dict[int, tuple[str, str]]) -> str:
-  """'process 1: OSError: ...; process 3: ...' for error messages."""
-  return "; ".join(f"process {p}: {t}: {m}"
-                   for p, (t, m) in sorted(failures.items()))
-
-
-def agree(coord: Coordinator, key: str, fn: Callable[[], T], *,
-          timeout_ms: int, on_timeout: Callable[[], None] | None = None
-          ) -> Outcome[T]:
-  """Runs `fn` on every process, then all learn together who failed.
-
-  A process whose `fn` raised records that under `key` before the barrier
-  at `key`, so after it every process knows every failure at once. Called
-  by every process with the same `key`, which must not have been used for
-  an earlier agreement (see `Coordinator.next_round`). Never raises `fn`'s
-  error itself: the caller decides, from the `Outcome`, what each process
-  raises.
-
-  Raises:
-    TimeoutError: another process did not arrive within `timeout_ms` (it
-      died or stopped calling the library); `on_timeout` runs first.
-  """
-  result, error = None, None
-  try:
-    result = fn()
-  except Exception as e:  # pylint: disable=broad-except
-    error = e
-  me, multi = coord.process_index, coord.process_count > 1
-  failures: dict[int, tuple[str, str]] = {}
-  if error is not None:
-    failures[me] = (type(error).__name__, str(error))
-    if multi:
-      coord.kv_set(f"{key}/failed/{me}",
-                   f"{type(error).__name__}\n{error}")
-  if multi:
-    try:
-      coord.barrier(f"{key}/done", timeout_ms=timeout_ms)
-    except Exception:
-      if on_timeout is not None:
-        on_timeout()
-      raise
-    for k, v in coord.kv_dir(f"{key}/failed").items():
-      type_name, _, message = v.partition("\n")
-      failures[int(k.rsplit("/", 1)[1])] = (type_name, message)
-  return Outcome(result, error, failures)

@@ -122,9 +122,8 @@ class Survivors:
     return self._coord.preemption_notifier_installed()
 
 
-def common_newest(group: Survivors, key: str, steps: Sequence[int],
-                  latest: int | None, timeout_ms: int
-                  ) -> tuple[int | None, int | None]:
+def common_newest(meeting: meetings.Meeting, steps: Sequence[int],
+                  latest: int | None) -> tuple[int | None, int | None]:
   """Every member of `group` gives its `steps` (a tier's, say) and its
   `latest` (another's newest step, or None); all get the newest step that
   every member has, and the newest `latest` of any (None where there is
@@ -132,6 +131,9 @@ def common_newest(group: Survivors, key: str, steps: Sequence[int],
   one small read for each other member, whatever their number (each
   reading every member's list is O(members) each, O(members^2) for the
   coordination service)."""
+  group = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   me = group.process_index
   group.kv_set(f"{key}/steps/{me}", json.dumps([list(steps), latest]))
   group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
@@ -143,7 +145,7 @@ def common_newest(group: Survivors, key: str, steps: Sequence[int],
             max((s for _, s in listed if s is not None), default=None)]
 
   step, newest = meetings.decided_by_one(
-      meetings.Meeting(group, f"{key}/common", timeout_ms), decide,
+      meeting.under("common"), decide,
       decides=me == group.members[0],
       what=f"the newest step that processes {list(group.members)} hold")
   return step, newest

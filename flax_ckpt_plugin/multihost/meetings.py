@@ -1,5 +1,6 @@
-"""One process decides, every process reads it: the processes' one way to
-share a decision.
+"""How processes meet: every one does its part and all learn how it went
+(`agree`), or one process decides and every process reads it
+(`decided_by_one`).
 
 Where the processes must act alike on what one of them sees (the steps
 the primary lists, the steps retention deletes, the newest step of a
@@ -9,22 +10,25 @@ that key and takes the answer, whatever it would have seen itself. A
 `Meeting` names where they meet: the coordinator, a key new for this
 meeting (see `Coordinator.next_round`), and how long each waits.
 
-`decided_by_one` shares the decision, or the error that kept it from
-being made: every process then raises, the decider its own error and the
-others a `RuntimeError` that names it, so that none waits out its
-deadline for an answer that will not come. `share_text` and `fetch_text`
-carry a text of any size through the key-value store, in chunks.
+`agree` runs a piece of work on every process, after which all learn
+together who failed. `decided_by_one` shares a decision, or the error
+that kept it from being made: every process then raises, the decider its
+own error and the others a `RuntimeError` that names it, so that none
+waits out its deadline for an answer that will not come. `share_text`
+and `fetch_text` carry a text of any size through the key-value store, in
+chunks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 
 _CHUNK = 1 << 20  # Characters per key-value entry of a shared text.
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,66 @@ class Meeting:
   def under(self, name: str) -> Meeting:
     """A meeting of the same processes under `key/name`."""
     return Meeting(self.coordinator, f"{self.key}/{name}", self.timeout_ms)
+
+
+class Outcome(NamedTuple, Generic[T]):
+  """What `agree` learned: this process's result or error, and everyone's."""
+
+  result: T | None  # `fn()`'s value here (None if it raised).
+  error: Exception | None  # What `fn` raised here, or None.
+  # Every process whose `fn` raised (this one included): its index, and the
+  # error's type name and message, as recorded before the barrier.
+  failures: dict[int, tuple[str, str]]
+
+  def failed_elsewhere(self, me: int) -> dict[int, tuple[str, str]]:
+    return {p: f for p, f in self.failures.items() if p != me}
+
+
+def describe_failures(failures: dict[int, tuple[str, str]]) -> str:
+  """'process 1: OSError: ...; process 3: ...' for error messages."""
+  return "; ".join(
+      f"process {p}: {t}: {m}" for p, (t, m) in sorted(failures.items()))
+
+
+def agree(meeting: Meeting, fn: Callable[[], T], *,
+          on_timeout: Callable[[], None] | None = None) -> Outcome[T]:
+  """Runs `fn` on every process, then all learn together who failed.
+
+  A process whose `fn` raised records that under the meeting's key before
+  the barrier there, so after it every process knows every failure at
+  once. Called by every process of the meeting, whose key must not have
+  been used for an earlier agreement (see `Coordinator.next_round`).
+  Never raises `fn`'s error itself: the caller decides, from the
+  `Outcome`, what each process raises.
+
+  Raises:
+    TimeoutError: another process did not arrive within the meeting's
+      deadline (it died or stopped calling the library); `on_timeout` runs
+      first.
+  """
+  coord, key, timeout_ms = meeting.coordinator, meeting.key, meeting.timeout_ms
+  result, error = None, None
+  try:
+    result = fn()
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  me, multi = coord.process_index, coord.process_count > 1
+  failures: dict[int, tuple[str, str]] = {}
+  if error is not None:
+    failures[me] = (type(error).__name__, str(error))
+    if multi:
+      coord.kv_set(f"{key}/failed/{me}", f"{type(error).__name__}\n{error}")
+  if multi:
+    try:
+      coord.barrier(f"{key}/done", timeout_ms=timeout_ms)
+    except Exception:
+      if on_timeout is not None:
+        on_timeout()
+      raise
+    for k, v in coord.kv_dir(f"{key}/failed").items():
+      type_name, _, message = v.partition("\n")
+      failures[int(k.rsplit("/", 1)[1])] = (type_name, message)
+  return Outcome(result, error, failures)
 
 
 def decided_by_one(meeting: Meeting, decide: Callable[[], Any], *,

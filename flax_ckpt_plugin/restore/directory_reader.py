@@ -318,9 +318,10 @@ class DirectoryReader:
           data_iterator, step_dir, manifest, self.coordinator, self.backend)
 
     tree, nbytes, hand_over = shared_read.restore(
-        self.coordinator, key, step_dir, read_manifest, target, step=step,
+        meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+        step_dir, read_manifest, target, step=step,
         reads_manifest=self.is_primary, backend=self.backend, verify=verify,
-        timeout_ms=self.barrier_timeout_ms, before=before, cast=cast)
+        before=before, cast=cast)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     if hand_over is not None:
@@ -394,11 +395,12 @@ class DirectoryReader:
     key = f"{self._base}/restore"
     key = f"{key}/{self.coordinator.next_round(key)}"
     found, skipped = fallback.restore_newest(
-        self.coordinator, key, steps=self.all_steps,
+        meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+        steps=self.all_steps,
         restore=lambda step: self.restore_together(
             target, step, verify=verify, data_iterator=data_iterator,
             cast=cast),
-        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms,
+        is_primary=self.is_primary,
         where=str(self.directory))
     if found is not None:  # Every process restored it.
       with self._lock:

@@ -6,7 +6,7 @@ bytes the storage failed to read (`errors.READ_FAILED`: an I/O error), but
 that one is kept, not set aside. Any other error on
 any process (a permission error, a target that does not fit the saved tree,
 a mesh error) ends the search on every process at once: each try is a
-`coordinator.agree`, so all processes learn together how it went on each of
+`meetings.agree`, so all processes learn together how it went on each of
 them, instead of the others waiting out the barrier timeout.
 """
 
@@ -19,7 +19,7 @@ from etils import epath
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import interface
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import READ_FAILED
 from flax_ckpt_plugin.errors import RestoreFailedError
@@ -51,10 +51,9 @@ def _restore_or_mark(restore: Callable[[int], Any], step: int) -> Any:
     raise _Unsuitable(str(e)) from e  # Unread here, now: skipped, kept.
 
 
-def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
+def restore_newest(meeting: meetings.Meeting, *,
                    steps: Callable[[], list[int]],
-                   restore: Callable[[int], Any], is_primary: bool,
-                   timeout_ms: int, where: str
+                   restore: Callable[[int], Any], is_primary: bool, where: str
                    ) -> tuple[tuple[int, Any] | None, list[int]]:
   """Tries the finalized steps, newest first, on every process.
 
@@ -76,6 +75,9 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
     RestoreFailedError: another process failed for another reason.
     Exception: this process's own error, when it is not damage.
   """
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   if coord.process_count == 1:
     candidates = steps()
   elif is_primary:
@@ -84,14 +86,12 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
   else:
     candidates = json.loads(coord.kv_get(f"{key}/steps",
                                          timeout_ms=timeout_ms))
-  return try_in_turn(coord, key, list(reversed(candidates)), restore,
-                     timeout_ms=timeout_ms, where=where)
+  return try_in_turn(meeting, list(reversed(candidates)), restore, where=where)
 
 
-def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
-                candidates: list[Any], restore: Callable[[Any], Any], *,
-                timeout_ms: int, where: str,
-                describe: Callable[[Any], str] = "step {}".format,
+def try_in_turn(meeting: meetings.Meeting, candidates: list[Any],
+                restore: Callable[[Any], Any], *, where: str,
+                describe: Callable[[Any], str] = "step {}".format
                 ) -> tuple[tuple[Any, Any] | None, list[Any]]:
   """Restores the first candidate that restores on every process.
 
@@ -100,12 +100,14 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
   process is skipped (only damaged or missing ones are returned as
   skipped). See `restore_newest` for the rest.
   """
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   skipped, why = [], []
   for n, candidate in enumerate(candidates):
-    outcome = coordinator_lib.agree(
-        coord, f"{key}/try{n}",
-        lambda c=candidate: _restore_or_mark(restore, c),
-        timeout_ms=timeout_ms)
+    outcome = meetings.agree(
+        meetings.Meeting(coord, f"{key}/try{n}", timeout_ms),
+        lambda c=candidate: _restore_or_mark(restore, c))
     if not outcome.failures:
       return (candidate, outcome.result), skipped
     name = describe(candidate)
@@ -118,7 +120,7 @@ def try_in_turn(coord: coordinator_lib.Coordinator, key: str,
       raise RestoreFailedError(
           f"restoring {name} of {where} failed on other processes, so"
           " no process restores it:"
-          f" {coordinator_lib.describe_failures(others)}")
+          f" {meetings.describe_failures(others)}")
     reason = (str(outcome.error) if outcome.error is not None else
               "damaged or missing on other processes: " + "; ".join(
                   f"process {p}: {m}" for p, (_, m) in sorted(

@@ -59,10 +59,9 @@ from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 
 
-def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
-            read_manifest: Any, target: Any, *, step: int,
-            reads_manifest: bool, backend: Any, verify: bool,
-            timeout_ms: int, before: Any = None, cast: bool = False
+def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
+            target: Any, *, step: int, reads_manifest: bool, backend: Any,
+            verify: bool, before: Any = None, cast: bool = False
             ) -> tuple[Any, int, Any]:
   """Restores `step` from `step_dir` like `target`; see the module doc.
 
@@ -88,10 +87,9 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step_dir: Any,
     StructureMismatchError: the target does not fit (raised by all).
   """
   with _no_collection():
-    return _restore(coord, key, step_dir, read_manifest, target, step=step,
+    return _restore(meeting, step_dir, read_manifest, target, step=step,
                     reads_manifest=reads_manifest, backend=backend,
-                    verify=verify, timeout_ms=timeout_ms, before=before,
-                    cast=cast)
+                    verify=verify, before=before, cast=cast)
 
 
 @contextlib.contextmanager
@@ -108,8 +106,11 @@ def _no_collection():
       gc.enable()
 
 
-def _restore(coord, key, step_dir, read_manifest, target, *, step,
-             reads_manifest, backend, verify, timeout_ms, before, cast):
+def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
+             step, reads_manifest, backend, verify, before, cast):
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   where = str(step_dir)
   log.debug("%s: restoring together", where)
   shared = f"{key}/manifest"
@@ -121,8 +122,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
       own.append(manifest_lib.of_step(raw, step_dir, step))  # Valid UTF-8.
       meetings.share_text(coord, shared, raw.decode("utf-8"))
 
-  _check(coordinator_lib.agree(coord, f"{key}/shared", share,
-                               timeout_ms=timeout_ms), where,
+  _check(meetings.agree(meeting.under("shared"), share), where,
          primary_reads=True)
 
   def plan():
@@ -134,8 +134,7 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
 
   # Whatever can fail on one process alone before the programs start
   # (fetching the manifest) fails in this phase, which starts none.
-  outcome = coordinator_lib.agree(coord, f"{key}/plan", plan,
-                                  timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting.under("plan"), plan)
   if reads_manifest:  # Every process has it now: free the service's copy.
     try:
       coord.kv_delete(shared)
@@ -143,10 +142,9 @@ def _restore(coord, key, step_dir, read_manifest, target, *, step,
       log.warning("could not delete the shared manifest %s: %s", shared, e)
   _check(outcome, where)
   manifest, treedef, leaves, batches, packs = outcome.result
-  outcome = coordinator_lib.agree(
-      coord, f"{key}/read", lambda: _read(
-          step_dir, manifest, backend, verify, where, leaves, batches, packs,
-          before, cast), timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting.under("read"), lambda: _read(
+      step_dir, manifest, backend, verify, where, leaves, batches, packs,
+      before, cast))
   _check(outcome, where)
   return _run(treedef, *outcome.result)
 
@@ -160,7 +158,7 @@ def _check(outcome: coordinator_lib.Outcome, where: str,
     raise outcome.error
   if not outcome.failures:
     return
-  text = coordinator_lib.describe_failures(outcome.failures)
+  text = meetings.describe_failures(outcome.failures)
   kinds = {f[0] for f in outcome.failures.values()}
   if primary_reads and kinds == {"CheckpointNotFoundError"}:
     raise CheckpointNotFoundError(

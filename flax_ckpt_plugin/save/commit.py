@@ -12,7 +12,7 @@ save:
                                            finalize
     hooks:     agree                       run the commit hooks
 
-Each phase is a `coordinator.agree`: a process whose part failed records it
+Each phase is a `meetings.agree`: a process whose part failed records it
 before the phase's barrier, so every process learns of it right after the
 barrier and all raise together, instead of the others waiting for a timeout
 at the next one. `commit` takes everything it needs as a `CommitInputs` and
@@ -138,9 +138,10 @@ def _phase(inputs: CommitInputs, name: str, fn: Callable[[], Any]) -> Any:
   """
   coord, tmp = inputs.coordinator, inputs.tmp
   abandon = tmp.abandon if inputs.is_primary else None
-  outcome = coordinator_lib.agree(coord, f"{inputs.key}/{name}", fn,
-                                  timeout_ms=inputs.timeout_ms,
-                                  on_timeout=abandon)
+  outcome = meetings.agree(
+      meetings.Meeting(coord, f"{inputs.key}/{name}", inputs.timeout_ms),
+      fn,
+      on_timeout=abandon)
   if outcome.failures:
     if abandon is not None:
       abandon()
@@ -148,7 +149,7 @@ def _phase(inputs: CommitInputs, name: str, fn: Callable[[], Any]) -> Any:
       raise outcome.error
     raise SaveFailedError(
         f"save of step {inputs.step} to {inputs.directory} failed on other"
-        f" processes: {coordinator_lib.describe_failures(outcome.failures)}")
+        f" processes: {meetings.describe_failures(outcome.failures)}")
   return outcome.result
 
 
@@ -225,29 +226,26 @@ def step_state(directory: epath.Path, step: int) -> str:
   return f"Step {step} was not finalized."
 
 
-def run_retention(coord: coordinator_lib.Coordinator, key: str,
-                  stats: SaveStats, *, delete: Callable[[], Any],
-                  timeout_ms: int) -> None:
+def run_retention(meeting: meetings.Meeting, stats: SaveStats, *,
+                  delete: Callable[[], Any]) -> None:
   """All: `delete` (the primary deletes), then learn together how it went.
 
   Raises:
     Exception: this process's own error; or RuntimeError naming the process
       that failed (the step itself is finalized either way).
   """
-  outcome = coordinator_lib.agree(coord, f"{key}/retention", delete,
-                                  timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting.under("retention"), delete)
   if outcome.error is not None:
     raise outcome.error
   if outcome.failures:
     raise RuntimeError(
         f"retention after step {stats.step} failed on another process (the"
         " step is finalized; older steps may be left):"
-        f" {coordinator_lib.describe_failures(outcome.failures)}")
+        f" {meetings.describe_failures(outcome.failures)}")
 
 
-def run_hooks(coord: coordinator_lib.Coordinator, key: str,
-              hooks: Sequence[CommitHook], stats: SaveStats, *,
-              is_primary: bool, timeout_ms: int) -> None:
+def run_hooks(meeting: meetings.Meeting, hooks: Sequence[CommitHook],
+              stats: SaveStats, *, is_primary: bool) -> None:
   """Primary: runs the hooks; all: learn together whether one failed.
 
   Every process meets here, so that a failed hook is raised by all of them,
@@ -272,8 +270,7 @@ def run_hooks(coord: coordinator_lib.Coordinator, key: str,
             f" {type(e).__name__}: {e}")
         raise error from e
 
-  outcome = coordinator_lib.agree(coord, f"{key}/hooks", run,
-                                  timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting.under("hooks"), run)
   if outcome.error is not None:
     raise outcome.error
   for _, message in outcome.failures.values():

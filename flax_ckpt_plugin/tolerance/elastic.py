@@ -60,7 +60,7 @@ from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import jax
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import peer
@@ -253,17 +253,19 @@ class Peers:
 
     try:
       local.quietly("save", lambda m: m.wait_until_finished())
-      step, _ = groups.common_newest(group, key, local.manager.all_steps(),
-                                     manager.latest_step(), timeout_ms)
+      step, _ = groups.common_newest(
+          meetings.Meeting(group, key, timeout_ms),
+          local.manager.all_steps(),
+          manager.latest_step())
       if step is None:
         raise RuntimeError("the survivors hold no common step in their local"
                            f" tiers ({local.directory})")
-      outcome = coordinator_lib.agree(group, f"{key}/restore", restore,
-                                      timeout_ms=timeout_ms)
+      outcome = meetings.agree(
+          meetings.Meeting(group, f"{key}/restore", timeout_ms), restore)
       if outcome.failures:
         raise RuntimeError(
             f"restoring local step {step} on the live devices failed:"
-            f" {coordinator_lib.describe_failures(outcome.failures)}")
+            f" {meetings.describe_failures(outcome.failures)}")
       self._regroup(members, gen)
       self._watch()
     except Exception as e:  # pylint: disable=broad-except
@@ -339,12 +341,12 @@ class Peers:
       raise RuntimeError("rejoining needs a local tier"
                          " (FaultTolerance(local_directory=...))")
     if self.rejoining:  # Waits until the survivors went on without it.
-      self.group = generations.next_group_without(coord, self._key,
-                                                  self.group, timeout_ms)
+      self.group = generations.next_group_without(
+          meetings.Meeting(coord, self._key, timeout_ms), self.group)
       key = f"{self._key}/{self.group.gen}"
       asked = generations.ask_to_join(coord, self._key, self.group)
-      step, survivors, members = generations.read_plan(coord, key, asked,
-                                                       timeout_ms)
+      step, survivors, members = generations.read_plan(
+          meetings.Meeting(coord, key, timeout_ms), asked)
       if me not in members:
         raise RuntimeError(f"process {me}: the group of {survivors} took"
                            f" back {members} without this process")
@@ -359,17 +361,17 @@ class Peers:
     build = make_target or (lambda devices: generations.on_devices(target,
                                                                devices))
     try:
-      outcome = coordinator_lib.agree(
-          group, f"{key}/target", lambda: self._choose(group, gen, build),
-          timeout_ms=timeout_ms)
+      outcome = meetings.agree(
+          meetings.Meeting(group, f"{key}/target", timeout_ms),
+          lambda: self._choose(group, gen, build))
       if outcome.failures:
         raise RuntimeError(
             "building the target on the group's devices failed:"
-            f" {coordinator_lib.describe_failures(outcome.failures)}")
+            f" {meetings.describe_failures(outcome.failures)}")
       devices, built = outcome.result
       state, extra = peer.restore(
-          group, f"{key}/peer", step, survivors, local, built,
-          timeout_ms=timeout_ms, devices=devices)
+          meetings.Meeting(group, f"{key}/peer", timeout_ms), step,
+          survivors, local, built, devices=devices)
     except Exception as e:  # pylint: disable=broad-except
       self._rebuild = self._proposed = None
       if self.rejoining:

@@ -25,6 +25,7 @@ import numpy as np
 
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 
 
@@ -377,10 +378,12 @@ def show_restart(coord: coordinator_lib.Coordinator, key: str, group: Group,
                 coord.process_index, e)
 
 
-def next_group_without(coord: coordinator_lib.Coordinator, key: str,
-                       group: Group, timeout_ms: int) -> Group:
+def next_group_without(meeting: meetings.Meeting, group: Group) -> Group:
   """The first recorded group after `group` that this process is not a
   member of: the survivors' group once they recovered without it."""
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   while coord.process_index in group.members:
     members, gen, primary = json.loads(coord.kv_get(
         f"{key}/groups/{group.gen + 1}", timeout_ms=timeout_ms))
@@ -406,14 +409,17 @@ def record_plan(coord: coordinator_lib.Coordinator, key: str, step: int,
   coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
 
 
-def read_plan(coord: coordinator_lib.Coordinator, key: str, asked: str,
-              timeout_ms: int) -> tuple[int, list[int], list[int]]:
+def read_plan(meeting: meetings.Meeting, asked: str
+              ) -> tuple[int, list[int], list[int]]:
   """A relaunched process that asked to join (`asked`, `ask_to_join`):
   the survivors' plan recorded under `key` (`record_plan`), waited for up
   to `timeout_ms`. Where it does not come, the request is withdrawn: left
   behind, it would have the survivors plan to take back a process that
   gave up, wait out their barriers for it, and then refuse every request
   to their group."""
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   try:
     step, survivors, members = json.loads(coord.kv_get(
         f"{key}/plan", timeout_ms=timeout_ms))

@@ -50,6 +50,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.logs import log
 
@@ -352,8 +353,10 @@ def watch(coord: coordinator_lib.Coordinator, name: str, *,
   n = coord.next_round(f"liveness/{name}")
   key = key or f"flax_ckpt_plugin/liveness/{name}/{n}"
   if settings_timeout_ms is not None:
-    agree_on_settings(coord, key, poll_secs=poll_secs, members=members,
-                      timeout_ms=settings_timeout_ms)
+    agree_on_settings(
+        meetings.Meeting(coord, key, settings_timeout_ms),
+        poll_secs=poll_secs,
+        members=members)
   watcher = Watcher(coord, key, poll_secs=poll_secs, on_lost=on_lost,
                     members=members, joins=joins,
                     lost_key=lost_key).start()
@@ -363,9 +366,8 @@ def watch(coord: coordinator_lib.Coordinator, name: str, *,
   return watcher
 
 
-def agree_on_settings(coord: coordinator_lib.Coordinator, key: str, *,
-                      poll_secs: float, members: Any,
-                      timeout_ms: int) -> None:
+def agree_on_settings(meeting: meetings.Meeting, *, poll_secs: float,
+                      members: Any) -> None:
   """Checks, on every member at the start of a watch of key `key`, that
   all of them watch with the same settings (`poll_secs` and the members:
   the rounds of polls and reads follow from them). The first member
@@ -377,6 +379,9 @@ def agree_on_settings(coord: coordinator_lib.Coordinator, key: str, *,
     ValueError: on every member, naming each process whose settings
       differ from the first member's, and both settings.
   """
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   members = sorted(range(coord.process_count) if members is None
                    else members)
   if len(members) < 2:

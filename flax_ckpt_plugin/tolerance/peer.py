@@ -16,7 +16,7 @@ values back. Every other leaf (host values, PRNG keys, other shardings,
 dtypes that XLA does not bitcast) travels as bytes in one buffer that the
 lowest holder fills and every device receives.
 
-Three phases, each agreed on by every process (`coordinator.agree`), so
+Three phases, each agreed on by every process (`meetings.agree`), so
 that a failure is known everywhere before anyone enters a collective: the
 lowest holder shares its manifest through the key-value store; every
 process checks it against the target and the holders read the bytes they
@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
@@ -50,16 +49,15 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.backends import interface
 
 
-def _agree(coord: coordinator_lib.Coordinator, key: str, fn, where: str,
-           timeout_ms: int) -> Any:
-  """`coordinator.agree`; all raise together, this process its own error."""
-  outcome = coordinator_lib.agree(coord, key, fn, timeout_ms=timeout_ms)
+def _agree(meeting: meetings.Meeting, fn, where: str) -> Any:
+  """`meetings.agree`; all raise together, this process its own error."""
+  outcome = meetings.agree(meeting, fn)
   if outcome.error is not None:
     raise outcome.error
   if outcome.failures:
     raise CheckpointNotFoundError(
         f"{where}: not restored from peers, since other processes failed:"
-        f" {coordinator_lib.describe_failures(outcome.failures)}")
+        f" {meetings.describe_failures(outcome.failures)}")
   return outcome.result
 
 
@@ -104,9 +102,8 @@ def _sum_of_bytes(stacked: list[jax.Array], flat: jax.Array | None,
   return out, None if flat is None else flat.sum(axis=0, dtype=np.uint8)
 
 
-def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
-            holders: list[int], local: Any, target: Any, *,
-            timeout_ms: int, devices: list[Any] | None = None
+def restore(meeting: meetings.Meeting, step: int, holders: list[int],
+            local: Any, target: Any, *, devices: list[Any] | None = None
             ) -> tuple[Any, Any]:
   """Restores `step` like `target`, from the local tiers of `holders`.
 
@@ -131,6 +128,9 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
       replica of a lacking process's shard), or a phase failed somewhere.
     StructureMismatchError: the step does not fit the target.
   """
+  coord = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   me, source = coord.process_index, holders[0]
   holding = me in holders
   where = f"step {step} from the local tiers of processes {holders}"
@@ -142,7 +142,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
       meetings.share_text(coord, f"{key}/manifest",
                         local_read(step_dir, backend).decode("utf-8"))
 
-  _agree(coord, f"{key}/shared", share, where, timeout_ms)
+  _agree(meeting.under("shared"), share, where)
 
   def prepare():
     saved = manifest_lib.parse(meetings.fetch_text(
@@ -151,7 +151,7 @@ def restore(coord: coordinator_lib.Coordinator, key: str, step: int,
                     me == source, set(holders), where,
                     devices or jax.devices())
 
-  prepared = _agree(coord, f"{key}/read", prepare, where, timeout_ms)
+  prepared = _agree(meeting.under("read"), prepare, where)
   return _run(*prepared)
 
 

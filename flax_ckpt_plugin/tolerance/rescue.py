@@ -38,6 +38,7 @@ from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import shares
 from flax_ckpt_plugin.logs import log
@@ -244,13 +245,15 @@ class Rescue:
     timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
                      * 1000)
     step, latest = groups.common_newest(
-        group, key, local.manager.all_steps(), manager.latest_step(),
-        timeout_ms)
+        meetings.Meeting(group, key, timeout_ms),
+        local.manager.all_steps(),
+        manager.latest_step())
     if step is None or (latest is not None and latest >= step):
       log.warning("survivors %s: no local step newer than the persistent"
                   " tier's %s to save", members, latest)
       return
-    found = shares.assigned(group, key, local, step, timeout_ms)
+    found = shares.assigned(
+        meetings.Meeting(group, key, timeout_ms), local, step)
     if found is None:
       return
     leaves, extra, data_state = found

@@ -22,8 +22,6 @@ from typing import Any, TYPE_CHECKING
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
@@ -34,19 +32,17 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.tolerance import local_tier
 
 
-def agreed(group: groups.Survivors, key: str, fn: Any, timeout_ms: int,
-           what: str) -> Any:
+def agreed(meeting: meetings.Meeting, fn: Any, what: str) -> Any:
   """`fn()` on every survivor; None on all of them if it failed on any."""
-  outcome = coordinator_lib.agree(group, key, fn, timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting, fn)
   if outcome.failures:
     log.warning("the survivors' save stops: %s failed: %s", what,
-                coordinator_lib.describe_failures(outcome.failures))
+                meetings.describe_failures(outcome.failures))
     return None
   return outcome.result
 
 
-def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
-             step: int, timeout_ms: int
+def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
   that holds it writes it), the step's `extra`, and this survivor's data
@@ -55,6 +51,9 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
 
   Reads the local step from disk: the loop may have closed the managers.
   """
+  group = meeting.coordinator
+  key = meeting.key
+  timeout_ms = meeting.timeout_ms
   me, first = group.process_index, group.members[0]
   step_dir = local.directory / str(step)
   held: dict[str, list[Any]] = {}
@@ -67,8 +66,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
         json.dumps(held, sort_keys=True).encode()).hexdigest())
     return m
 
-  m = agreed(group, f"{key}/held", digest, timeout_ms,
-             f"reading local step {step}")
+  m = agreed(meeting.under("held"), digest, f"reading local step {step}")
   if m is None:
     return None
 
@@ -87,10 +85,9 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
       meetings.share_text(group, f"{key}/list/{me}", json.dumps(held))
     return found
 
-  if agreed(group, f"{key}/writers", writers, timeout_ms,
-            "choosing the writers") is None:
+  if agreed(meeting.under("writers"), writers, "choosing the writers") is None:
     return None
-  if (listers := agreed(group, f"{key}/lists", share, timeout_ms,
+  if (listers := agreed(meeting.under("lists"), share,
                         "sharing the lists of shards")) is None:
     return None
 
@@ -121,8 +118,7 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
     group.kv_set(f"{key}/missing", json.dumps(missing))
     return True
 
-  if agreed(group, f"{key}/plan", plan, timeout_ms,
-            "assigning the shards") is None:
+  if agreed(meeting.under("plan"), plan, "assigning the shards") is None:
     return None
   missing = json.loads(group.kv_get(f"{key}/missing",
                                     timeout_ms=timeout_ms))
@@ -147,8 +143,8 @@ def assigned(group: groups.Survivors, key: str, local: local_tier.LocalTier,
                              local.manager.backend)
     return leaves, None if data is None else datastate.encode(data)
 
-  found = agreed(group, f"{key}/read", read, timeout_ms,
-                 f"reading the shards of local step {step}")
+  found = agreed(
+      meeting.under("read"), read, f"reading the shards of local step {step}")
   return None if found is None else (found[0], m.extra, found[1])
 
 

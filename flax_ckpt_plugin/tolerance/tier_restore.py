@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
@@ -43,11 +42,12 @@ class Plan(NamedTuple):
     return sorted(p for p, steps in self.local.items() if step in steps)
 
 
-def _inventory(coord: coordinator_lib.Coordinator, key: str,
-               local: LocalTier | None, persistent: CheckpointManager,
-               timeout_ms: int) -> Plan:
+def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
+               persistent: CheckpointManager) -> Plan:
   """Every process publishes its local steps and reads everyone's; the
   persistent tier's primary lists its steps for all."""
+  coord = meeting.coordinator
+  key = meeting.key
   mine = local.manager.all_steps() if local is not None else []
   if coord.process_count == 1:
     return Plan({0: mine}, persistent.all_steps())
@@ -55,19 +55,19 @@ def _inventory(coord: coordinator_lib.Coordinator, key: str,
   def publish() -> None:
     coord.kv_set(f"{key}/local/{coord.process_index}", json.dumps(mine))
 
-  outcome = coordinator_lib.agree(coord, f"{key}/listed", publish,
-                                  timeout_ms=timeout_ms)
+  outcome = meetings.agree(meeting.under("listed"), publish)
   if outcome.error is not None:
     raise outcome.error
   if outcome.failures:  # All stop, rather than wait for a list never set.
     raise RestoreFailedError(
         "listing the steps of each tier failed on other processes:"
-        f" {coordinator_lib.describe_failures(outcome.failures)}")
+        f" {meetings.describe_failures(outcome.failures)}")
   local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
                  for k, v in coord.kv_dir(f"{key}/local").items()}
   listed = meetings.decided_by_one(
-      meetings.Meeting(coord, f"{key}/persistent", timeout_ms),
-      persistent.all_steps, decides=persistent.is_primary,
+      meeting.under("persistent"),
+      persistent.all_steps,
+      decides=persistent.is_primary,
       what=f"listing the steps of {persistent.directory}")
   return Plan(local_steps, listed)
 
@@ -91,10 +91,10 @@ def candidates(plan: Plan, process_count: int, *, peers: bool
   return out
 
 
-def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
-                   local: LocalTier | None, persistent: CheckpointManager,
-                   restore: dict[str, Callable[[int, list[int]], Any]],
-                   timeout_ms: int) -> tuple[int, str, Any] | None:
+def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
+                   persistent: CheckpointManager,
+                   restore: dict[str, Callable[[int, list[int]], Any]]
+                   ) -> tuple[int, str, Any] | None:
   """Restores the newest step from the fastest tier that has it whole.
 
   Called on every process; see the module doc.
@@ -116,7 +116,8 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
     CheckpointCorruptedError: every step failed in every tier; names them.
     StructureMismatchError, RestoreFailedError: see `fallback`.
   """
-  plan = _inventory(coord, key, local, persistent, timeout_ms)
+  coord = meeting.coordinator
+  plan = _inventory(meeting, local, persistent)
   tries = [c for c in candidates(plan, coord.process_count,
                                  peers=PEER in restore)
            if c[1] in restore]
@@ -124,9 +125,10 @@ def restore_newest(coord: coordinator_lib.Coordinator, key: str, *,
   if local is not None:
     where += f" and local tier {local.directory.parent.parent}"
   found, skipped = fallback.try_in_turn(
-      coord, f"{key}/tries", tries,
+      meeting.under("tries"),
+      tries,
       lambda c: restore[c[1]](c[0], plan.holders(c[0])),
-      timeout_ms=timeout_ms, where=where,
+      where=where,
       describe=lambda c: f"step {c[0]} from the {c[1]} tier")
   if found is None:
     return None
@@ -166,18 +168,24 @@ def restore_into(state: Any, local: LocalTier,
   tiers = {
       LOCAL: from_manager(local.manager),
       PEER: lambda step, holders: peer.restore(
-          coord, f"{key}/peer{step}", step, holders, local, state,
-          timeout_ms=timeout_ms),
+          meetings.Meeting(coord, f"{key}/peer{step}", timeout_ms),
+          step,
+          holders,
+          local,
+          state),
       # Every process restores the persistent step together: storage
       # serves each byte once (`shared_read`).
       PERSISTENT: lambda step, _: (
-          persistent.restore_together(state, step,
-                                      data_iterator=data_iterator, cast=cast),
+          persistent.restore_together(
+              state, step, data_iterator=data_iterator, cast=cast),
           persistent.metadata(step).extra)}
   if data_iterator is not None or cast:
     del tiers[PEER]
-  return restore_newest(coord, key, local=local, persistent=persistent,
-                        restore=tiers, timeout_ms=timeout_ms)
+  return restore_newest(
+      meetings.Meeting(coord, key, timeout_ms),
+      local=local,
+      persistent=persistent,
+      restore=tiers)
 
 
 def restore_for_callback(state: Any, local: LocalTier | None,

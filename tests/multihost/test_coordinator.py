@@ -17,7 +17,8 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin.backends import registry as backend_lib
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import meetings
+from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import Storage
 from flax_ckpt_plugin import FaultTolerance
@@ -41,7 +42,7 @@ def test_agree_tells_every_process_who_failed():
       if coord.process_index == 2:
         raise OSError("disk on fire")
       return coord.process_index * 10
-    return coordinator_lib.agree(coord, "k", fn, timeout_ms=10_000)
+    return meetings.agree(meetings.Meeting(coord, "k", 10_000), fn)
 
   outcomes = run_threads(3, work)
   for i, outcome in enumerate(outcomes):
@@ -55,8 +56,10 @@ def test_agree_times_out_naming_the_key_when_a_process_never_comes():
   coord = cluster.coordinators()[0]
   aborted = []
   with pytest.raises(TimeoutError, match="'lonely/done'"):
-    coordinator_lib.agree(coord, "lonely", lambda: 1, timeout_ms=50,
-                          on_timeout=lambda: aborted.append(True))
+    meetings.agree(
+        meetings.Meeting(coord, "lonely", 50),
+        lambda: 1,
+        on_timeout=lambda: aborted.append(True))
   assert aborted == [True]
 
 
@@ -226,14 +229,14 @@ def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
-  real = CheckpointManager.restore
+  real = DirectoryReader.restore  # What every restore of a manager runs.
 
   def restore(self, target, step=None, **kwargs):
     if self.coordinator.process_index == 1 and step == 2:
       raise CheckpointCorruptedError("checksum mismatch (injected)")
     return real(self, target, step, **kwargs)
 
-  monkeypatch.setattr(CheckpointManager, "restore", restore)
+  monkeypatch.setattr(DirectoryReader, "restore", restore)
 
   def work(coord):
     with CheckpointManager(

@@ -12,6 +12,7 @@ import pytest
 
 from fake_coordinator import FakeCluster
 from flax_ckpt_plugin.tolerance import generations
+from flax_ckpt_plugin.multihost import meetings
 
 SURVIVORS = generations.Group((0, 1, 2), 1, 0)  # Process 3 was lost.
 KEY = "job/group"
@@ -28,8 +29,9 @@ def test_a_relaunched_process_reads_the_plan_its_survivors_record():
   asked = generations.ask_to_join(relaunched, KEY, SURVIVORS)
   assert list(_requests(first)) == [asked]
   generations.record_plan(first, f"{KEY}/1", 12, [0, 1, 2], [0, 1, 2, 3])
-  assert generations.read_plan(relaunched, f"{KEY}/1", asked, 1000) == (
-      12, [0, 1, 2], [0, 1, 2, 3])
+  assert generations.read_plan(
+      meetings.Meeting(relaunched, f"{KEY}/1", 1000), asked
+  ) == (12, [0, 1, 2], [0, 1, 2, 3])
 
 
 def test_a_relaunched_process_that_gets_no_plan_withdraws_its_request():
@@ -43,7 +45,7 @@ def test_a_relaunched_process_that_gets_no_plan_withdraws_its_request():
   asked = generations.ask_to_join(relaunched, KEY, SURVIVORS)
   assert list(_requests(first)) == [asked]
   with pytest.raises(TimeoutError, match="plan"):
-    generations.read_plan(relaunched, f"{KEY}/1", asked, 50)
+    generations.read_plan(meetings.Meeting(relaunched, f"{KEY}/1", 50), asked)
   assert _requests(first) == {}
 
 
@@ -59,4 +61,4 @@ def test_a_failed_withdrawal_leaves_the_wait_s_error(monkeypatch):
 
   monkeypatch.setattr(relaunched, "kv_delete", gone)
   with pytest.raises(TimeoutError, match="plan"):
-    generations.read_plan(relaunched, f"{KEY}/1", asked, 50)
+    generations.read_plan(meetings.Meeting(relaunched, f"{KEY}/1", 50), asked)

@@ -14,6 +14,7 @@ import pytest
 
 from flax_ckpt_plugin import PeerLostError
 from flax_ckpt_plugin.multihost import deadlines
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 
 
@@ -281,8 +282,9 @@ def test_watchers_that_poll_differently_are_named_when_the_watch_starts():
   def start(coord, polls):
     try:
       liveness.agree_on_settings(
-          coord, "w", poll_secs=polls[coord.process_index], members=None,
-          timeout_ms=10_000)
+          meetings.Meeting(coord, "w", 10_000),
+          poll_secs=polls[coord.process_index],
+          members=None)
     except ValueError as e:
       return str(e)
     return None
