@@ -145,6 +145,7 @@ class CheckpointManager:
     self.directory, self.backend = directory, backend
     self.is_primary = self.coordinator.process_index == primary_host
     self.read_only, self.scope = read_only, scope
+    self.share_reads = share_reads
     self.barrier_timeout_ms = int(processes.barrier_timeout_secs * 1000)
     self._base = f"flax_ckpt_plugin/{base}"
     self._closed = False

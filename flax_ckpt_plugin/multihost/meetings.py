@@ -110,7 +110,8 @@ def agree(meeting: Meeting, fn: Callable[[], T], *,
 
 
 def decided_by_one(meeting: Meeting, decide: Callable[[], Any], *,
-                   decides: bool, what: str, consequence: str = "") -> Any:
+                   decides: bool, what: str, consequence: str = "",
+                   error: type[Exception] = RuntimeError) -> Any:
   """`decide()` on the process where `decides` is true (one of them), its
   answer on every process.
 
@@ -126,11 +127,13 @@ def decided_by_one(meeting: Meeting, decide: Callable[[], Any], *,
       of /ckpt").
     consequence: what that error leaves behind, said after it ("the step
       is finalized").
+    error: the type of the others' error.
 
   Raises:
     Exception: (on the decider) the error `decide` raised; it is shared
       first.
-    RuntimeError: (on the others) the decider's error, named with `what`.
+    RuntimeError: (on the others; or `error`) the decider's error, named
+      with `what`.
     TimeoutError: the answer did not come within the meeting's deadline
       (the deciding process died or fell behind).
   """
@@ -150,7 +153,7 @@ def decided_by_one(meeting: Meeting, decide: Callable[[], Any], *,
     return answer
   said = json.loads(fetch_text(coord, meeting.key, meeting.timeout_ms))
   if "error" in said:
-    raise RuntimeError(
+    raise error(
         f"{what} failed on process {said['process']}, which decides it:"
         f" {said['error']}" + (f"; {consequence}" if consequence else ""))
   return said["answer"]
@@ -158,16 +161,23 @@ def decided_by_one(meeting: Meeting, decide: Callable[[], Any], *,
 
 def share_text(coord: coordinator_lib.Coordinator, key: str,
                text: str) -> None:
-  """Sets `text` under `key` for `fetch_text`, in chunks."""
-  chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)] or [""]
+  """Sets `text` under `key` for `fetch_text`: a short text in `key`
+  itself (one write, one read), a long one in chunks under `key/N`, which
+  `key`, set last, counts."""
+  if len(text) <= _CHUNK:
+    coord.kv_set(key, "=" + text)
+    return
+  chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
   for n, chunk in enumerate(chunks):
     coord.kv_set(f"{key}/{n}", chunk)
-  coord.kv_set(f"{key}/count", str(len(chunks)))
+  coord.kv_set(key, f"#{len(chunks)}")
 
 
 def fetch_text(coord: coordinator_lib.Coordinator, key: str,
                timeout_ms: int) -> str:
   """The text another process shared under `key` (waits for it)."""
-  count = int(coord.kv_get(f"{key}/count", timeout_ms=timeout_ms))
+  said = coord.kv_get(key, timeout_ms=timeout_ms)
+  if said.startswith("="):
+    return said[1:]
   return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
-                 for n in range(count))
+                 for n in range(int(said[1:])))

@@ -43,7 +43,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
@@ -149,7 +148,7 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
   return _run(treedef, *outcome.result)
 
 
-def _check(outcome: coordinator_lib.Outcome, where: str,
+def _check(outcome: meetings.Outcome, where: str,
            primary_reads: bool = False) -> None:
   """Raises what a phase's failures mean here (see `restore`);
   `primary_reads`: the phase in which only the primary reads (a step it

@@ -118,10 +118,15 @@ def listed_by_primary(meeting: meetings.Meeting, directory: epath.Path, *,
                       is_primary: bool) -> list[int]:
   """The finalized steps, listed by the primary for all: what a new group
   of processes goes on from, after a save that broke may have finalized
-  its step."""
-  return meetings.decided_by_one(
-      meeting, lambda: directory_lib.finalized_steps(directory),
-      decides=is_primary, what=f"listing the steps of {directory}")
+  its step. Every process waits until all have them (a member that does
+  not come is a `TimeoutError` on all)."""
+  steps = meetings.decided_by_one(
+      meeting.under("steps"),
+      lambda: directory_lib.finalized_steps(directory), decides=is_primary,
+      what=f"listing the steps of {directory}")
+  meeting.coordinator.barrier(f"{meeting.key}/listed",
+                              timeout_ms=meeting.timeout_ms)
+  return steps
 
 
 def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:

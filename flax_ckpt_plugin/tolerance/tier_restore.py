@@ -65,9 +65,8 @@ def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
   local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
                  for k, v in coord.kv_dir(f"{key}/local").items()}
   listed = meetings.decided_by_one(
-      meeting.under("persistent"),
-      persistent.all_steps,
-      decides=persistent.is_primary,
+      meeting.under("persistent"), persistent.all_steps,
+      decides=persistent.is_primary, error=RestoreFailedError,
       what=f"listing the steps of {persistent.directory}")
   return Plan(local_steps, listed)
 
