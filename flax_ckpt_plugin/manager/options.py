@@ -1,5 +1,5 @@
 """The option records of where a save's bytes go and of how the processes
-of a job agree on it, and the clear error for a keyword that moved.
+of a job agree on it.
 
 Options are grouped by what the user decides, one record each, shared by
 `CheckpointCallback`, `CheckpointManager` and the clu action:

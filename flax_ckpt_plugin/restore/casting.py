@@ -14,7 +14,7 @@ never exists twice in full (saved dtype and target dtype) in memory.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, TYPE_CHECKING
+from typing import Any, Iterable, Iterator, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -25,8 +25,25 @@ from flax_ckpt_plugin.format.records import describe
 from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import LeafRecord
 
-if TYPE_CHECKING:
-  from flax_ckpt_plugin.restore.reader import LeafReader
+
+
+class SavedValues(Protocol):
+  """What a cast reads through: a leaf's saved values by region, checked
+  (`reader.LeafReader` is one; named here so that the rules of casting
+  stand below the reader that uses them)."""
+
+  shape: tuple[int, ...]
+
+  def small_shard_ranges(self, regions: Iterable[Index]
+                         ) -> Iterator[tuple[str, int, int]]:
+    ...
+
+  def read_chunks(self, region: Index, limit: int
+                  ) -> Iterator[tuple[Index, np.ndarray]]:
+    ...
+
+
+Values = TypeVar("Values", bound=SavedValues)
 
 # Saved values converted at a time, in bytes of the saved dtype: the memory
 # a cast costs besides the result.
@@ -97,7 +114,7 @@ class CastReader:
     shape: the leaf's global shape.
   """
 
-  def __init__(self, lr: LeafReader, leaf: LeafRecord, dtype: Any,
+  def __init__(self, lr: SavedValues, leaf: LeafRecord, dtype: Any,
                where: str):
     self._lr = lr
     self._leaf = leaf
@@ -139,8 +156,8 @@ class CastReader:
             f" [{info.min}, {info.max}]); restore it into a wider integer")
 
 
-def reader_for(lr: LeafReader, leaf: LeafRecord, target: Any,
-               where: str) -> LeafReader | CastReader:
+def reader_for(lr: Values, leaf: LeafRecord, target: Any,
+               where: str) -> Values | CastReader:
   """`lr`, or a `CastReader` over it when `target`'s dtype differs."""
   dtype = getattr(target, "dtype", None)
   if (dtype is None or leaf.key_impl is not None

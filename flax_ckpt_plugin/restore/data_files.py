@@ -14,7 +14,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence, TYPE_CHECKING
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence
 
 from etils import epath
 import numpy as np
@@ -22,9 +22,6 @@ import numpy as np
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import NOT_A_FILE
 from flax_ckpt_plugin.errors import READ_FAILED
-
-if TYPE_CHECKING:
-  from flax_ckpt_plugin.backends import interface
 
 # `ByteReader.coalesced`: shards under this size are read together with
 # the neighbours they touch (small shards lie side by side in a data file),
@@ -82,20 +79,47 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+class OpenFile(Protocol):
+  """An open data file, read by offset (`backends.OpenFile`)."""
+
+  size: int
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    ...
+
+  def mapped(self, offset: int, size: int
+             ) -> ContextManager[memoryview | None]:
+    ...
+
+  def close(self) -> None:
+    ...
+
+
+class Storage(Protocol):
+  """What a `ByteReader` asks of a storage backend: every
+  `backends.interface.Backend` has it. Named here so that reading bytes
+  stands beside the storage seam, not on top of it."""
+
+  reads_are_requests: bool
+
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> OpenFile:
+    ...
+
+
 class ByteReader:
   """Reads byte ranges of a step's data files; one open handle per file.
 
-  Safe to use from several threads: each file is a `backend.RangedFile`
+  Safe to use from several threads: each file is an `OpenFile`
   (positional reads of one descriptor on local disks, one ranged GET per
   range on object stores).
   """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int],
-               backend: interface.Backend):
+               backend: Storage):
     self._dir = step_dir
     self._sizes = files
     self._backend = backend
-    self._files: dict[str, interface.RangedFile] = {}
+    self._files: dict[str, OpenFile] = {}
     self._lock = threading.Lock()
     self._local = threading.local()  # `coalesced` spans of each thread.
     self.bytes_read = 0
@@ -103,11 +127,11 @@ class ByteReader:
     # ranges should rather fetch the span around them in one (see restore).
     self.prefers_few_reads = self._backend.reads_are_requests
 
-  def _open(self, name: str) -> interface.RangedFile:
+  def _open(self, name: str) -> OpenFile:
     with self._lock:
       return self._open_locked(name)
 
-  def _open_locked(self, name: str) -> interface.RangedFile:
+  def _open_locked(self, name: str) -> OpenFile:
     f = self._files.get(name)
     if f is None:
       path = self._dir / name

@@ -67,7 +67,7 @@ from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.manager.contract import Manager
   from flax_ckpt_plugin.tolerance import local_tier
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
@@ -112,7 +112,7 @@ class Peers:
       (`rescue.watch`), again at each new group.
   """
 
-  def __init__(self, manager: CheckpointManager,
+  def __init__(self, manager: Manager,
                local: local_tier.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
                primary_host: int, group: generations.Group | None = None,

@@ -21,20 +21,20 @@ from etils import epath
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:  # Made by the tiers (`loop.tiers.open_tier`).
-  from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.manager.contract import Manager
 
 class LocalTier:
   """This process's steps in the local tier, through `manager` (a
   `CheckpointManager.for_this_process`). Made on every process."""
 
-  def __init__(self, manager: CheckpointManager):
+  def __init__(self, manager: Manager):
     self.manager = manager
 
   @property
   def directory(self) -> epath.Path:
     return self.manager.directory
 
-  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+  def quietly(self, what: str, fn: Callable[[Manager], Any]
               ) -> None:
     """`fn(self.manager)`; an error is logged, never raised: the local
     tier is this process's alone, and a loop that stopped on one process

@@ -25,7 +25,7 @@ from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.manager import CheckpointManager
+  from flax_ckpt_plugin.manager.contract import Manager
   from flax_ckpt_plugin.tolerance.local_tier import LocalTier
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
@@ -43,7 +43,7 @@ class Plan(NamedTuple):
 
 
 def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
-               persistent: CheckpointManager) -> Plan:
+               persistent: Manager) -> Plan:
   """Every process publishes its local steps and reads everyone's; the
   persistent tier's primary lists its steps for all."""
   coord = meeting.coordinator
@@ -91,7 +91,7 @@ def candidates(plan: Plan, process_count: int, *, peers: bool
 
 
 def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
-                   persistent: CheckpointManager,
+                   persistent: Manager,
                    restore: dict[str, Callable[[int, list[int]], Any]]
                    ) -> tuple[int, str, Any] | None:
   """Restores the newest step from the fastest tier that has it whole.
@@ -141,7 +141,7 @@ def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
 
 
 def restore_into(state: Any, local: LocalTier,
-                 persistent: CheckpointManager, *,
+                 persistent: Manager, *,
                  data_iterator: datastate.DataIterator | None = None,
                  cast: bool = False
                  ) -> tuple[int, str, Any] | None:
@@ -188,7 +188,7 @@ def restore_into(state: Any, local: LocalTier,
 
 
 def restore_for_callback(state: Any, local: LocalTier | None,
-                         persistent: CheckpointManager, *,
+                         persistent: Manager, *,
                          data_iterator: datastate.DataIterator | None,
                          cast: bool = False
                          ) -> tuple[int, str, Any] | None:
