@@ -1,7 +1,8 @@
-"""One process's data file on a local disk, written by offset.
+"""One process's data file: written by offset on a local disk, front to
+back on an object store.
 
-Large shards go to the disk with direct I/O; see `DataFile`. `storage`
-decides what goes into the file and records where.
+Large shards go to the disk with direct I/O; see `DataFile`. The save's
+writer (`save.writer`) decides what goes into the file and records where.
 """
 
 from __future__ import annotations
@@ -30,20 +31,36 @@ DIRECT_MIN_BYTES = 1 << 20  # Smaller shards go through the page cache.
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class DataFile:
-  """One process's data file, written by offset.
+def write_all(f: Any, buf: memoryview) -> None:
+  """Writes all of `buf` to the stream `f`: an unbuffered write may write
+  less than asked."""
+  while buf:
+    n = f.write(buf[:CHUNK])
+    if not n:  # None: a non-blocking stream; 0: nothing went (not expected).
+      raise OSError(errno.EIO, f"write of {len(buf)} bytes wrote {n!r}")
+    buf = buf[n:]
 
-  Large shards go out with direct I/O where the file system takes it; a
+
+class DataFile:
+  """One process's data file: every buffer is placed (`place`), then
+  written (`write`).
+
+  On a local disk (`StepWriter.positional`) it is written by offset, and
+  large shards go out with direct I/O where the file system takes it; a
   file system that refuses it (tmpfs, some FUSE mounts) gets every byte
-  through the page cache instead, with no error.
+  through the page cache instead, with no error. On an object store it is
+  a stream: the buffers are written in the order they were placed.
   """
 
   def __init__(self, out: Any, name: str):
     self._out = out
     self.f = out.open(name)
-    self._direct = out.open_direct(name) if O_DIRECT else None
+    self._positional = out.positional
+    self._direct = (out.open_direct(name) if O_DIRECT and self._positional
+                    else None)
     self._view: memoryview | None | bool = False  # False: not asked yet.
     self.end = 0
+    self._streamed = 0  # A stream's bytes written so far.
 
   @property
   def direct(self) -> bool:
@@ -61,7 +78,15 @@ class DataFile:
   def write(self, buf: np.ndarray, offset: int) -> None:
     """Writes `buf` (uint8, one dimension) at `offset`, from `place`;
     every buffer is placed before the first is written. Where `buf` is not
-    where `place` was told, it goes through the page cache."""
+    where `place` was told, it goes through the page cache. A stream takes
+    the buffers in the order they were placed."""
+    if not self._positional:
+      if offset != self._streamed:
+        raise ValueError(f"a stream is written front to back: offset"
+                         f" {offset}, {self._streamed} bytes written")
+      write_all(self.f, memoryview(buf))
+      self._streamed += buf.nbytes
+      return
     if not self.direct and self._mapped() is not None:
       dst = np.frombuffer(self._view, np.uint8, buf.nbytes, offset)
       if buf.nbytes and dst.ctypes.data == buf.ctypes.data:
@@ -110,6 +135,9 @@ class DataFile:
     if self._view:
       self._view.release()
     self._view = None
+    if not self._positional:
+      self.f.close()  # (An object store uploads it here.)
+      return
     try:
       if os.fstat(self.f.fileno()).st_size > self.end:
         os.ftruncate(self.f.fileno(), self.end)

@@ -22,6 +22,7 @@ retention with the result.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -135,26 +136,22 @@ def checkpoint_bytes(leaves: list[LeafSnapshot]) -> int:
              for leaf in leaves if leaf.dtype is not None)
 
 
-def _phase(inputs: CommitInputs, name: str, fn: Callable[[], Any]) -> Any:
+def _phase(meeting: meetings.Meeting, name: str, fn: Callable[[], Any], *,
+           abandon: Callable[[], None] | None, what: str) -> Any:
   """Runs `fn` on every process; all raise together if any failed.
 
-  The primary host removes the unfinished step when a phase failed or timed
-  out anywhere.
+  `abandon` (the primary host's) removes the unfinished step when a phase
+  failed or timed out anywhere. `what` names the save in the error.
   """
-  coord, tmp = inputs.coordinator, inputs.tmp
-  abandon = tmp.abandon if inputs.is_primary else None
-  outcome = meetings.agree(
-      meetings.Meeting(coord, f"{inputs.key}/{name}", inputs.timeout_ms),
-      fn,
-      on_timeout=abandon)
+  outcome = meetings.agree(meeting.under(name), fn, on_timeout=abandon)
   if outcome.failures:
     if abandon is not None:
       abandon()
     if outcome.error is not None:
       raise outcome.error
     raise SaveFailedError(
-        f"save of step {inputs.step} to {inputs.directory} failed on other"
-        f" processes: {meetings.describe_failures(outcome.failures)}")
+        f"{what} failed on other processes:"
+        f" {meetings.describe_failures(outcome.failures)}")
   return outcome.result
 
 
@@ -168,6 +165,11 @@ def commit(inputs: CommitInputs) -> SaveStats:
                            inputs.key)
   t0 = time.perf_counter()
   pid, count = coord.process_index, coord.process_count
+  total_bytes = checkpoint_bytes(inputs.leaves)
+  meeting = meetings.Meeting(coord, key, inputs.timeout_ms)
+  phase = functools.partial(
+      _phase, meeting, abandon=tmp.abandon if inputs.is_primary else None,
+      what=f"save of step {step} to {inputs.directory}")
 
   def prepare():
     if inputs.is_primary:
@@ -175,13 +177,13 @@ def commit(inputs: CommitInputs) -> SaveStats:
       if count > 1:  # Others check that they write where it made.
         coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
 
-  _phase(inputs, "prepared", prepare)
+  phase("prepared", prepare)
   identity = tmp.identity
   if count > 1 and not inputs.is_primary:
     identity = json.loads(coord.kv_get(f"{key}/identity",
                                        timeout_ms=inputs.timeout_ms))
-  nbytes = _phase(
-      inputs, "written",
+  nbytes = phase(
+      "written",
       lambda: writer.write_process_files(tmp.path, inputs.leaves, pid,
                                           identity=identity,
                                           backend=inputs.backend,
@@ -201,7 +203,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
                              backend=inputs.backend, writers=inputs.writers)
       tmp.finalize()
 
-  _phase(inputs, "committed", finalize)
+  phase("committed", finalize)
   secs = time.perf_counter() - t0
   if nbytes:  # A restore on this machine reads it next.
     try:
@@ -214,7 +216,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
            " written by this process", step, inputs.directory,
            inputs.blocking_secs, secs, nbytes)
   return SaveStats(step, inputs.blocking_secs, secs, nbytes,
-                   total_bytes=checkpoint_bytes(inputs.leaves),
+                   total_bytes=total_bytes,
                    path=inputs.directory / str(step),
                    finalized_at=time.time(),
                    pinned_fallback_bytes=inputs.pinned_fallback_bytes)

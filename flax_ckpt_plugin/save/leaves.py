@@ -1,7 +1,9 @@
 """What a snapshot holds, as the writer reads it: each leaf of the saved
 tree (`LeafSnapshot`) and the shards of it this process writes
 (`ShardData`), whose values are on the host or being copied there
-(`snapshot` starts the copies; `ShardData.host` waits for one)."""
+(`snapshot` starts the copies; `ShardData.host` waits for one). What the
+writer writes of a shard, its bytes and their checksums, comes from here
+(`ShardData.host_bytes`, `ShardData.checksums`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from flax_ckpt_plugin.arrays.copies import Packed
 from flax_ckpt_plugin.arrays.pinned import wait_ready
+from flax_ckpt_plugin.format.records import block_checksums
 from flax_ckpt_plugin.format.treepaths import extents
 from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import KeyEntry
@@ -77,6 +80,21 @@ class ShardData:
     # while np.asarray's stays cached on the copy and keeps it from being
     # donated to the next save.
     return np.from_dlpack(self.data).view(self.dtype)
+
+  def host_bytes(self) -> np.ndarray:
+    """`host()` as its bytes, in C order (uint8): what the data file holds.
+    A view through uint8 works for dtypes that the buffer protocol lacks
+    too (bfloat16, float8, int4 from ml_dtypes)."""
+    return np.asarray(self.host(), order="C").reshape(-1).view(np.uint8)
+
+  def checksums(self, data: np.ndarray | None = None) -> list[int]:
+    """The CRC-32C of each `records.CHECKSUM_BLOCK` bytes: those the
+    snapshot took while copying, else computed from `data` (the shard's
+    `host_bytes()`, by default read here)."""
+    if self.crc32c is not None:
+      return self.crc32c
+    return block_checksums(memoryview(
+        self.host_bytes() if data is None else data))
 
 
 @dataclasses.dataclass

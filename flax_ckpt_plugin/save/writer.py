@@ -17,7 +17,6 @@ is written. What a step is (its files, records and manifest) is
 from __future__ import annotations
 
 import datetime
-import errno
 import hashlib
 import json
 import math
@@ -26,7 +25,6 @@ import threading
 from typing import Any, Sequence
 
 from etils import epath
-import numpy as np
 
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
@@ -42,22 +40,12 @@ from flax_ckpt_plugin.format.files import index_file
 from flax_ckpt_plugin.format.files import MAX_TABLE_BYTES
 from flax_ckpt_plugin.format.files import Scope
 from flax_ckpt_plugin.format.files import views_file
-from flax_ckpt_plugin.format.records import block_checksums
 from flax_ckpt_plugin.save.leaves import LeafSnapshot
 
 def _views(leaves: list[LeafSnapshot]) -> tuple[str, str]:
   """The JSON of every leaf's `_view`, and its SHA-256."""
   text = json.dumps({leaf.path: _view(leaf) for leaf in leaves})
   return text, hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_all(f, buf: memoryview) -> None:
-  """Writes all of `buf`: an unbuffered write may write less than asked."""
-  while buf:
-    n = f.write(buf[:datafile.CHUNK])
-    if not n:  # None: a non-blocking stream; 0: nothing went (not expected).
-      raise OSError(errno.EIO, f"write of {len(buf)} bytes wrote {n!r}")
-    buf = buf[n:]
 
 
 def _view(leaf: LeafSnapshot) -> list[Any]:
@@ -77,12 +65,6 @@ def _describe_view(view: list[Any] | None) -> str:
     return f"a Python {kind}"
   desc = f"{dtype}[{','.join(str(d) for d in shape)}]"
   return desc + (f" (PRNG keys of impl {key_impl})" if key_impl else "")
-
-
-def _as_bytes(arr: np.ndarray) -> np.ndarray:
-  # Views through uint8 also work for dtypes the buffer protocol lacks
-  # (bfloat16, float8, int4 from ml_dtypes).
-  return np.asarray(arr, order="C").reshape(-1).view(np.uint8)
 
 
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
@@ -106,6 +88,7 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
     data_state: this process's data state, if it has one (`datastate`).
   """
   backend = backend or interface.for_path(step_dir)
+  views, digest = _views(leaves)
   out = backend.step_writer(step_dir, identity, DATA_DIR)
   try:
     entries = []
@@ -113,45 +96,27 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
     name = data_file(process_index)
     shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
     if shards:
-      if out.positional:
-        offset = _write_by_offset(out, name, shards, entries)
-      else:
-        with out.open(name) as f:
-          for leaf, shard in shards:
-            buf = _as_bytes(shard.host())
-            _write_all(f, memoryview(buf))
-            entries.append(_entry(leaf, shard, name, offset, buf.nbytes,
-                                  shard.crc32c or block_checksums(
-                                      memoryview(buf))))
-            offset += buf.nbytes
-    views, digest = _views(leaves)
+      offset = _write_data(out, name, shards, entries)
     with out.open(views_file(process_index)) as f:  # Read in this save only.
-      _write_all(f, memoryview(views.encode()))
+      datafile.write_all(f, memoryview(views.encode()))
     table = {"process_index": process_index, "file": name if shards else None,
              "nbytes": offset, "shards": entries, "views_sha256": digest}
     if data_state is not None:
       with out.open(datastate.state_file(process_index)) as f:
-        _write_all(f, memoryview(data_state.data))
+        datafile.write_all(f, memoryview(data_state.data))
         out.sync(f)
       table["data_state"] = datastate.table_entry(process_index, data_state)
     with out.open(index_file(process_index)) as f:
-      _write_all(f, memoryview(json.dumps(table).encode()))
+      datafile.write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
   finally:
     out.close()
   return sum(e["nbytes"] for e in entries)
 
 
-def _entry(leaf: LeafSnapshot, shard: Any, name: str, offset: int,
-           nbytes: int, sums: list[int]) -> dict:
-  return {"path": leaf.path, "file": name, "offset": offset,
-          "nbytes": nbytes, "index": [list(r) for r in shard.index],
-          "crc32c": sums}
-
-
-def _write_by_offset(out: interface.StepWriter, name: str,
-                     shards: list[Any], entries: list[dict]) -> int:
-  """Writes the data file by offset (local disks); returns its size.
+def _write_data(out: interface.StepWriter, name: str,
+                shards: list[Any], entries: list[dict]) -> int:
+  """Writes the data file (`datafile.DataFile`); returns its size.
 
   Every shard is placed in the file first (its size and address are known
   while its copy is still in flight, see `leaves.ShardData`), then each
@@ -162,14 +127,13 @@ def _write_by_offset(out: interface.StepWriter, name: str,
   """
   # A plain thread, not a pool: a commit that finishes while the interpreter
   # exits (see async_commit) may no longer start pool work.
-  sums: list[list[int] | None] = [shard.crc32c for _, shard in shards]
+  sums: list[list[int]] = []
   failed: list[BaseException] = []
 
   def checksum() -> None:
-    try:  # Those the snapshot did not take while copying.
-      for i, (_, shard) in enumerate(shards):
-        if sums[i] is None:
-          sums[i] = block_checksums(memoryview(_as_bytes(shard.host())))
+    try:
+      for _, shard in shards:
+        sums.append(shard.checksums())
     except BaseException as e:  # pylint: disable=broad-except
       failed.append(e)
 
@@ -181,7 +145,7 @@ def _write_by_offset(out: interface.StepWriter, name: str,
       offsets = [data.place(shard.nbytes, shard.address)
                  for _, shard in shards]
       for (_, shard), offset in zip(shards, offsets):
-        data.write(_as_bytes(shard.host()), offset)
+        data.write(shard.host_bytes(), offset)
       data.sync()
     finally:
       data.close()
@@ -189,8 +153,11 @@ def _write_by_offset(out: interface.StepWriter, name: str,
     summer.join()
   if failed:
     raise failed[0]
-  for (leaf, shard), offset, crcs in zip(shards, offsets, sums):
-    entries.append(_entry(leaf, shard, name, offset, shard.nbytes, crcs))
+  entries.extend(
+      {"path": leaf.path, "file": name, "offset": offset,
+       "nbytes": shard.nbytes, "index": [list(r) for r in shard.index],
+       "crc32c": crcs}
+      for (leaf, shard), offset, crcs in zip(shards, offsets, sums))
   return data.end
 
 
