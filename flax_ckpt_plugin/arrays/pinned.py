@@ -26,7 +26,7 @@ back, so it is used with care:
   took 1.6 s (the memory is pinned then, about 0.5 s per GB), later ones
   0.4 ms, with RSS flat. A snapshot's buffers go back to the pool when its
   commit ends, and the next save waits for that commit anyway.
-* `PinnedStaging.warm_up` takes as much pinned memory as the next save
+* `PinnedStaging.reserve` takes as much pinned memory as the next save
   will use and gives it back to the pool, so that the first save blocks no
   longer than later ones. It blocks: pinning holds up the process's other
   device work anyway (measured on the H100: train steps took 50 times

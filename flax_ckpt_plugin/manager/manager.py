@@ -39,6 +39,7 @@ from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.commit import CommitHook
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.stats import StepMetadata
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
@@ -47,14 +48,13 @@ from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
 
 
-def _reader_method(name: str) -> Any:
-  """`DirectoryReader`'s method `name`, called on the manager's reader."""
-  method = getattr(DirectoryReader, name)
-
-  @functools.wraps(method)
-  def call(self, *args, **kwargs):
-    return method(self._reader, *args, **kwargs)
-  return call
+def _reads(method: Any) -> Any:
+  """Marks a manager's method that hands a call on to its reader's
+  `method` (a `DirectoryReader`'s), with that method's docstring."""
+  def mark(fn: Any) -> Any:
+    fn.__doc__ = method.__doc__
+    return fn
+  return mark
 
 
 class CheckpointManager:
@@ -325,7 +325,7 @@ class CheckpointManager:
     except (TypeError, ValueError) as e:  # The save will say it better.
       log.info("no warm-up for saving %s: %s", self.directory, e)
       return True
-    self._pinned.warm_up(pieces)
+    self._pinned.reserve(pieces)
     return not any(isinstance(leaf, jax.ShapeDtypeStruct)
                    for leaf in jax.tree.leaves(state))
 
@@ -437,15 +437,54 @@ class CheckpointManager:
 
   # -- listing and restoring (the reader's) ----------------------------------
 
-  all_steps = _reader_method("all_steps")
-  latest_step = _reader_method("latest_step")
-  metadata = _reader_method("metadata")
-  data_state = _reader_method("data_state")
-  restore = _reader_method("restore")
-  restore_together = _reader_method("restore_together")
-  restore_newest_valid = _reader_method("restore_newest_valid")
-  discard = _reader_method("discard")
-  set_aside = _reader_method("set_aside")
+  @_reads(DirectoryReader.all_steps)
+  def all_steps(self) -> list[int]:
+    return self._reader.all_steps()
+
+  @_reads(DirectoryReader.latest_step)
+  def latest_step(self) -> int | None:
+    return self._reader.latest_step()
+
+  @_reads(DirectoryReader.metadata)
+  def metadata(self, step: int | None = None) -> StepMetadata:
+    return self._reader.metadata(step)
+
+  @_reads(DirectoryReader.data_state)
+  def data_state(self, step: int | None = None) -> Any:
+    return self._reader.data_state(step)
+
+  @_reads(DirectoryReader.restore)
+  def restore(self, target: Any, step: int | None = None, *,
+              verify: bool = True,
+              data_iterator: datastate.DataIterator | None = None,
+              partial: bool = False, missing: str = "error",
+              cast: bool = False) -> Any:
+    return self._reader.restore(
+        target, step, verify=verify, data_iterator=data_iterator,
+        partial=partial, missing=missing, cast=cast)
+
+  @_reads(DirectoryReader.restore_together)
+  def restore_together(self, target: Any, step: int | None = None, *,
+                       verify: bool = True,
+                       data_iterator: datastate.DataIterator | None = None,
+                       cast: bool = False) -> Any:
+    return self._reader.restore_together(
+        target, step, verify=verify, data_iterator=data_iterator, cast=cast)
+
+  @_reads(DirectoryReader.restore_newest_valid)
+  def restore_newest_valid(self, target: Any, *, verify: bool = True,
+                           data_iterator: datastate.DataIterator | None = None,
+                           cast: bool = False) -> tuple[int, Any] | None:
+    return self._reader.restore_newest_valid(
+        target, verify=verify, data_iterator=data_iterator, cast=cast)
+
+  @_reads(DirectoryReader.discard)
+  def discard(self, steps: list[int]) -> None:
+    self._reader.discard(steps)
+
+  @_reads(DirectoryReader.set_aside)
+  def set_aside(self, steps: list[int]) -> None:
+    self._reader.set_aside(steps)
 
   @property
   def last_restore_stats(self) -> RestoreStats | None:

@@ -1,15 +1,12 @@
 """Restoring a leaf into another dtype than it was saved in (`cast=True`).
 
-Which conversions a restore makes (`refusal`): floating to floating of any
-width (bfloat16, float16, float32, float64, the float8 kinds; values out
-of the narrower range become infinities, or NaN in float8 kinds without
-them), complex to complex, and integer to integer, where a narrower target
-(or one that lacks the saved negatives) is checked value by value. Nothing
-else: floating to integer would drop fractions, complex to real the
-imaginary part, and booleans and PRNG keys have no meaningful conversion.
-`matching` asks these rules before any data is read; `CastReader` makes
-the conversion while the leaf is read, piece by piece, so that a leaf
-never exists twice in full (saved dtype and target dtype) in memory.
+Which conversions a restore makes is `matching`'s to say, before any data
+is read (`matching.refusal`). Here they are made: `CastReader` converts a
+leaf while it is read, piece by piece, so that a leaf never exists twice
+in full (saved dtype and target dtype) in memory; a narrower integer
+target (or one that lacks the saved negatives) is checked value by value
+(`needs_check`). Floating values out of the narrower range become
+infinities, or NaN in float8 kinds without them.
 """
 
 from __future__ import annotations
@@ -50,37 +47,9 @@ Values = TypeVar("Values", bound=SavedValues)
 CHUNK_BYTES = 4 << 20
 
 
-def kind(dtype: Any) -> str:
-  """What a dtype's values mean: 'bool', 'int', 'float', 'complex',
-  'key' (typed PRNG keys) or the dtype's name."""
-  if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key):
-    return "key"
-  for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
-                    ("float", jax.numpy.floating),
-                    ("complex", jax.numpy.complexfloating)):
-    if jax.numpy.issubdtype(dtype, cat):
-      return name
-  return str(dtype)
-
-
-_NAMES = {"bool": "boolean", "int": "integer", "float": "floating",
-          "complex": "complex", "key": "PRNG key"}
-
-
-def refusal(saved: np.dtype, target: Any) -> str | None:
-  """Why a restore with `cast=True` does not convert `saved` to `target`;
-  None when it does (equal dtypes included)."""
-  src, dst = kind(saved), kind(target)
-  if src == dst and src in ("int", "float", "complex"):
-    return None
-  names = f"{_NAMES.get(src, src)} to {_NAMES.get(dst, dst)}"
-  return ("cast=True converts floating to floating and integer to integer"
-          f" dtypes only, not {names}")
-
-
 def needs_check(saved: np.dtype, target: Any) -> bool:
   """Whether an integer cast can meet a value the target cannot hold."""
-  if kind(saved) != "int":
+  if not jax.numpy.issubdtype(saved, jax.numpy.integer):
     return False
   have, want = jax.numpy.iinfo(saved), jax.numpy.iinfo(target)
   return int(want.min) > int(have.min) or int(want.max) < int(have.max)

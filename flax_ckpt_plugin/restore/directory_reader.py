@@ -294,11 +294,23 @@ class DirectoryReader:
       As `restore`, and `errors.Unsuitable` when another process found
       the step damaged (see `restore_newest_valid`).
     """
-    if (not self.share_reads or target is None
-        or self.coordinator.process_count < 2
-        or not read_plan.worth_it(target)):
+    if not self._shares_reads(target):
       return self.restore(target, step, verify=verify,
                           data_iterator=data_iterator, cast=cast)
+    return self._restore_shared(target, step, verify=verify,
+                                data_iterator=data_iterator, cast=cast)
+
+  def _shares_reads(self, target: Any) -> bool:
+    """Whether the processes share the reading of `target`: it has
+    regions that several of them need (`read_plan.worth_it`)."""
+    return (self.share_reads and target is not None
+            and self.coordinator.process_count > 1
+            and read_plan.worth_it(target))
+
+  def _restore_shared(self, target: Any, step: int | None, *, verify: bool,
+                      data_iterator: datastate.DataIterator | None,
+                      cast: bool) -> Any:
+    """`restore_together` where the processes share the reading."""
     self._check_open()
     self._check_commit()
     self._free_staging()
@@ -348,9 +360,8 @@ class DirectoryReader:
   def _hint_together(self, target: Any) -> None:
     """Logs once, where `restore` runs on several processes with a target
     that several of them hold, that each reads all of it."""
-    if (self._hinted_together or not self.share_reads or target is None
-        or self.scope is not None or self.coordinator.process_count < 2
-        or not read_plan.worth_it(target)):
+    if (self._hinted_together or self.scope is not None
+        or not self._shares_reads(target)):
       return
     self._hinted_together = True
     log.warning(
@@ -394,10 +405,12 @@ class DirectoryReader:
     self._check_commit()
     key = f"{self._base}/restore"
     key = f"{key}/{self.coordinator.next_round(key)}"
+    restore_step = (self._restore_shared if self._shares_reads(target)
+                    else self.restore)
     found, skipped = fallback.restore_newest(
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
         steps=self.all_steps,
-        restore=lambda step: self.restore_together(
+        restore=lambda step: restore_step(
             target, step, verify=verify, data_iterator=data_iterator,
             cast=cast),
         is_primary=self.is_primary,

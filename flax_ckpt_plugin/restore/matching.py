@@ -4,9 +4,14 @@ Every leaf is matched by key path, shape and dtype, and every mismatch is
 named in one message (`match_structure`); a Python scalar restores only
 into a target of its kind that holds its value; PRNG key data only with
 an impl JAX knows (`check_key_impl`). A dtype that differs is a mismatch
-unless the restore casts (`cast=True`) and `casting` makes that
-conversion. A mismatch depends on the target only, so it is never taken
-for damage on disk.
+unless the restore casts (`cast=True`) and makes that conversion
+(`refusal`): floating to floating of any width (bfloat16, float16,
+float32, float64, the float8 kinds), complex to complex, and integer to
+integer (`casting` makes them while the leaf is read). Nothing else:
+floating to integer would drop fractions, complex to real the imaginary
+part, and booleans and PRNG keys have no meaningful conversion. A
+mismatch depends on the target only, so it is never taken for damage on
+disk.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from etils import epath
 import jax
 import numpy as np
 
-from flax_ckpt_plugin.restore import casting
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.format.records import describe
@@ -60,6 +64,34 @@ def check_key_impl(leaf: LeafRecord, where: str) -> None:
         f" {leaf.key_impl!r} cannot be restored: {e!s:.200}") from e
 
 
+def kind(dtype: Any) -> str:
+  """What a dtype's values mean: 'bool', 'int', 'float', 'complex',
+  'key' (typed PRNG keys) or the dtype's name."""
+  if jax.numpy.issubdtype(dtype, jax.dtypes.prng_key):
+    return "key"
+  for name, cat in (("bool", jax.numpy.bool_), ("int", jax.numpy.integer),
+                    ("float", jax.numpy.floating),
+                    ("complex", jax.numpy.complexfloating)):
+    if jax.numpy.issubdtype(dtype, cat):
+      return name
+  return str(dtype)
+
+
+_NAMES = {"bool": "boolean", "int": "integer", "float": "floating",
+          "complex": "complex", "key": "PRNG key"}
+
+
+def refusal(saved: np.dtype, target: Any) -> str | None:
+  """Why a restore with `cast=True` does not convert `saved` to `target`;
+  None when it does (equal dtypes included)."""
+  src, dst = kind(saved), kind(target)
+  if src == dst and src in ("int", "float", "complex"):
+    return None
+  names = f"{_NAMES.get(src, src)} to {_NAMES.get(dst, dst)}"
+  return ("cast=True converts floating to floating and integer to integer"
+          f" dtypes only, not {names}")
+
+
 def _fits(value: bool | int | float, dtype: np.dtype) -> bool:
   """Whether `dtype` holds the Python scalar `value` (of the same kind)."""
   if isinstance(value, bool) or not isinstance(value, int):
@@ -90,7 +122,7 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
   def head() -> str:  # Only for a mismatch: 5000 leaves match in 0.1 s.
     return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
 
-  saved_cat = saved.kind if saved.is_scalar else casting.kind(saved.dtype)
+  saved_cat = saved.kind if saved.is_scalar else kind(saved.dtype)
   if is_python_scalar(target):
     t_cat = {bool: "bool", int: "int", float: "float"}[type(target)]
     if saved.shape != () or saved.key_impl is not None or saved_cat != t_cat:
@@ -109,14 +141,14 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
     t_shape = tuple(np.shape(target))
     t_desc = lambda: describe(t_dtype, t_shape)
   if saved.dtype is None:  # A Python scalar saved; an array of shape () wanted.
-    ok = t_shape == () and not is_key and casting.kind(t_dtype) == saved_cat
+    ok = t_shape == () and not is_key and kind(t_dtype) == saved_cat
     if ok and not _fits(saved.value, np.dtype(t_dtype)):
       return f"{head()} {t_desc()}, which cannot hold that value"
   else:
     ok = t_shape == saved.shape and (is_key
                                      or _same_dtype(t_dtype, saved.dtype))
     if not ok and cast and t_shape == saved.shape and not is_key:
-      why = casting.refusal(saved.dtype, t_dtype)
+      why = refusal(saved.dtype, t_dtype)
       return None if why is None else f"{head()} {t_desc()}: {why}"
   return None if ok else f"{head()} {t_desc()}"
 
@@ -129,7 +161,7 @@ def _castable(saved: LeafRecord, target: Any) -> bool:
           and dtype is not None and tuple(np.shape(target)) == saved.shape
           and not jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
           and not _same_dtype(dtype, saved.dtype)
-          and casting.refusal(saved.dtype, dtype) is None)
+          and refusal(saved.dtype, dtype) is None)
 
 
 MISSING = ("error", "keep")
@@ -148,7 +180,7 @@ def match_structure(saved: dict[str, LeafRecord],
   with `missing="keep"`, target leaves that the checkpoint lacks are not
   either, if the target gives them a value (not a `ShapeDtypeStruct`).
   With `cast`, a leaf whose dtype alone differs is no mismatch where
-  `casting.refusal` allows the conversion; without it, the message says
+  `refusal` allows the conversion; without it, the message says
   that `cast=True` would convert those leaves.
 
   Returns:

@@ -190,6 +190,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
              if p not in kept]
   if cast:
     placement.log_casts(where, saved, targets)
+  batches = _batches(targets, saved)
   if manifest.scope is not None:
     _check_held(saved, targets, where)
   reader = ByteReader(step_dir, manifest.files, backend)
@@ -203,7 +204,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       futures = [pool.submit(_restore_batch, [(saved[p], leaf)
                                                for p, leaf in batch], lr_args,
                              cast, window)
-                 for batch in _batches(targets, saved)]
+                 for batch in batches]
       try:
         leaves = [leaf for f in futures for leaf in f.result()]
       except BaseException:

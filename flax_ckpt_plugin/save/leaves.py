@@ -121,3 +121,36 @@ class LeafSnapshot:
     if self.key_impl is not None:
       entry["key_impl"] = self.key_impl
     return entry
+
+
+def host_leaf(path: str, keys: list[KeyEntry], leaf: Any,
+               is_primary: bool) -> LeafSnapshot:
+  """The record of a leaf that is not a `jax.Array`: a numpy value (whose
+  bytes the primary host writes) or a Python scalar (kept in the
+  manifest).
+
+  Raises:
+    TypeError: the leaf cannot be saved; the message names it.
+  """
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    arr = np.asarray(leaf)
+    if arr.dtype.byteorder == ">":  # The format stores little-endian bytes.
+      arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if arr.dtype.hasobject or arr.dtype.names is not None:
+      raise TypeError(f"leaf {path!r}: numpy dtype {arr.dtype} cannot be"
+                      " saved (object and structured dtypes are not).")
+    index = tuple((0, d) for d in arr.shape)
+    shards = [ShardData(index, np.array(arr, order="C"))] if is_primary else []
+    return LeafSnapshot(path, keys, "numpy", str(arr.dtype), arr.shape, shards)
+  # bool before int: bool is an int subclass.
+  for kind, typ in (("bool", bool), ("int", int), ("float", float)):
+    if isinstance(leaf, typ):
+      return LeafSnapshot(path, keys, kind, None, (), [], value=typ(leaf))
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    raise TypeError(f"leaf {path!r} is an abstract ShapeDtypeStruct, not a"
+                    " value: save a concrete state.")
+  raise TypeError(
+      f"leaf {path!r} has type {type(leaf).__name__}, which cannot be saved:"
+      " leaves must be jax/numpy arrays or Python int/float/bool. Mark"
+      " non-array fields of a flax.struct dataclass with"
+      " `struct.field(pytree_node=False)`.")

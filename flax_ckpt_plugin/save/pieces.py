@@ -33,17 +33,6 @@ def _is_prng_dtype(dtype: Any) -> bool:
   return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def cut(data: jax.Array, rows: tuple[int, int] | None) -> jax.Array:
-  """A piece as an array of its own: the shard `data`, or its `rows`.
-
-  A part of a shard is cut on its device by a slice, which the runtime runs
-  before the next step, into memory of its own: the donation of the
-  state's buffers stays safe."""
-  if rows is None:
-    return data
-  return jax.lax.slice_in_dim(data, *rows)
-
-
 # Where a piece is: (its shard's place among the array's single-device
 # arrays, its index, its device, its rows or None).
 _PieceSpec = tuple[int, Index, Any, "tuple[int, int] | None"]
@@ -110,36 +99,10 @@ class Layout:
 
 class Plan(NamedTuple):
   """One save's tree: its leaves' values in flattening order, and its
-  layout."""
+  layout (`routes.Routes.arrays` takes its pieces' arrays)."""
   values: list[Any]
   layout: Layout
 
-  def shards(self, where: Any, fresh: bool = False) -> list[jax.Array]:
-    """The shards of the pieces at `where` ((leaf number, piece number, its
-    shard's place, rows) each): single-device arrays (a leaf on one device
-    is its own shard).
-
-    `fresh`: each a new `jax.Array` object of the same buffer, for a caller
-    that reads it with `np.asarray`, which JAX may cache on the object:
-    cached on the state's own arrays, a host view would pin their buffers
-    (and decline the next step's donation), a host copy would stay as long
-    as they do.
-    """
-    out = []
-    last, arrays = None, None
-    for i, _, k, _ in where:
-      lay, value = self.layout.leaves[i], self.values[i]
-      if lay.impl is not None:
-        value = jax.random.key_data(value)
-      if lay.single:
-        shard = value
-      else:
-        if i != last:
-          last, arrays = i, _single_arrays(value)
-        shard = arrays[k]
-      out.append(jax.make_array_from_single_device_arrays(
-          shard.shape, shard.sharding, [shard]) if fresh else shard)
-    return out
 
 
 # Layouts of the trees saved lately (see the module's docstring).
@@ -149,14 +112,6 @@ _LAYOUTS: collections.OrderedDict[Any, tuple[tuple[Any, ...], Layout]] = (
     collections.OrderedDict())
 _LAYOUTS_LOCK = threading.Lock()
 _LAYOUTS_KEPT = 8
-
-
-def _single_arrays(arr: jax.Array) -> list[jax.Array]:
-  """The array's single-device arrays, in `addressable_shards` order."""
-  arrays = getattr(arr, "_arrays", None)  # Without making Shard objects.
-  if arrays is None:
-    arrays = [s.data for s in arr.addressable_shards]
-  return arrays
 
 
 def _layout(leaves: list[tuple[str, list[KeyEntry], Any]], process_count: int,

@@ -3,7 +3,7 @@
 On an accelerator a snapshot copies each shard it writes onto its
 device's pinned host memory (see `arrays.pinned`), in one batched call,
 and does not wait. This is the save's side of that memory: how much one
-save may pin (`budget`), taking it before the first save (`warm_up`), and
+save may pin (`budget`), taking it before the first save (`reserve`), and
 the back-off after the runtime refuses it: the saves after a refusal take
 the plain transfers (1, then 2, 4, up to `MAX_BACK_OFF` saves after
 refusals in a row) before one asks again, each logging a warning with
@@ -38,7 +38,7 @@ class PinnedStaging:
     if budget is not None and budget < 0:
       raise ValueError(f"pinned host budget must be >= 0, got {budget}")
     self.budget = budget
-    self._warmed: set[Any] = set()  # What `warm_up` took.
+    self._warmed: set[Any] = set()  # What `reserve` took.
     self._refusals = 0  # Refusals in a row.
     self._back_off = 0  # Saves left that take the plain transfers.
 
@@ -87,7 +87,7 @@ class PinnedStaging:
         " for, and so do the next %d save(s) before pinned memory is asked"
         " for again", nbytes, error, self._back_off)
 
-  def warm_up(self, pieces: Sequence[jax.Array]) -> None:
+  def reserve(self, pieces: Sequence[jax.Array]) -> None:
     """Copies these pieces of a state onto pinned memory, waits, and gives
     the memory back to the runtime's pool, so that the saves after take it
     from there; once per set of shapes. Blocks: pinning memory holds up the

@@ -1,4 +1,5 @@
-"""How each piece of a save travels to the host, worked out once per layout.
+"""How each piece of a save travels to the host, worked out once per layout,
+and each save's arrays along those routes (`Routes.arrays`).
 
 A save's pieces (see `pieces`) go one of five ways, by their device, dtype
 and the staging memory of the manager (see `snapshot.take_snapshot`):
@@ -17,15 +18,65 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, TYPE_CHECKING
 
+import jax
+
 from flax_ckpt_plugin.format.treepaths import extents
 from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.arrays import pinned
+from flax_ckpt_plugin.save import pieces as pieces_lib
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
 from flax_ckpt_plugin.arrays.copies import bits_dtype
 
-if TYPE_CHECKING:  # Annotations only: `snapshot` imports both anyway.
-  from flax_ckpt_plugin.save import pieces as pieces_lib
+if TYPE_CHECKING:  # Annotations only: `snapshot` imports it anyway.
   from flax_ckpt_plugin.save.staging import HostStaging
+
+
+def cut(data: jax.Array, rows: tuple[int, int] | None) -> jax.Array:
+  """A piece as an array of its own: the shard `data`, or its `rows`.
+
+  A part of a shard is cut on its device by a slice, which the runtime runs
+  before the next step, into memory of its own: the donation of the
+  state's buffers stays safe."""
+  if rows is None:
+    return data
+  return jax.lax.slice_in_dim(data, *rows)
+
+
+def _single_arrays(arr: jax.Array) -> list[jax.Array]:
+  """The array's single-device arrays, in `addressable_shards` order."""
+  arrays = getattr(arr, "_arrays", None)  # Without making Shard objects.
+  if arrays is None:
+    arrays = [s.data for s in arr.addressable_shards]
+  return arrays
+
+
+def _shards(plan: pieces_lib.Plan, where: Any, fresh: bool = False
+            ) -> list[jax.Array]:
+  """The shards of the pieces at `where` ((leaf number, piece number, its
+  shard's place, rows) each): single-device arrays (a leaf on one device
+  is its own shard).
+
+  `fresh`: each a new `jax.Array` object of the same buffer, for a caller
+  that reads it with `np.asarray`, which JAX may cache on the object:
+  cached on the state's own arrays, a host view would pin their buffers
+  (and decline the next step's donation), a host copy would stay as long
+  as they do.
+  """
+  out = []
+  last, arrays = None, None
+  for i, _, k, _ in where:
+    lay, value = plan.layout.leaves[i], plan.values[i]
+    if lay.impl is not None:
+      value = jax.random.key_data(value)
+    if lay.single:
+      shard = value
+    else:
+      if i != last:
+        last, arrays = i, _single_arrays(value)
+      shard = arrays[k]
+    out.append(jax.make_array_from_single_device_arrays(
+        shard.shape, shard.sharding, [shard]) if fresh else shard)
+  return out
 
 
 # A piece, by its leaf's number, its number among the leaf's pieces, its
@@ -45,6 +96,34 @@ class Routes(NamedTuple):
   threads: tuple[_Where, ...]  # CPU shards copied by threads (`copy`).
   programs: tuple[_Where, ...]  # CPU shards copied on their devices,
   groups: Any  # in these `copies.groups`.
+
+  def pinned_arrays(self, plan: pieces_lib.Plan) -> list[jax.Array]:
+    """The arrays that go onto pinned host memory, their rows cut."""
+    return [cut(shard, rows) for shard, (*_, rows) in zip(
+        _shards(plan, self.pinned), self.pinned)]
+
+  def arrays(self, plan: pieces_lib.Plan) -> Arrays:
+    """The arrays of this save's pieces, by route."""
+    return Arrays(
+        self.pinned_arrays(plan),
+        [cut(shard, rows) for shard, (*_, rows) in zip(
+            _shards(plan, self.transfers, fresh=True), self.transfers)],
+        [cut(shard, rows) for shard, (*_, rows) in zip(
+            _shards(plan, self.cuts), self.cuts)],
+        _shards(plan, self.threads, fresh=True),
+        _shards(plan, self.programs))
+
+
+class Arrays(NamedTuple):
+  """One save's pieces as single-device arrays, by route (see `Routes`),
+  each cut to its rows (`cut`: a slice the runtime runs before the
+  next step). Those the snapshot reads with `np.asarray` (transfers,
+  threads) are objects of their own (`_shards`' `fresh`)."""
+  pinned: list[jax.Array]
+  transfers: list[jax.Array]
+  cuts: list[jax.Array]
+  threads: list[jax.Array]
+  programs: list[jax.Array]
 
 
 def _routes(layout: pieces_lib.Layout, arena: bool,

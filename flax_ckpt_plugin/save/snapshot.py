@@ -48,14 +48,13 @@ import numpy as np
 
 from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.save import pieces as pieces_lib
+from flax_ckpt_plugin.save.leaves import host_leaf
 from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
 from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.format.records import CHECKSUM_BLOCK
-from flax_ckpt_plugin.save.pieces import cut
 from flax_ckpt_plugin.save.staging import HostStaging
-from flax_ckpt_plugin.format.treepaths import KeyEntry
 
 
 def prepare(tree: Any, *, process_count: int, is_primary: bool,
@@ -66,13 +65,12 @@ def prepare(tree: Any, *, process_count: int, is_primary: bool,
   CPU shards with (see `copies.groups`: its first save then finds them
   ready, instead of having the runtime copy every shard), and returns the
   arrays that it copies onto pinned host memory (see
-  `PinnedStaging.warm_up`). Does not wait."""
+  `PinnedStaging.reserve`). Does not wait."""
   plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
   routes = routes_lib.of(plan, staging, pinned_staging)
   for key, _ in routes.groups:
     copies.programs_of(key)
-  return [cut(shard, rows) for shard, (*_, rows) in zip(
-      plan.shards(routes.pinned), routes.pinned)]
+  return routes.pinned_arrays(plan)
 
 
 class Snapshot(collections.abc.Sequence):
@@ -162,62 +160,61 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   """
   plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
   layout = plan.layout
-  host = {i: _host_leaf(*layout.names[i], plan.values[i], is_primary)
+  host = {i: host_leaf(*layout.names[i], plan.values[i], is_primary)
           for i in layout.host}
   routes = routes_lib.of(plan, staging, pinned_staging)
+  arrays = routes.arrays(plan)
   # What each piece's ShardData is made of: (data, dtype, checksums).
   made: list[Any] = [None] * routes.count
-  first = routes.first
 
   # Onto pinned host memory: one batched call, not awaited (see `pinned`).
   fallback_bytes = 0
   if routes.pinned:
-    copied = pinned_staging.copy([cut(shard, rows) for shard, (*_, rows) in zip(
-        plan.shards(routes.pinned), routes.pinned)])
+    copied = pinned_staging.copy(arrays.pinned)
     if copied is None:  # Refused, now or lately: this save goes plainly.
       fallback_bytes = routes.pinned_bytes
       routes = routes_lib.of(plan, staging, None)
+      arrays = routes.arrays(plan)
     else:
       for (i, j, _, _), copy in zip(routes.pinned, copied):
-        made[first[i] + j] = (copy, layout.leaves[i].dtype, None)
+        made[routes.first[i] + j] = (copy, layout.leaves[i].dtype, None)
 
   # Off the CPU, the rest: every device-to-host transfer is started before
   # the first is waited for.
-  transfers = [cut(shard, rows) for shard, (*_, rows) in zip(
-      plan.shards(routes.transfers, fresh=True), routes.transfers)]
-  for data in transfers:
+  for data in arrays.transfers:
     data.copy_to_host_async()
 
-  # CPU shards: a part of a shard is cut by a slice into memory of its own,
-  # which the writer waits for; dtypes that cannot travel as unsigned bits,
-  # and every dtype where the staging memory is an arena (`memfile`), are
-  # copied by threads from views of the runtime's buffers right here; the
-  # rest on their devices, last.
-  for (i, j, _, rows), shard in zip(routes.cuts, plan.shards(routes.cuts)):
-    made[first[i] + j] = (cut(shard, rows), layout.leaves[i].dtype, None)
+  # CPU shards: a part of a shard is cut by a slice into memory of its own
+  # (`arrays.cuts`), which the writer waits for; dtypes that cannot travel
+  # as unsigned bits, and every dtype where the staging memory is an arena
+  # (`memfile`), are copied by threads from views of the runtime's buffers
+  # right here; the rest on their devices, last.
+  first = routes.first
+  for (i, j, _, _), data in zip(routes.cuts, arrays.cuts):
+    made[first[i] + j] = (data, layout.leaves[i].dtype, None)
   if routes.threads:
-    srcs = [((layout.leaves[i].path, layout.leaves[i].specs[j][1]),
-             np.asarray(shard)) for (i, j, _, _), shard in zip(
-                 routes.threads, plan.shards(routes.threads, fresh=True))]
+    srcs = [np.asarray(shard) for shard in arrays.threads]
     summed = None if staging.arena is None else staging.copy_summed(
-        [src for _, src in srcs], CHECKSUM_BLOCK)
+        srcs, CHECKSUM_BLOCK)
     if summed is None:
-      for (i, j, _, _), copy in zip(routes.threads, staging.copy(srcs)):
+      keys = [(layout.leaves[i].path, layout.leaves[i].specs[j][1])
+              for i, j, _, _ in routes.threads]
+      for (i, j, _, _), copy in zip(routes.threads,
+                                    staging.copy(list(zip(keys, srcs)))):
         made[first[i] + j] = (copy, None, None)
     else:
       for (i, j, _, _), copy, sums in zip(routes.threads, *summed):
         made[first[i] + j] = (copy, None, sums)
     del srcs  # No view of a runtime buffer outlives this call.
 
-  for (i, j, _, _), data in zip(routes.transfers, transfers):
+  for (i, j, _, _), data in zip(routes.transfers, arrays.transfers):
     made[first[i] + j] = (_c_order(np.asarray(data)), None, None)
 
   # The staging copies last: the runtime's threads start copying at once,
   # on every core, and the call should be over by then; all that is left
   # to do after them is worked out before.
   copied = staging.copy_on_devices(
-      plan.shards(routes.programs),
-      groups=routes.groups) if routes.programs else []
+      arrays.programs, groups=routes.groups) if routes.programs else []
   return Snapshot(layout, routes, made, copied, host,
                   pinned_fallback_bytes=fallback_bytes)
 
@@ -230,29 +227,3 @@ def _dtype_name(dtype: np.dtype) -> str:
 def _c_order(arr: np.ndarray) -> np.ndarray:
   # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
   return arr if arr.flags.c_contiguous else np.array(arr, order="C")
-
-
-def _host_leaf(path: str, keys: list[KeyEntry], leaf: Any,
-               is_primary: bool) -> LeafSnapshot:
-  if isinstance(leaf, (np.ndarray, np.generic)):
-    arr = np.asarray(leaf)
-    if arr.dtype.byteorder == ">":  # The format stores little-endian bytes.
-      arr = arr.astype(arr.dtype.newbyteorder("<"))
-    if arr.dtype.hasobject or arr.dtype.names is not None:
-      raise TypeError(f"leaf {path!r}: numpy dtype {arr.dtype} cannot be"
-                      " saved (object and structured dtypes are not).")
-    index = tuple((0, d) for d in arr.shape)
-    shards = [ShardData(index, np.array(arr, order="C"))] if is_primary else []
-    return LeafSnapshot(path, keys, "numpy", str(arr.dtype), arr.shape, shards)
-  # bool before int: bool is an int subclass.
-  for kind, typ in (("bool", bool), ("int", int), ("float", float)):
-    if isinstance(leaf, typ):
-      return LeafSnapshot(path, keys, kind, None, (), [], value=typ(leaf))
-  if isinstance(leaf, jax.ShapeDtypeStruct):
-    raise TypeError(f"leaf {path!r} is an abstract ShapeDtypeStruct, not a"
-                    " value: save a concrete state.")
-  raise TypeError(
-      f"leaf {path!r} has type {type(leaf).__name__}, which cannot be saved:"
-      " leaves must be jax/numpy arrays or Python int/float/bool. Mark"
-      " non-array fields of a flax.struct dataclass with"
-      " `struct.field(pytree_node=False)`.")

@@ -124,7 +124,9 @@ class HostStaging:
       # The runtime's copies first, the programs last: once a program runs,
       # the runtime's threads take every core, and this thread may wait
       # for one (measured: up to a scheduler's slice, 4 ms, on 2 cores).
-      self._runtime_copies(srcs, by_runtime, out)
+      for i, c in zip(by_runtime, copies_lib.fresh_copies(
+          [srcs[i] for i in by_runtime])):
+        out[i] = c
       for place, idx, programs, pad in started:
         group = [srcs[i] for i in idx]
         prev = old.pop(place, None)
@@ -136,7 +138,8 @@ class HostStaging:
           else:
             copies = programs[1](prev, group, pad)[0]
         except (TypeError, ValueError):  # Not what it was compiled for.
-          self._runtime_copies(srcs, idx, out)
+          for i, c in zip(idx, copies_lib.fresh_copies(group)):
+            out[i] = c
           continue
         self._spent.append(prev)
         del prev
@@ -152,13 +155,6 @@ class HostStaging:
       copies_lib.programs_of(key)
     del spent  # Only if `release_spent` was not called since the last call.
     return out
-
-  @staticmethod
-  def _runtime_copies(srcs: list[jax.Array], idx: list[int],
-                      out: list[Any]) -> None:
-    """Copies made by the runtime, of `srcs[i]` into `out[i]` for `idx`."""
-    for i, c in zip(idx, copies_lib.fresh_copies([srcs[i] for i in idx])):
-      out[i] = c
 
   def release_spent(self) -> None:
     """Drops the handles that the last `copy_on_devices` replaced."""

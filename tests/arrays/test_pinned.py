@@ -121,8 +121,8 @@ def test_the_first_save_blocks_no_longer_than_later_ones(
   gives the memory back to the runtime's pool), so the first save's call
   does no more than later ones."""
   asked = []
-  real = pinned_staging.PinnedStaging.warm_up
-  monkeypatch.setattr(pinned_staging.PinnedStaging, "warm_up",
+  real = pinned_staging.PinnedStaging.reserve
+  monkeypatch.setattr(pinned_staging.PinnedStaging, "reserve",
                       lambda self, pieces: asked.append(list(pieces))
                       or real(self, pieces))
   cb = CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=2)
@@ -147,8 +147,8 @@ def test_the_first_save_blocks_no_longer_than_later_ones(
 def test_an_abstract_state_is_warmed_up_at_the_first_call(
     ckpt_dir, make_state, train_step, monkeypatch):
   asked = []
-  real = pinned_staging.PinnedStaging.warm_up
-  monkeypatch.setattr(pinned_staging.PinnedStaging, "warm_up",
+  real = pinned_staging.PinnedStaging.reserve
+  monkeypatch.setattr(pinned_staging.PinnedStaging, "reserve",
                       lambda self, pieces: asked.append(list(pieces))
                       or real(self, pieces))
   cb = CheckpointCallback(ckpt_dir, every_steps=2)

@@ -15,6 +15,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin.restore import casting
+from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.format import records
 from launcher import run_workers
 
@@ -244,14 +245,19 @@ def test_refusal_rules():
   floats = [jnp.bfloat16, np.float16, np.float32, np.float64,
             jnp.float8_e4m3fn, jnp.float8_e5m2]
   for a, b in itertools.product(floats, floats):
-    assert casting.refusal(np.dtype(a), np.dtype(b)) is None
+    assert matching.refusal(np.dtype(a), np.dtype(b)) is None
   ints = [np.int8, np.uint8, np.int32, np.uint64, jnp.int4]
   for a, b in itertools.product(ints, ints):
-    assert casting.refusal(np.dtype(a), np.dtype(b)) is None
+    assert matching.refusal(np.dtype(a), np.dtype(b)) is None
   assert not casting.needs_check(np.dtype(np.int32), np.dtype(np.int64))
   assert not casting.needs_check(np.dtype(np.uint8), np.dtype(np.int16))
   assert casting.needs_check(np.dtype(np.int8), np.dtype(np.uint8))
   assert casting.needs_check(np.dtype(np.int64), np.dtype(np.int32))
+  assert casting.needs_check(np.dtype(jnp.int8), np.dtype(jnp.int4))
+  assert not casting.needs_check(np.dtype(jnp.int4), np.dtype(np.int8))
+  assert not casting.needs_check(np.dtype(np.float32), np.dtype(np.float16))
+  assert matching.refusal(np.dtype(np.float32), np.dtype(np.int32))
+  assert matching.refusal(np.dtype(np.complex64), np.dtype(np.float32))
 
 
 @pytest.mark.multiprocess
