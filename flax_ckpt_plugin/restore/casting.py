@@ -23,7 +23,6 @@ from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import LeafRecord
 
 
-
 class SavedValues(Protocol):
   """What a cast reads through: a leaf's saved values by region, checked
   (`reader.LeafReader` is one; named here so that the rules of casting

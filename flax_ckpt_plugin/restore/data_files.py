@@ -14,7 +14,8 @@ import contextlib
 import math
 import os
 import threading
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence
+from typing import (Any, Callable, ContextManager, Iterable, Iterator,
+                    Protocol, Sequence)
 
 from etils import epath
 import numpy as np
@@ -80,7 +81,8 @@ def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
 
 
 class OpenFile(Protocol):
-  """An open data file, read by offset (`backends.OpenFile`)."""
+  """An open data file, read by offset (`backends.interface.RangedFile`
+  is one)."""
 
   size: int
 

@@ -104,7 +104,6 @@ class Plan(NamedTuple):
   layout: Layout
 
 
-
 # Layouts of the trees saved lately (see the module's docstring).
 # By structure: the signature of its arrays, and their layout (the newest
 # for that structure).

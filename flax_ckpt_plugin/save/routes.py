@@ -103,9 +103,9 @@ class Routes(NamedTuple):
         _shards(plan, self.pinned), self.pinned)]
 
   def arrays(self, plan: pieces_lib.Plan) -> Arrays:
-    """The arrays of this save's pieces, by route."""
+    """The arrays of this save's pieces that go another way than onto
+    pinned host memory (`pinned_arrays`), by route."""
     return Arrays(
-        self.pinned_arrays(plan),
         [cut(shard, rows) for shard, (*_, rows) in zip(
             _shards(plan, self.transfers, fresh=True), self.transfers)],
         [cut(shard, rows) for shard, (*_, rows) in zip(
@@ -119,7 +119,6 @@ class Arrays(NamedTuple):
   each cut to its rows (`cut`: a slice the runtime runs before the
   next step). Those the snapshot reads with `np.asarray` (transfers,
   threads) are objects of their own (`_shards`' `fresh`)."""
-  pinned: list[jax.Array]
   transfers: list[jax.Array]
   cuts: list[jax.Array]
   threads: list[jax.Array]

@@ -163,21 +163,20 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   host = {i: host_leaf(*layout.names[i], plan.values[i], is_primary)
           for i in layout.host}
   routes = routes_lib.of(plan, staging, pinned_staging)
-  arrays = routes.arrays(plan)
   # What each piece's ShardData is made of: (data, dtype, checksums).
   made: list[Any] = [None] * routes.count
 
   # Onto pinned host memory: one batched call, not awaited (see `pinned`).
   fallback_bytes = 0
   if routes.pinned:
-    copied = pinned_staging.copy(arrays.pinned)
+    copied = pinned_staging.copy(routes.pinned_arrays(plan))
     if copied is None:  # Refused, now or lately: this save goes plainly.
       fallback_bytes = routes.pinned_bytes
       routes = routes_lib.of(plan, staging, None)
-      arrays = routes.arrays(plan)
     else:
       for (i, j, _, _), copy in zip(routes.pinned, copied):
         made[routes.first[i] + j] = (copy, layout.leaves[i].dtype, None)
+  arrays = routes.arrays(plan)
 
   # Off the CPU, the rest: every device-to-host transfer is started before
   # the first is waited for.
@@ -205,7 +204,10 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
     else:
       for (i, j, _, _), copy, sums in zip(routes.threads, *summed):
         made[first[i] + j] = (copy, None, sums)
-    del srcs  # No view of a runtime buffer outlives this call.
+    # No view of a runtime buffer outlives this call, nor the objects that
+    # numpy's views are cached on.
+    del srcs
+    arrays.threads.clear()
 
   for (i, j, _, _), data in zip(routes.transfers, arrays.transfers):
     made[first[i] + j] = (_c_order(np.asarray(data)), None, None)
