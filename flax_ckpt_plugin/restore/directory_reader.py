@@ -297,20 +297,6 @@ class DirectoryReader:
     if not self._shares_reads(target):
       return self.restore(target, step, verify=verify,
                           data_iterator=data_iterator, cast=cast)
-    return self._restore_shared(target, step, verify=verify,
-                                data_iterator=data_iterator, cast=cast)
-
-  def _shares_reads(self, target: Any) -> bool:
-    """Whether the processes share the reading of `target`: it has
-    regions that several of them need (`read_plan.worth_it`)."""
-    return (self.share_reads and target is not None
-            and self.coordinator.process_count > 1
-            and read_plan.worth_it(target))
-
-  def _restore_shared(self, target: Any, step: int | None, *, verify: bool,
-                      data_iterator: datastate.DataIterator | None,
-                      cast: bool) -> Any:
-    """`restore_together` where the processes share the reading."""
     self._check_open()
     self._check_commit()
     self._free_staging()
@@ -339,6 +325,13 @@ class DirectoryReader:
     if hand_over is not None:
       hand_over()
     return tree
+
+  def _shares_reads(self, target: Any) -> bool:
+    """Whether the processes share the reading of `target`: it has
+    regions that several of them need (`read_plan.worth_it`)."""
+    return (self.share_reads and target is not None
+            and self.coordinator.process_count > 1
+            and read_plan.worth_it(target))
 
   def _agreed_newest(self, key: str) -> int:
     """The newest finalized step as the primary host sees it, on every
@@ -405,12 +398,10 @@ class DirectoryReader:
     self._check_commit()
     key = f"{self._base}/restore"
     key = f"{key}/{self.coordinator.next_round(key)}"
-    restore_step = (self._restore_shared if self._shares_reads(target)
-                    else self.restore)
     found, skipped = fallback.restore_newest(
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
         steps=self.all_steps,
-        restore=lambda step: restore_step(
+        restore=lambda step: self.restore_together(
             target, step, verify=verify, data_iterator=data_iterator,
             cast=cast),
         is_primary=self.is_primary,
