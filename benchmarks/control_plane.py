@@ -719,6 +719,35 @@ def transformer_arrays(n: int, leaves: int, devices_per_process: int = 8,
   return [layer[k % len(layer)] for k in range(leaves)]
 
 
+def time_partners(n: int, *, replicas: int = 1, per_host: int = 1,
+                  shards: int = 8) -> dict:
+  """The partner plan (`tolerance.partners`) of N processes, `per_host` a
+  host (the default failure domain), each holding `shards` shards of equal
+  size that no other process holds (FSDP): the ring one process builds,
+  the copies of every holder set (what the whole job plans; a process
+  plans its own sets and its predecessors'), and how evenly the bytes
+  received spread."""
+  from flax_ckpt_plugin.tolerance import partners  # pylint: disable=g-import-not-at-top
+  domains = [f"host{p // per_host}" for p in range(n)]
+  t = time.process_time()
+  ring = partners.Ring(domains)
+  ring_secs = time.process_time() - t
+  t = time.process_time()
+  received = partners.received_bytes(
+      ring, [((p,), 1) for p in range(n) for _ in range(shards)], replicas)
+  copies_secs = time.process_time() - t
+  mean = sum(received) / n
+  same_domain = sum(
+      ring.domains[c.receiver] == ring.domains[p]
+      for p in range(n) for c in ring.copies((p,), replicas))
+  return {"processes": n, "replicas": replicas, "per_host": per_host,
+          "ring_cpu_secs": ring_secs, "copies_cpu_secs_all": copies_secs,
+          "copies_cpu_secs_per_process": copies_secs / n,
+          "received_max_over_mean": max(received) / mean,
+          "received_min_over_mean": min(received) / mean,
+          "copies_in_own_domain": same_domain}
+
+
 def time_write_plan(n: int, leaves: int, process: int | None = None
                     ) -> dict:
   """One process's write plan for `transformer_arrays(n, leaves)`, timed
@@ -870,6 +899,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--read-plan", action="store_true",
                       help="time one process's plan of a restore made"
                       " together instead")
+  parser.add_argument("--partners", action="store_true",
+                      help="time the partner plan of the local tier instead")
+  parser.add_argument("--replicas", type=int, default=1)
+  parser.add_argument("--per-host", type=int, default=1)
   parser.add_argument("--leaves", type=int, default=100_000)
   parser.add_argument("--dir", default="/dev/shm" if os.path.isdir(
       "/dev/shm") else None, help="where the steps go (a tmpfs)")
@@ -877,6 +910,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   rows = []
   for n in args.processes:
+    if args.partners:
+      row = time_partners(n, replicas=args.replicas, per_host=args.per_host)
+      print(f"N={n:6d} ({args.per_host} a host), replicas={args.replicas}:"
+            f" the ring took {row['ring_cpu_secs']:.4f} s of CPU, the copies"
+            f" of every holder set {row['copies_cpu_secs_all']:.3f} s"
+            f" ({row['copies_cpu_secs_per_process'] * 1e6:.1f} us a"
+            f" process); bytes received per process"
+            f" {row['received_min_over_mean']:.3f}-"
+            f"{row['received_max_over_mean']:.3f} x the mean;"
+            f" {row['copies_in_own_domain']} copies in their sender's"
+            " domain", flush=True)
+      rows.append(row)
+      continue
     if args.read_plan:
       row = time_read_plan(n, args.leaves)
       print(f"N={n:6d} ({row['devices']} devices), {args.leaves} leaves:"
