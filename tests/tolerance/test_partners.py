@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from flax_ckpt_plugin.tolerance import partners
+from launcher import run_workers
 
 
 def _check(ring, holders, replicas):
@@ -107,3 +108,20 @@ def test_too_few_processes_for_the_replicas_is_a_clear_error():
   ring = partners.Ring(["a", "b", "c"])
   with pytest.raises(ValueError, match="replicas=3 needs at least 4"):
     ring.copies((0,), 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_four_processes_send_partner_copies_by_collective_permute():
+  """4 processes x 2 devices, gloo: at each of the plan's first two steps
+  every process receives, bit for bit, the bytes of the process whose
+  partner it is, whatever their lengths (0 bytes and an odd length too)."""
+  results = run_workers("partner_exchange", 4, timeout=150)
+  out = [r.json for r in results]
+  ring = partners.Ring([f"host{p // 2}" for p in range(4)])
+  for me, o in enumerate(out):
+    for step in ("1", "2"):
+      sender, digest, length = o["received"][step]
+      assert ring.partner(sender, int(step)) == me
+      assert digest == out[sender]["sent"], (me, step)
+      assert length == out[sender]["length"]
