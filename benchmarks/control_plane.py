@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -608,12 +607,14 @@ def simulate_shares(n: int, *, leaves: int = 100,
       subprocess.run(["cp", "-al", os.path.join(first, "7"),
                       os.path.join(tmp, "local", str(p), "7")], check=True)
 
-    class Tier:  # What the survivors' save reads of a local tier.
+    class Tier:  # What the survivors' save reads of a local tier's
+      # manager (and, in older trees, of the tier).
 
       def __init__(self, p: int):
         self.directory = epath.Path(os.path.join(tmp, "local", str(p)))
-        self.manager = types.SimpleNamespace(
-            backend=backend_lib.MEMORY, coordinator=groups.SoloCoordinator())
+        self.backend = backend_lib.MEMORY
+        self.coordinator = groups.SoloCoordinator()
+        self.manager = self
 
     def work(coord: SimCoordinator) -> list[int]:
       group = groups.Survivors(coord, members)

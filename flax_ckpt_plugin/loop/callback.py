@@ -248,7 +248,10 @@ class CheckpointCallback:
       persistent = False
     local = (self.local is not None and not preempted and step > 0
              and (self.triggers.local(step) or step == self.tiers.rebuild_at)
-             and step not in self.local.manager.all_steps())
+             # With partner copies every process takes part in the save
+             # (a collective), whatever its local tier holds.
+             and (self.tiers.exchange is not None
+                  or step not in self.local.manager.all_steps()))
     if not (persistent or local):
       return False
     self._preempted_at = step if preempted else None
@@ -274,8 +277,8 @@ class CheckpointCallback:
                         data_state=data)
       self.triggers.saved(self.manager.name)
     if local:
-      self.tiers.quietly("save", lambda m: m.save(
-          step, state, extra=extra, metrics=metrics, data_state=data))
+      self.tiers.save_local(step, state, extra=extra, metrics=metrics,
+                            data_state=data)
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True

@@ -37,6 +37,7 @@ from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
+from flax_ckpt_plugin.tolerance import exchange
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import rescue
@@ -118,13 +119,21 @@ class Tiers:
         tolerance.local_directory, job, coordinator=coord,
         timeout_ms=self.manager.barrier_timeout_ms,
         pinned_host_bytes=storage.pinned_host_bytes)
+    # The partner copies (see `exchange`), their failure domains shared.
+    self.exchange = None
+    if tolerance.replicas and self.local is not None and (
+        coord.process_count > 1):
+      self.exchange = exchange.Exchange(exchange.share_domains(
+          coord, job, tolerance.failure_domain,
+          self.manager.barrier_timeout_ms), tolerance.replicas)
     # Started here, on every process at the same point: see `liveness`.
     self.peers = elastic_lib.Peers(
         self.manager, self.local, directory,
         poll_secs=tolerance.watch_poll_secs, exit_code=exit_code,
         elastic_secs=tolerance.elastic_wait_secs if elastic else None,
         primary_host=processes.primary_host, group=rejoins,
-        watch=rescue.watch) if watch_peers else None
+        watch=rescue.watch, partners=bool(tolerance.replicas)
+    ) if watch_peers else None
     self._metric_writer = metric_writer
     self._warmed_up = False  # See `warm_up`.
     # The step at which the group takes back a relaunched process (saved
@@ -138,14 +147,37 @@ class Tiers:
     if self.local is not None:
       self.local.quietly(what, fn)
 
+  def save_local(self, step: int, state: Any, **kwargs: Any) -> None:
+    """Starts saving `state` as `step` to the local tier, with the partner
+    copies of its shards that this process receives (`exchange`; the
+    exchange is started on every process, whatever its local tier does,
+    since every process takes part in it). `kwargs`: as for
+    `CheckpointManager.save`."""
+    received = None
+    if self.exchange is not None:
+      try:
+        received = self.exchange.send(state)
+      except Exception as e:  # pylint: disable=broad-except
+        # The same program everywhere: it fails alike on every process.
+        log.error("the partner copies of step %d were not sent (the local"
+                  " step goes without them): %r", step, e)
+    self.quietly("save", lambda m: m.save(step, state,
+                                          partner_shards=received, **kwargs))
+
   def warm_up(self, state: Any) -> None:
     """Once: sets up what saving `state` needs in each tier
-    (`CheckpointManager.warm_up`: pinned host memory on accelerators),
-    unless `state` is abstract."""
+    (`CheckpointManager.warm_up`: pinned host memory on accelerators; the
+    partner copies' programs), unless `state` is abstract."""
     if self._warmed_up:
       return
     self._warmed_up = self.manager.warm_up(state)
     self.quietly("warm-up", lambda m: m.warm_up(state))
+    if self.exchange is not None:  # Compiles: no collective.
+      try:
+        self.exchange.prepare(state)
+      except Exception as e:  # pylint: disable=broad-except
+        log.info("the partner copies' programs were not prepared (the"
+                 " first local save compiles them): %r", e)
 
   def check(self) -> None:
     """Raises `PeerLostError` once a peer was lost."""
@@ -183,7 +215,7 @@ class Tiers:
     else:
       found = tier_restore.restore_for_callback(
           state, self.local, self.manager, data_iterator=data_iterator,
-          cast=cast)
+          cast=cast, partners=self.exchange is not None)
       if found is None:
         log.info("no checkpoint in %s; starting from the given state",
                  self.manager.directory)

@@ -36,6 +36,7 @@ from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
+from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.save.commit import CommitHook
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
@@ -233,7 +234,9 @@ class CheckpointManager:
 
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None,
-           data_state: Any = None) -> None:
+           data_state: Any = None,
+           partner_shards: dict[str, list[ShardData]] | None = None
+           ) -> None:
     """Starts saving `state` as `step`; returns once a host snapshot exists.
 
     The caller may donate or overwrite the state's buffers as soon as this
@@ -248,6 +251,8 @@ class CheckpointManager:
       data_state: this process's own data state (each process passes its
         own, e.g. its data iterator's `get_state()`): bytes, or a JSON
         value; read back on each process with `data_state(step)`.
+      partner_shards: the local tier's only: shards of other processes
+        held here as partner copies (`tolerance.exchange`), by leaf path.
 
     Raises:
       CheckpointExistsError: `step` is already finalized.
@@ -291,7 +296,8 @@ class CheckpointManager:
     leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging,
                            own_copy=self.scope is not None,
-                           pinned_staging=self._pinned)
+                           pinned_staging=self._pinned,
+                           partner_shards=partner_shards)
     inputs = inputs._replace(
         leaves=leaves, blocking_secs=time.perf_counter() - t0,
         pinned_fallback_bytes=leaves.pinned_fallback_bytes)

@@ -86,14 +86,17 @@ class Snapshot(collections.abc.Sequence):
   def __init__(self, layout: pieces_lib.Layout, routes: routes_lib.Routes,
                made: list[Any], copied: list[Any],
                host: dict[int, LeafSnapshot], *,
-               pinned_fallback_bytes: int = 0):
+               pinned_fallback_bytes: int = 0,
+               partner_shards: dict[str, list[ShardData]] | None = None):
     """`made[n]`: (data, dtype, checksums) of piece n, or None for those
     `routes.programs` copied, in that order, into `copied`.
     `pinned_fallback_bytes`: what went the plain way, pinned memory
-    refused (`SaveStats.pinned_fallback_bytes`)."""
+    refused (`SaveStats.pinned_fallback_bytes`). `partner_shards`: see
+    `take_snapshot`."""
     self.pinned_fallback_bytes = pinned_fallback_bytes
     self._layout, self._routes = layout, routes
     self._made, self._copied, self._host = made, copied, host
+    self._partner_shards = partner_shards or {}
     self._records: list[LeafSnapshot] | None = None
     self._lock = threading.Lock()
 
@@ -119,6 +122,7 @@ class Snapshot(collections.abc.Sequence):
           lay.specs, self._made[at:at + len(lay.specs)]):
         data, dtype, sums = made
         shards.append(ShardData(index, data, dtype, sums))
+      shards.extend(self._partner_shards.get(lay.path, ()))
       out.append(LeafSnapshot(lay.path, lay.keys, "array",
                               _dtype_name(lay.dtype), lay.shape, shards,
                               key_impl=lay.impl))
@@ -136,7 +140,8 @@ class Snapshot(collections.abc.Sequence):
 
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                   staging: HostStaging, own_copy: bool = False,
-                  pinned_staging: PinnedStaging | None = None
+                  pinned_staging: PinnedStaging | None = None,
+                  partner_shards: dict[str, list[ShardData]] | None = None
                   ) -> Snapshot:
   """Starts copying the shards this process writes to host memory.
 
@@ -150,6 +155,9 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       included (a copy that restores this process alone: the local tier).
     pinned_staging: where shards of devices with pinned host memory go
       (see `pinned`); None: the plain transfer.
+    partner_shards: more shards of the tree's leaves, by path, that
+      this process holds for other processes (`tolerance.exchange`: the
+      local tier's partner copies), written with its own.
 
   Returns:
     The snapshot: one `LeafSnapshot` per leaf, in flattening order.
@@ -218,7 +226,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   copied = staging.copy_on_devices(
       arrays.programs, groups=routes.groups) if routes.programs else []
   return Snapshot(layout, routes, made, copied, host,
-                  pinned_fallback_bytes=fallback_bytes)
+                  pinned_fallback_bytes=fallback_bytes,
+                  partner_shards=partner_shards)
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,6 +64,9 @@ from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import peer
+from flax_ckpt_plugin.tolerance import rebuild
+from flax_ckpt_plugin.errors import CheckpointNotFoundError
+from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
@@ -110,14 +113,19 @@ class Peers:
     group: the running group this process rejoins (`joining`), or None.
     watch: starts the watch over the members and the survivors' save
       (`rescue.watch`), again at each new group.
+    partners: the local tiers hold partner copies (`exchange`): a
+      recovery and a rejoin restore from what the processes hold together
+      (`rebuild`), not each survivor from its own tier.
   """
 
   def __init__(self, manager: Manager,
                local: local_tier.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
                primary_host: int, group: generations.Group | None = None,
-               watch: Callable[..., tuple[Any, Any]]):
+               watch: Callable[..., tuple[Any, Any]],
+               partners: bool = False):
     self._manager, self._local = manager, local
+    self._partners = partners
     self._key = generations.group_key(
         generations.job_name(os.fspath(directory)))
     self._poll_secs, self._exit_code = poll_secs, exit_code
@@ -260,12 +268,18 @@ class Peers:
       if step is None:
         raise RuntimeError("the survivors hold no common step in their local"
                            f" tiers ({local.directory})")
-      outcome = meetings.agree(
-          meetings.Meeting(group, f"{key}/restore", timeout_ms), restore)
-      if outcome.failures:
-        raise RuntimeError(
-            f"restoring local step {step} on the live devices failed:"
-            f" {meetings.describe_failures(outcome.failures)}")
+      if self._partners:
+        result = self._rebuild_from_partners(
+            group, gen, make_target, step, members, data_iterator,
+            f"{key}/rebuild", lost)
+      else:
+        outcome = meetings.agree(
+            meetings.Meeting(group, f"{key}/restore", timeout_ms), restore)
+        if outcome.failures:
+          raise RuntimeError(
+              f"restoring local step {step} on the live devices failed:"
+              f" {meetings.describe_failures(outcome.failures)}")
+        result = outcome.result
       self._regroup(members, gen)
       self._watch()
     except Exception as e:  # pylint: disable=broad-except
@@ -276,9 +290,47 @@ class Peers:
     rescue.recovered()
     self._rebuild = self._proposed = None
     self._joins_refused = False
-    state, extra = outcome.result
+    state, extra = result
     return self._done(Recovered(state, step, extra, members, lost, [],
                                 time.monotonic() - t0))
+
+  def _rebuild_from_partners(self, group: groups.Survivors, gen: int,
+                             make_target: Callable[[list[Any]], Any],
+                             step: int, holders: list[int],
+                             data_iterator: Any, key: str,
+                             lost: dict[int, str]) -> tuple[Any, Any]:
+    """Every member: local step `step` on the devices of generation `gen`,
+    from what `holders` hold, own shards and partner copies (`rebuild`).
+    Raises, naming the lost processes, when no copy of some shard is
+    left (its holder and every partner of it lost)."""
+    timeout_ms = self._manager.barrier_timeout_ms
+    outcome = meetings.agree(
+        meetings.Meeting(group, f"{key}/target", timeout_ms),
+        lambda: self._choose(group, gen, make_target))
+    if outcome.failures:
+      raise RuntimeError(
+          "building the target on the live devices failed:"
+          f" {meetings.describe_failures(outcome.failures)}")
+    devices, target = outcome.result
+    try:
+      state, extra, data = rebuild.restore(
+          meetings.Meeting(group, key, timeout_ms), step, holders,
+          self._local.manager, target, devices=devices)
+    except CheckpointNotFoundError as e:
+      if lost:
+        resume = self._manager.latest_step()
+        e.add_note(
+            f"processes {sorted(lost)} were lost together, and with them"
+            f" every copy of some shard of local step {step} (each"
+            " process and its partners: raise FaultTolerance.replicas to"
+            " survive that many losses); the job resumes from "
+            + (f"step {resume} of the persistent tier" if resume is not None
+               else "its start: the persistent tier holds no step"))
+      raise
+    if data_iterator is not None and data is not None:
+      data_iterator.set_state(datastate.decode(
+          data.encoding, data.data, f"local step {step}'s data state"))
+    return state, extra
 
   def _done(self, done: Recovered) -> Recovered:
     # Newer local steps belong to the timeline the loss ended: the loop
@@ -369,9 +421,14 @@ class Peers:
             "building the target on the group's devices failed:"
             f" {meetings.describe_failures(outcome.failures)}")
       devices, built = outcome.result
-      state, extra = peer.restore(
-          meetings.Meeting(group, f"{key}/peer", timeout_ms), step,
-          survivors, local, built, devices=devices)
+      if self._partners:
+        state, extra, _ = rebuild.restore(
+            meetings.Meeting(group, f"{key}/rebuild", timeout_ms), step,
+            survivors, local.manager, built, devices=devices)
+      else:
+        state, extra = peer.restore(
+            meetings.Meeting(group, f"{key}/peer", timeout_ms), step,
+            survivors, local, built, devices=devices)
     except Exception as e:  # pylint: disable=broad-except
       self._rebuild = self._proposed = None
       if self.rejoining:

@@ -1,94 +1,308 @@
-"""Bytes from every process to another, by XLA's collective permute.
+"""Partner copies on the move: a state's shards sent to partner processes by
+XLA's collective permute.
 
-One step of the partner plan (`partners`) moves, for every process p, a
-buffer of p's bytes to one other process, along a permutation of the
-processes that every process knows alike. `permute` does it with JAX's
-own collectives, no socket of ours: each process splits its bytes over its
-local devices (one row of `ceil(length / devices)` bytes each, the length
-the longest process's, padded), and one jitted `shard_map` of
-`jax.lax.ppermute` over a 1-D mesh of every device sends device j of
-process p to device j of its receiver. The lengths travel first, by
-JAX's `process_allgather`, so that each receiver cuts off the padding.
+At a local-tier save with `FaultTolerance(replicas=r)`, every shard that
+fewer than r + 1 processes hold goes to partners (`partners`: the plan).
+`Exchange.send` does it on the devices, with JAX's own collectives (no
+socket of ours): one jitted program in which, for each leaf that has
+copies to make, a `shard_map` over the leaf's own mesh runs one
+`jax.lax.ppermute` per step of the plan, from the device of a holder
+that has the shard to a device of its partner (device j of the sender to
+device j of the receiver). What arrives stays on the receiving device,
+one block per step, and is handed to the local tier's save as more shards
+of the same leaves (`ShardData`, the copy to the host started): the
+receiver's local step holds them, and is final only once they are
+durable with the rest (a step is never counted as recoverable from
+partners before the partners hold it).
 
-Memory: each device holds its row twice (sent and received) while the
-program runs, and the received rows come back to the host; a caller
-bounds a step's bytes to bound that. Every process must call `permute`
-at the same point of its program (as it must any collective): from the
-loop's thread, between the same two train steps, so that the permute
-never interleaves with the step's own collectives in another order on
-another process. Needs the same number of devices on every process.
+Two hazards, and how the design avoids them:
+- Interleaving. A collective issued from a background thread can run
+  before the train step's collectives on one process and after them on
+  another (a deadlock, or wrong data). `send` is called from the loop's
+  thread, inside the callback's save call, at the same step on every
+  process: its program is queued between the same two train steps
+  everywhere, and only the copies to the host and the writes happen in the
+  background.
+- Device memory. The copies received stay on the device until the local
+  tier's writer has them on the host: per device, one block of each leaf
+  that has copies per step of the plan that sends it one (with FSDP and a
+  process per host: `replicas` blocks, so `replicas` times the device's
+  share of those leaves), and the same again while the program runs. A
+  model that cannot spare that needs `replicas=0`.
+
+The plan is the same on every process (it follows from the shardings and
+the processes' failure domains alone), worked out and compiled once per
+layout of the state.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import inspect
+import socket
+from typing import Any, NamedTuple
 
 import jax
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
-_AXIS = "processes_devices"
+from flax_ckpt_plugin.format.treepaths import leaf_paths
+from flax_ckpt_plugin.format.treepaths import normalize_index
+from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.save.leaves import ShardData
+from flax_ckpt_plugin.tolerance import partners
 
 
-def _devices() -> list[jax.Device]:
-  """Every device, process by process (the order of `ppermute`'s rows)."""
-  return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+class _Leaf(NamedTuple):
+  """How one leaf's copies travel."""
+  at: int  # Its place among the state's leaves.
+  path: str
+  sharding: NamedSharding
+  # Per step of the plan that moves some of its shards: the (source,
+  # destination) positions in the mesh's flat device order.
+  pairs: tuple[tuple[tuple[int, int], ...], ...]
+  # Per step: what this process receives, (output row, region).
+  mine: tuple[tuple[tuple[int, Any], ...], ...]
 
 
-@functools.lru_cache(maxsize=16)
-def _program(devices: tuple[jax.Device, ...], to: tuple[int, ...]):
-  per = len(devices) // len(to)
-  pairs = [(p * per + j, to[p] * per + j)
-           for p in range(len(to)) for j in range(per)]
-  mesh = Mesh(np.array(devices), (_AXIS,))
-  # `jax.shard_map` where this JAX has it; its older home otherwise.
-  shard_map = getattr(jax, "shard_map", None)
-  if shard_map is None:
-    from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
-  moved = shard_map(lambda rows: jax.lax.ppermute(rows, _AXIS, pairs),
-                    mesh=mesh, in_specs=PartitionSpec(_AXIS),
-                    out_specs=PartitionSpec(_AXIS))
-  return mesh, jax.jit(moved)
+def _shard_map():
+  """`jax.shard_map` where this JAX has it; its older home otherwise."""
+  found = getattr(jax, "shard_map", None)
+  if found is None:
+    from jax.experimental.shard_map import shard_map as found  # pylint: disable=g-import-not-at-top
+  return found
 
 
-def permute(data: np.ndarray, to: Sequence[int]) -> np.ndarray:
-  """Sends this process's bytes `data` (uint8, one dimension) to process
-  `to[this process]`; returns the bytes that the process sending here
-  sent. Called by every process together, with the same `to`: a
-  permutation of the processes, p to `to[p]`.
+# The blocks received differ from device to device whatever the input's
+# spec says: unchecked (the flag's name depends on JAX's version).
+_UNCHECKED = {("check_vma" if "check_vma" in inspect.signature(
+    _shard_map()).parameters else "check_rep"): False}
 
-  Raises:
-    ValueError: `to` is no permutation of the processes, or the processes
-      have different numbers of devices.
+
+def _even(leaf: jax.Array, sharding: NamedSharding) -> bool:
+  """Whether every shard of `leaf` has the same shape (`shard_map` needs
+  it)."""
+  for dim, names in zip(leaf.shape, sharding.spec):
+    if names is None:
+      continue
+    names = names if isinstance(names, tuple) else (names,)
+    size = 1
+    for n in names:
+      size *= sharding.mesh.shape[n]
+    if dim % size:
+      return False
+  return True
+
+
+def _is_array(x: Any) -> bool:
+  """A global array, or its abstract value (`prepare`)."""
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(
+      getattr(x, "sharding", None), jax.sharding.Sharding)
+
+
+def plan_leaf(at: int, path: str, leaf: jax.Array, ring: partners.Ring,
+              members: tuple[int, ...], replicas: int, me: int
+              ) -> _Leaf | None:
+  """The copies of one leaf's shards; None if it needs none.
+
+  `members`: the processes of the ring, in its order of indices (the
+  ring's process i is process `members[i]`)."""
+  sharding = leaf.sharding
+  flat = list(sharding.mesh.devices.flat)
+  position = {d: i for i, d in enumerate(flat)}
+  rank = {p: i for i, p in enumerate(members)}
+  local_rank: dict[Any, int] = {}
+  by_process: dict[int, list[Any]] = {}
+  for d in flat:
+    by_process.setdefault(d.process_index, []).append(d)
+  for devices in by_process.values():
+    for j, d in enumerate(devices):
+      local_rank[d] = j
+  holders: dict[Any, list[Any]] = {}  # Region: its devices, in mesh order.
+  for device, index in sharding.devices_indices_map(leaf.shape).items():
+    holders.setdefault(normalize_index(index, leaf.shape), []).append(device)
+  steps: dict[int, list[tuple[int, int]]] = {}
+  mine: dict[int, list[tuple[int, Any]]] = {}
+  for region, devices in holders.items():
+    devices = sorted(devices, key=position.__getitem__)
+    held = tuple(sorted({rank[d.process_index] for d in devices}))
+    for c in ring.copies(held, replicas):
+      sender = members[c.sender]
+      source = next(d for d in devices if d.process_index == sender)
+      j = local_rank[source]
+      dest = by_process[members[c.receiver]][j]
+      steps.setdefault(c.step, []).append((position[source], position[dest]))
+      if dest.process_index == me:
+        mine.setdefault(c.step, []).append((position[dest], region))
+  if not steps:
+    return None
+  order = sorted(steps)
+  return _Leaf(at, path, sharding, tuple(tuple(steps[s]) for s in order),
+               tuple(tuple(mine.get(s, ())) for s in order))
+
+
+def _program(layout: tuple[tuple[NamedSharding, tuple], ...]):
+  """One jitted program over one mesh: per leaf, its blocks permuted once
+  per step, each step's blocks stacked over the mesh's devices."""
+  shard_map = _shard_map()
+
+  def moved(sharding: NamedSharding, pairs: tuple):
+    axes = tuple(sharding.mesh.axis_names)
+
+    def body(block):
+      return tuple(jax.lax.ppermute(block, axes, list(p))[None]
+                   for p in pairs)
+
+    return shard_map(body, mesh=sharding.mesh, in_specs=sharding.spec,
+                     out_specs=tuple(PartitionSpec(axes) for _ in pairs),
+                     **_UNCHECKED)
+
+  fns = [moved(s, p) for s, p in layout]
+
+  def run(*leaves):
+    return tuple(f(x) for f, x in zip(fns, leaves))
+
+  return jax.jit(run)
+
+
+def share_domains(coord: Any, job: str, domain: str | None,
+                  timeout_ms: int) -> dict[int, str]:
+  """Every process's failure domain, by process index: each process sets
+  its own (`domain`, or its host's name) in the key-value store, and reads
+  all of them after a barrier. Called by every process together."""
+  key = f"flax_ckpt_plugin/{job}/domains"
+  coord.kv_set(f"{key}/{coord.process_index}",
+               domain if domain is not None else socket.gethostname())
+  coord.barrier(f"{key}/{coord.next_round(key)}", timeout_ms=timeout_ms)
+  return {int(k.rsplit("/", 1)[1]): v for k, v in coord.kv_dir(key).items()}
+
+
+class Exchange:
+  """The partner copies of a callback's local tier; see the module doc.
+
+  Args:
+    domains: each process's failure domain, by process index
+      (`share_domains`).
+    replicas: see `FaultTolerance.replicas`.
   """
-  count, me = jax.process_count(), jax.process_index()
-  to = tuple(int(p) for p in to)
-  if sorted(to) != list(range(count)):
-    raise ValueError(f"not a permutation of the {count} processes: {to}")
-  devices = tuple(_devices())
-  local = [d for d in devices if d.process_index == me]
-  if len(devices) != len(local) * count:
-    raise ValueError("every process needs the same number of devices to"
-                     " exchange partner copies")
-  data = np.ascontiguousarray(data, np.uint8).reshape(-1)
-  lengths = np.asarray(multihost_utils.process_allgather(
-      np.array([data.size], np.int64))).reshape(-1)
-  per = len(local)
-  row = max(1, -(-int(lengths.max()) // per))
-  padded = np.zeros(per * row, np.uint8)
-  padded[:data.size] = data
-  mesh, program = _program(devices, to)
-  sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
-  rows = jax.make_array_from_single_device_arrays(
-      (len(devices), row), sharding,
-      [jax.device_put(padded[j * row:(j + 1) * row].reshape(1, row), d)
-       for j, d in enumerate(local)])
-  out = program(rows)
-  got = {s.device: np.asarray(s.data).reshape(-1)
-         for s in out.addressable_shards}
-  sender = to.index(me)
-  return np.concatenate([got[d] for d in local])[:int(lengths[sender])]
+
+  def __init__(self, domains: dict[int, str], replicas: int):
+    self.domains, self.replicas = dict(domains), replicas
+    self._plans: dict[Any, tuple[_Leaf, ...]] = {}
+    self._compiled: dict[Any, Any] = {}
+    self._warned: set[str] = set()
+
+  @functools.lru_cache(maxsize=8)
+  def ring(self, members: tuple[int, ...]) -> partners.Ring:
+    """The ring of `members` (the processes a state is on)."""
+    return partners.Ring([self.domains.get(p, f"process {p}")
+                          for p in members])
+
+  def _plan(self, state: Any) -> tuple[list[Any], tuple[_Leaf, ...]]:
+    named, _ = leaf_paths(state)
+    leaves = [(path, x) for path, _, x in named]
+    key = tuple((path, x.shape, x.dtype, x.sharding) if _is_array(x)
+                else (path, type(x)) for path, x in leaves)
+    found = self._plans.get(key)
+    if found is None:
+      found = self._plans[key] = self._make(leaves)
+      if len(self._plans) > 8:  # A layout that changes at every save.
+        self._plans.pop(next(iter(self._plans)))
+    return [x for _, x in leaves], found
+
+  def _make(self, leaves: list[tuple[str, Any]]) -> tuple[_Leaf, ...]:
+    members = tuple(sorted({d.process_index for _, x in leaves
+                            if _is_array(x) for d in x.sharding.device_set}))
+    if len(members) < 2:
+      return ()
+    ring, me = self.ring(members), jax.process_index()
+    out, left = [], []
+    for at, (path, x) in enumerate(leaves):
+      if not _is_array(x) or x.sharding.is_fully_addressable:
+        continue  # Host values, and a process's own arrays: held by it.
+      if (not isinstance(x.sharding, NamedSharding)
+          or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+          or not _even(x, x.sharding)):
+        left.append(path)
+        continue
+      plan = plan_leaf(at, path, x, ring, members, self.replicas, me)
+      if plan is not None:
+        out.append(plan)
+    fresh = [p for p in left if p not in self._warned]
+    if fresh:
+      self._warned.update(fresh)
+      log.error("no partner copies of %d leaves (%s): only evenly divided"
+                " leaves with a NamedSharding and no PRNG key dtype travel;"
+                " a loss of their only holder ends in a restart from the"
+                " persistent tier", len(fresh), ", ".join(fresh[:5]))
+    return tuple(out)
+
+  def sent_bytes(self, state: Any) -> int:
+    """The bytes this process sends as partner copies of `state`'s shards
+    at each local-tier save."""
+    values, plan = self._plan(state)
+    me, total = jax.process_index(), 0
+    for p in plan:
+      x = values[p.at]
+      block = int(np.prod(p.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+      flat = list(p.sharding.mesh.devices.flat)
+      total += block * sum(flat[source].process_index == me
+                           for pairs in p.pairs for source, _ in pairs)
+    return total
+
+  def _by_mesh(self, plan: tuple[_Leaf, ...], values: list[Any]
+               ) -> list[tuple[list[_Leaf], Any]]:
+    """The plan's leaves by mesh, in the order the tree first names the
+    meshes (the same on every process), each mesh's compiled program (jit
+    takes one device order per program)."""
+    meshes: dict[Any, list[_Leaf]] = {}
+    for p in plan:
+      meshes.setdefault(p.sharding.mesh, []).append(p)
+    out = []
+    for leaves in meshes.values():
+      layout = tuple((p.sharding, p.pairs) for p in leaves)
+      compiled = self._compiled.get(layout)
+      if compiled is None:
+        compiled = _program(layout).lower(*[
+            jax.ShapeDtypeStruct(values[p.at].shape, values[p.at].dtype,
+                                 sharding=p.sharding)
+            for p in leaves]).compile()
+        self._compiled[layout] = compiled
+        if len(self._compiled) > 8:
+          self._compiled.pop(next(iter(self._compiled)))
+      out.append((leaves, compiled))
+    return out
+
+  def prepare(self, state: Any) -> None:
+    """Works out the plan of `state` (concrete or abstract) and compiles
+    its programs, so that the first save only dispatches them."""
+    values, plan = self._plan(state)
+    self._by_mesh(plan, values)
+
+  def send(self, state: Any) -> dict[str, list[ShardData]]:
+    """Sends every partner copy of `state`'s shards; returns, per leaf
+    path, the shards this process receives, their copies to the host
+    started. Called by every process of the state at the same point of
+    the loop (see the module doc); does not wait for the transfers."""
+    values, plan = self._plan(state)
+    if not plan:
+      return {}
+    moved, order = [], []
+    for leaves, compiled in self._by_mesh(plan, values):
+      moved.extend(compiled(*[values[p.at] for p in leaves]))
+      order.extend(leaves)
+    plan = order
+    out: dict[str, list[ShardData]] = {}
+    for p, outputs in zip(plan, moved):
+      for step_mine, array in zip(p.mine, outputs):
+        if not step_mine:
+          continue
+        on = {s.device: s.data for s in array.addressable_shards}
+        flat = list(p.sharding.mesh.devices.flat)
+        for position, region in step_mine:
+          data = on[flat[position]]
+          data.copy_to_host_async()
+          out.setdefault(p.path, []).append(
+              ShardData(region, data, np.dtype(array.dtype)))
+    return out

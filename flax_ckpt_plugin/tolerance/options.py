@@ -47,6 +47,20 @@ class FaultTolerance:
       belong to this job. A failure of the local tier is logged, never
       raised (see docs/fault_tolerance.md).
     local_every_steps: the local tier's interval, in steps.
+    replicas: partner copies (see `tolerance.exchange`): at each local-tier
+      save, every shard that fewer than `replicas + 1` processes hold
+      (with FSDP or tensor parallelism across hosts: every shard) is also
+      saved in the local tiers of partner processes, so that a lost
+      process's shards survive `replicas` losses: the survivors' save,
+      `elastic` recovery and a relaunch after a lost disk restore them
+      from the partners. Costs, per process, `replicas` times its unique
+      share of the state in bytes sent and in local storage, and as much
+      device memory until the copies reach the host. Needs a local tier
+      and at least `replicas + 1` processes.
+    failure_domain: this process's failure domain (e.g. a rack or a
+      slice); partners sit in other domains where any exist. Default: the
+      host's name, so that partners are on other hosts. Shared through
+      the coordination service when the tiers open.
   """
   save_on_preemption: bool = True
   preemption_signals: Iterable[int] = (signal.SIGTERM,)
@@ -56,6 +70,8 @@ class FaultTolerance:
   elastic_wait_secs: float = 120.0
   local_directory: epath.PathLike | None = None
   local_every_steps: int | None = None
+  replicas: int = 0
+  failure_domain: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "preemption_signals",
@@ -70,6 +86,16 @@ class FaultTolerance:
         or self.local_every_steps < 1):
       raise ValueError("local_every_steps must be an int >= 1, got"
                        f" {self.local_every_steps!r}")
+    if (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
+        or self.replicas < 0):
+      raise ValueError(f"replicas must be an int >= 0, got {self.replicas!r}")
+    if self.replicas and self.local_directory is None:
+      raise ValueError("replicas (partner copies) live in the local tier:"
+                       " set local_directory and local_every_steps too")
+    if self.failure_domain is not None and not (
+        isinstance(self.failure_domain, str) and self.failure_domain):
+      raise ValueError("failure_domain must be a non-empty str, got"
+                       f" {self.failure_domain!r}")
     for name in ("watch_poll_secs", "elastic_wait_secs"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -253,7 +253,7 @@ class Rescue:
                   " tier's %s to save", members, latest)
       return
     found = shares.assigned(
-        meetings.Meeting(group, key, timeout_ms), local, step)
+        meetings.Meeting(group, key, timeout_ms), local.manager, step)
     if found is None:
       return
     leaves, extra, data_state = found

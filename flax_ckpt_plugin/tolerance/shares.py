@@ -1,23 +1,26 @@
-"""Who among the survivors writes which shard of a local step (`rescue`).
+"""Who among the processes has which shard of a local step: the
+survivors' save (`rescue`: who writes it) and the restore from partner
+copies (`rebuild`: who sends it).
 
-Each survivor's local tier holds its own copies of the shards its devices
-held. For the survivors' save, each shard is written by the lowest survivor
-that holds it, and the save goes ahead only if together they hold every
-shard of every leaf. Finding that out must not cost every survivor the
-lists of every other (O(survivors x leaves) each, and as much again per
-survivor for the coordination service): survivors that hold the same
-shards (the replicas of data parallelism) say so by a digest of their list;
-only the lowest of each kind shares its list; the first survivor reads
-those lists, checks that they cover every leaf, and gives each writer the
-list of what it writes. A survivor that writes nothing reads a verdict of
-a few bytes.
+Each process's local tier holds its own copies of the shards its devices
+held, and the partner copies it received (`exchange`). Each shard goes to
+the lowest process that holds it, and all of it goes ahead only if
+together they hold every shard of every leaf. Finding that out must not
+cost every process the lists of every other (O(processes x leaves) each,
+and as much again per process for the coordination service): processes
+that hold the same shards (the replicas of data parallelism) say so by a
+digest of their list; only the lowest of each kind shares its list; the
+first holder reads those lists, checks that they cover every leaf, and
+gives each the list of what it has to write or send (and, for `rebuild`,
+everyone the whole map). A process that has nothing reads a verdict of a
+few bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, TYPE_CHECKING
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.format import manifest as manifest_lib
@@ -29,48 +32,88 @@ from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.save.leaves import ShardData
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.tolerance import local_tier
+  from flax_ckpt_plugin.manager.contract import Manager
 
 
 def agreed(meeting: meetings.Meeting, fn: Any, what: str) -> Any:
   """`fn()` on every survivor; None on all of them if it failed on any."""
   outcome = meetings.agree(meeting, fn)
   if outcome.failures:
-    log.warning("the survivors' save stops: %s failed: %s", what,
+    log.warning("sharing out a local step stops: %s failed: %s", what,
                 meetings.describe_failures(outcome.failures))
     return None
   return outcome.result
 
 
-def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
+class Shares(NamedTuple):
+  """What `share_out` gives a process."""
+  manifest: manifest_lib.Manifest  # The step's (the first holder's).
+  leaves: list[LeafSnapshot]  # This process's share of every leaf.
+  data: datastate.Encoded | None  # This process's data state.
+  # With `everyone`: per leaf path, the process that has each region.
+  owner: dict[str, dict[tuple, int]] | None
+
+
+def assigned(meeting: meetings.Meeting, manager: Manager, step: int
              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
   that holds it writes it), the step's `extra`, and this survivor's data
   state (`datastate.Encoded`, or None). None (on every survivor) if they
-  do not hold every shard, or one failed to read.
+  do not hold every shard, or one failed to read. See `share_out`."""
+  found = share_out(meeting, manager, step)
+  return None if found is None else (found.leaves, found.manifest.extra,
+                                     found.data)
 
+
+def share_out(meeting: meetings.Meeting, manager: Manager,
+              step: int, *, holders: list[int] | None = None,
+              everyone: bool = False) -> Shares | None:
+  """Who has which shard of local step `step`: for each shard (its own or
+  a partner copy, see `exchange`), the lowest holder of it has it. Returns
+  this process's share, read from its local tier; None (on every process)
+  if together they do not hold every shard, or one failed to read.
+
+  Args:
+    holders: the processes whose local tier holds the step (None: every
+      member); the others (a relaunched process whose disk was lost) take
+      part, hold nothing, and learn the step's manifest from the first
+      holder.
+    everyone: every process also learns who has each region (`owner`).
+
+  `manager` is this process's local tier's (`LocalTier.manager`).
   Reads the local step from disk: the loop may have closed the managers.
   """
   group = meeting.coordinator
   key = meeting.key
   timeout_ms = meeting.timeout_ms
-  me, first = group.process_index, group.members[0]
-  step_dir = local.directory / str(step)
+  me = group.process_index
+  holders = list(group.members) if holders is None else sorted(holders)
+  first, holding = holders[0], me in holders
+  step_dir = manager.directory / str(step)
   held: dict[str, list[Any]] = {}
 
-  def digest() -> manifest_lib.Manifest:
-    m = manifest_lib.read(step_dir, step, local.manager.backend)
+  def digest() -> tuple[manifest_lib.Manifest | None]:
+    if me == first and everyone:
+      meetings.share_text(group, f"{key}/manifest", manager.backend
+                          .read_small(step_dir / manifest_lib.MANIFEST,
+                                      within=step_dir,
+                                      limit=manifest_lib.MAX_MANIFEST_BYTES)
+                          .decode("utf-8"))
+    if not holding:
+      return (None,)
+    m = manifest_lib.read(step_dir, step, manager.backend)
     held.update({leaf.path: [s.index_list for s in leaf.shards]
                  for leaf in m.leaves if leaf.is_array})
     group.kv_set(f"{key}/digest/{me}", hashlib.sha256(
         json.dumps(held, sort_keys=True).encode()).hexdigest())
-    return m
+    return (m,)
 
-  m = agreed(meeting.under("held"), digest, f"reading local step {step}")
-  if m is None:
+  if (found := agreed(meeting.under("held"), digest,
+                      f"reading local step {step}")) is None:
     return None
+  m = found[0]
 
-  def writers() -> bool:  # The first survivor: the lowest of each kind.
+  def writers() -> bool:  # The first holder: the lowest of each kind.
     if me == first:
       lowest: dict[str, int] = {}
       for k, v in sorted(group.kv_dir(f"{key}/digest").items(),
@@ -79,19 +122,24 @@ def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
       group.kv_set(f"{key}/writers", json.dumps(sorted(lowest.values())))
     return True
 
-  def share() -> list[int]:
+  def share() -> tuple[list[int], manifest_lib.Manifest]:
     found = json.loads(group.kv_get(f"{key}/writers", timeout_ms=timeout_ms))
     if me in found:
       meetings.share_text(group, f"{key}/list/{me}", json.dumps(held))
-    return found
+    if m is not None:
+      return found, m
+    return found, manifest_lib.parse(meetings.fetch_text(
+        group, f"{key}/manifest", timeout_ms).encode("utf-8"),
+        f"local step {step} of process {first}")
 
   if agreed(meeting.under("writers"), writers, "choosing the writers") is None:
     return None
-  if (listers := agreed(meeting.under("lists"), share,
-                        "sharing the lists of shards")) is None:
+  if (listed := agreed(meeting.under("lists"), share,
+                       "sharing the lists of shards")) is None:
     return None
+  listers, manifest = listed
 
-  def plan() -> bool:  # The first survivor: who writes what, if all is held.
+  def plan() -> bool:  # The first holder: who has what, if all is held.
     if me != first:
       return True
     owner: dict[str, dict[tuple, int]] = {}
@@ -101,7 +149,7 @@ def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
         for index in indices:
           owner.setdefault(path, {})[tuple(map(tuple, index))] = p
     missing = ""
-    for leaf in m.leaves:
+    for leaf in manifest.leaves:
       if leaf.is_array:
         try:
           manifest_lib.check_grid(
@@ -115,6 +163,10 @@ def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
         meetings.share_text(group, f"{key}/mine/{p}", json.dumps(
             {path: [i for i, q in where.items() if q == p]
              for path, where in owner.items()}))
+      if everyone:
+        meetings.share_text(group, f"{key}/owner", json.dumps(
+            {path: [[i, q] for i, q in where.items()]
+             for path, where in owner.items()}))
     group.kv_set(f"{key}/missing", json.dumps(missing))
     return True
 
@@ -123,36 +175,45 @@ def assigned(meeting: meetings.Meeting, local: local_tier.LocalTier, step: int
   missing = json.loads(group.kv_get(f"{key}/missing",
                                     timeout_ms=timeout_ms))
   if missing:
-    log.warning("the survivors do not hold all of step %d (%s); the local"
-                " tiers serve the restart", step, missing)
+    log.warning("the processes do not hold all of local step %d (%s)", step,
+                missing)
     return None
   mine: dict[str, set[tuple]] = {}
   if me in listers:
     mine = {path: {tuple(map(tuple, i)) for i in indices}
             for path, indices in json.loads(meetings.fetch_text(
                 group, f"{key}/mine/{me}", timeout_ms)).items()}
+  owner = None
+  if everyone:
+    owner = {path: {tuple(map(tuple, i)): q for i, q in where}
+             for path, where in json.loads(meetings.fetch_text(
+                 group, f"{key}/owner", timeout_ms)).items()}
 
   def read() -> tuple[list[LeafSnapshot], datastate.Encoded | None]:
-    reader = ByteReader(step_dir, m.files, local.manager.backend)
+    if m is None:
+      return [_leaf_share(leaf, set(), None, manifest)
+              for leaf in manifest.leaves], None
+    reader = ByteReader(step_dir, m.files, manager.backend)
     try:
       leaves = [_leaf_share(leaf, mine.get(leaf.path, set()), reader, m)
                 for leaf in m.leaves]
     finally:
       reader.close()
-    data = datastate.of_step(step_dir, m, local.manager.coordinator,
-                             local.manager.backend)
+    data = datastate.of_step(step_dir, m, manager.coordinator,
+                             manager.backend)
     return leaves, None if data is None else datastate.encode(data)
 
   found = agreed(
       meeting.under("read"), read, f"reading the shards of local step {step}")
-  return None if found is None else (found[0], m.extra, found[1])
+  return None if found is None else Shares(manifest, found[0], found[1],
+                                           owner)
 
 
 def _leaf_share(leaf: manifest_lib.LeafRecord, mine: set[tuple],
-                reader: ByteReader, m: manifest_lib.Manifest
+                reader: ByteReader | None, m: manifest_lib.Manifest
                 ) -> LeafSnapshot:
   shards = []
-  if leaf.is_array:
+  if leaf.is_array and mine:
     lr = LeafReader(reader=reader, leaf=leaf, where=f"local step {m.step}",
                     verify=True, block=m.checksum_block_bytes)
     shards = [ShardData(s.index, lr.read(s.index)) for s in leaf.shards

@@ -21,6 +21,7 @@ from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.tolerance import peer
+from flax_ckpt_plugin.tolerance import rebuild
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 
@@ -143,7 +144,7 @@ def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
 def restore_into(state: Any, local: LocalTier,
                  persistent: Manager, *,
                  data_iterator: datastate.DataIterator | None = None,
-                 cast: bool = False
+                 cast: bool = False, partners: bool = False
                  ) -> tuple[int, str, Any] | None:
   """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
 
@@ -164,14 +165,18 @@ def restore_into(state: Any, local: LocalTier,
                         cast=cast),
         manager.metadata(step).extra)
 
+  def from_peers(step, holders):
+    if partners:  # From what they hold together, partner copies too.
+      return rebuild.restore(
+          meetings.Meeting(coord, f"{key}/rebuild{step}", timeout_ms), step,
+          holders, local.manager, state)[:2]
+    return peer.restore(
+        meetings.Meeting(coord, f"{key}/peer{step}", timeout_ms), step,
+        holders, local, state)
+
   tiers = {
       LOCAL: from_manager(local.manager),
-      PEER: lambda step, holders: peer.restore(
-          meetings.Meeting(coord, f"{key}/peer{step}", timeout_ms),
-          step,
-          holders,
-          local,
-          state),
+      PEER: from_peers,
       # Every process restores the persistent step together: storage
       # serves each byte once (`shared_read`).
       PERSISTENT: lambda step, _: (
@@ -190,18 +195,18 @@ def restore_into(state: Any, local: LocalTier,
 def restore_for_callback(state: Any, local: LocalTier | None,
                          persistent: Manager, *,
                          data_iterator: datastate.DataIterator | None,
-                         cast: bool = False
+                         cast: bool = False, partners: bool = False
                          ) -> tuple[int, str, Any] | None:
   """`CheckpointCallback.restore_or_initialize`'s restore: (step, tier,
   (tree, extra)) from the fastest tier that has the newest good step, or
   None; newer local steps are dropped. `cast`: see
-  `CheckpointManager.restore`."""
+  `CheckpointManager.restore`; `partners`: see `restore_into`."""
   if local is None:
     found = persistent.restore_newest_valid(
         state, data_iterator=data_iterator, cast=cast)
     return None if found is None else (found[0], PERSISTENT, (
         found[1], persistent.metadata(found[0]).extra))
   found = restore_into(state, local, persistent, data_iterator=data_iterator,
-                       cast=cast)
+                       cast=cast, partners=partners)
   local.discard_newer(None if found is None else found[0])
   return found

@@ -12,16 +12,18 @@ import shutil
 
 import pytest
 
+from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from launcher import run_workers
+from launcher import WorkerGroup
 
 TIMEOUT = 120
 END, PERSISTENT_EVERY, LOCAL_EVERY = 12, 5, 2
 
 
-def _run(directory, end, n):
+def _run(directory, end, n, env=None):
   return [r.json for r in run_workers(
       "tiers", n, args=[str(directory), str(end), str(PERSISTENT_EVERY),
-                        str(LOCAL_EVERY)], timeout=TIMEOUT)]
+                        str(LOCAL_EVERY)], env=env, timeout=TIMEOUT)]
 
 
 @pytest.mark.multiprocess
@@ -68,4 +70,38 @@ def test_a_restart_restores_from_local_tiers_then_peers_then_persistent(
   for r, ref in zip(resumed, reference):
     assert (r["restored_step"], r["restored_tier"]) == (5, "persistent")
     assert r["persistent_restores"] == 1
+    assert r["digests"] == ref["digests"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(4 * TIMEOUT)
+def test_a_lost_host_with_its_disk_restores_from_partner_copies(tmp_path):
+  """The state split over all 8 devices (each shard held by one process),
+  with `replicas=1`. Process 1 is killed after step 9 (local steps 6 and
+  8), and its local directory goes with its host. The survivors save
+  their newest local step to the persistent tier, the lost shards too
+  (from the partner copies), and exit for a relaunch; the relaunch of all
+  four restores step 8 from the partners' and their own local tiers
+  ("peer"), reads nothing of the persistent tier, and ends bit-identical
+  to a run that was never interrupted."""
+  n, env = 4, {"TIERS_REPLICAS": "1"}
+  reference = _run(tmp_path / "reference", END, n, env)
+  run = tmp_path / "run"
+  with WorkerGroup("tiers", n, env=dict(env, WORKER_XLA_FLAGS=(
+      "--xla_cpu_collective_timeout_seconds=8")), args=[
+          str(run), str(END), str(PERSISTENT_EVERY), str(LOCAL_EVERY), "1",
+          "10", "3"]) as g:
+    killed = g.wait(TIMEOUT, check=False)
+  logs = "\n".join(r.log() for r in killed)
+  assert killed[1].returncode == -9, logs
+  assert all(r.returncode == PREEMPTED_EXIT_CODE for r in killed
+             if r.process_id != 1), logs
+  # The survivors' save held every shard: the lost ones from partners.
+  assert (run / "ckpt" / "8").is_dir(), (sorted(
+      p.name for p in (run / "ckpt").iterdir()), logs)
+  shutil.rmtree(run / "local_1")
+  resumed = _run(run, END, n, env)
+  for r, ref in zip(resumed, reference):
+    assert (r["restored_step"], r["restored_tier"]) == (8, "peer"), r
+    assert r["persistent_restores"] == 0
     assert r["digests"] == ref["digests"]

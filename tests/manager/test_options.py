@@ -49,6 +49,13 @@ def test_records_are_immutable_and_check_their_values():
     FaultTolerance(elastic_wait_secs=-1)
   with pytest.raises(ValueError, match="local_every_steps must be an int"):
     FaultTolerance(local_directory="/tmp/x", local_every_steps=2.5)
+  with pytest.raises(ValueError, match="replicas must be an int >= 0"):
+    FaultTolerance(local_directory="/tmp/x", local_every_steps=2,
+                   replicas=-1)
+  with pytest.raises(ValueError, match="replicas .* live in the local tier"):
+    FaultTolerance(replicas=1)
+  with pytest.raises(ValueError, match="failure_domain must be a non-empty"):
+    FaultTolerance(failure_domain="")
   with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):
     Storage(pinned_host_bytes=-1)
   with pytest.raises(ValueError, match="pinned_host_bytes must be an int"):

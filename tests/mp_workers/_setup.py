@@ -125,10 +125,11 @@ def die_at(step: int, victim: int, kill_step: int, directory: Any,
   done on every process).
   """
   if (PROCESS_ID == victim and step == kill_step
-      and not (directory / "killed_at").exists()):
+      and not (directory / f"killed_{victim}").exists()):
     import signal  # pylint: disable=g-import-not-at-top
     import time  # pylint: disable=g-import-not-at-top
     jax.block_until_ready(state)
+    (directory / f"killed_{victim}").touch()
     (directory / "killed_at").write_text(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
 

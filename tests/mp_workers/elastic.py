@@ -79,6 +79,16 @@ SHARDED = os.environ.get("ELASTIC_LAYOUT") == "sharded"
 # batch's features are split over "model", so every step reduces over the
 # model pairs.
 MESH = os.environ.get("ELASTIC_MESH", "data")
+# "fsdp": every leaf with a dimension of HIDDEN (parameters and Adam's
+# moments) split along it over every device ("data"; with ELASTIC_MESH
+# "model_procs", over "model": the mesh is (data, model) with "data" the
+# two devices of one process and "model" across the processes): the lost
+# process held the only copy of its shards. ELASTIC_REPLICAS: partner
+# copies (`FaultTolerance(replicas=)`).
+FSDP = os.environ.get("ELASTIC_LAYOUT") == "fsdp"
+# ELASTIC_ALSO: more processes (comma-separated) killed with VICTIM.
+ALSO = {int(p) for p in os.environ.get("ELASTIC_ALSO", "").split(",") if p}
+REPLICAS = int(os.environ.get("ELASTIC_REPLICAS", "0"))
 
 
 def _create(rng):
@@ -88,11 +98,25 @@ def _create(rng):
 SHAPES = jax.eval_shape(_create, jax.random.key(0))
 
 
+def whole(leaf):
+  """The leaf's whole value on each process (a collective)."""
+  if not isinstance(leaf, jax.Array):
+    return leaf
+  if not leaf.is_fully_addressable:
+    leaf = jax.jit(lambda x: x, out_shardings=leaf.sharding.update(
+        spec=P()))(leaf)
+  return np.asarray(leaf.addressable_data(0) if not leaf.is_fully_addressable
+                    else leaf)
+
+
 def digest(state) -> str:
   """sha256 of every leaf's bytes (replicated: this process's copy; the
-  sharded layout digests this process's first shard)."""
+  sharded layout digests this process's first shard; "fsdp" every leaf's
+  whole value, called by every process together)."""
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(state):
+    if FSDP:
+      leaf = whole(leaf)
     value = np.asarray(leaf.addressable_shards[0].data if isinstance(
         leaf, jax.Array) else leaf)
     h.update(f"{value.dtype.str}{value.shape}".encode())
@@ -106,6 +130,10 @@ def make_target(devices):
   if MESH == "data":
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     batch = NamedSharding(mesh, P("data"))
+  elif MESH == "model_procs":
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, 2).T,
+                             ("data", "model"))
+    batch = NamedSharding(mesh, P("data"))
   else:
     grid = (np.array(devices).reshape(-1, 2) if MESH == "model_in"
             else np.array(devices).reshape(2, -1).T)
@@ -116,6 +144,11 @@ def make_target(devices):
     names = tuple(str(getattr(k, "key", getattr(k, "name", k)))
                   for k in keypath)[-2:]
     split = SHARDED and names == ("Dense_1", "kernel")  # (IN, HIDDEN)
+    if FSDP and HIDDEN in x.shape:
+      spec = [None] * x.ndim
+      spec[x.shape.index(HIDDEN)] = "model" if MESH == "model_procs" else (
+          "data")
+      return NamedSharding(mesh, P(*spec))
     return NamedSharding(mesh, P(None, "data") if split else P())
 
   shardings = jax.tree_util.tree_map_with_path(sharding, SHAPES)
@@ -149,7 +182,8 @@ state = jax.jit(_create, out_shardings=jax.tree.map(lambda t: t.sharding,
 cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=None,
     tolerance=FaultTolerance(local_directory=DIR / f"local_{_setup.PROCESS_ID}",
-                             local_every_steps=LOCAL_EVERY, elastic=True),
+                             local_every_steps=LOCAL_EVERY, elastic=True,
+                             replicas=REPLICAS),
     processes=Processes(barrier_timeout_secs=60,
                         primary_host=int(os.environ.get("ELASTIC_PRIMARY", "0"))))
 state = cb.restore_or_initialize(state, make_target=make_target)
@@ -169,12 +203,14 @@ def devices_of(tree) -> int:
 while step < END:
   try:
     for step in range(step + 1, END + 1):
-      _setup.die_at(step, VICTIM, KILL_STEP, DIR, state)
+      _setup.die_at(step, _setup.PROCESS_ID if _setup.PROCESS_ID in ALSO
+                    else VICTIM, KILL_STEP, DIR, state)
       state = train_step(state)
       if recoveries and "first_step_secs" not in recoveries[-1]:
         jax.block_until_ready(state)
+        # Not counting the test's own digest of the recovered state.
         recoveries[-1]["first_step_secs"] = time.time() - float(
-            (DIR / "killed_at").read_text())
+            (DIR / "killed_at").read_text()) - recoveries[-1]["digest_secs"]
       if rejoins and "first_step_at" not in rejoins[-1]:
         jax.block_until_ready(state)
         rejoins[-1]["first_step_at"] = time.time()
@@ -196,11 +232,12 @@ while step < END:
     failed = f"{type(e).__name__}: {str(e)[:300]}"
     state, step = cb.recover(make_target)
     generation += 1
+    recovered_secs = time.time() - float((DIR / "killed_at").read_text())
+    t = time.time()
     recoveries.append({
         "step": step, "digest": digest(state), "failed": failed,
-        "recovered_secs": time.time() - float(
-            (DIR / "killed_at").read_text()),
-        "devices": devices_of(state)})
+        "recovered_secs": recovered_secs, "devices": devices_of(state)})
+    recoveries[-1]["digest_secs"] = time.time() - t
 cb.close()
 _setup.emit({"restored_step": cb.restored_step, "saved": saved,
              "recoveries": recoveries, "step": step,

@@ -16,6 +16,7 @@ heartbeat HEARTBEAT seconds; the survivors report how their loop ended and
 leave as the documented loop does.
 """
 
+import os
 import pathlib
 import sys
 import time
@@ -49,6 +50,14 @@ MESH = jax.sharding.Mesh(
     ("data", "model"))
 SPECS = {("Dense_0", "kernel"): P(None, "model"), ("Dense_0", "bias"):
          P("model"), ("Dense_1", "kernel"): P("model", None)}
+# TIERS_REPLICAS=r: the same leaves split over every device instead (no
+# process holds a replica of another's shards), with partner copies
+# (`FaultTolerance(replicas=r)`).
+REPLICAS = int(os.environ.get("TIERS_REPLICAS", "0"))
+if REPLICAS:
+  ALL = ("data", "model")
+  SPECS = {("Dense_0", "kernel"): P(ALL, None),  # (HIDDEN, OUT)
+           ("Dense_1", "kernel"): P(None, ALL), ("Dense_1", "bias"): P(ALL)}
 
 
 def _create(rng):
@@ -81,7 +90,8 @@ state = jax.jit(_create, out_shardings=SH)(jax.random.key(0))
 cb = CheckpointCallback(
     DIR / "ckpt", every_steps=PERSISTENT_EVERY, max_to_keep=2,
     tolerance=FaultTolerance(local_directory=DIR / f"local_{_setup.PROCESS_ID}",
-                             local_every_steps=LOCAL_EVERY),
+                             local_every_steps=LOCAL_EVERY,
+                             replicas=REPLICAS),
     processes=Processes(barrier_timeout_secs=60))
 state = cb.restore_or_initialize(state)
 result = {"restored_step": cb.restored_step, "restored_tier":

@@ -41,9 +41,9 @@ ENV = {"WORKER_XLA_FLAGS":
        f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}"}
 
 
-def _trial(run, victim: int, kill_step: int) -> list[dict]:
+def _trial(run, victim: int, kill_step: int, env=None) -> list[dict]:
   """One run with a kill; the survivors' reports (asserted on)."""
-  with WorkerGroup("elastic", N, env=ENV, args=[
+  with WorkerGroup("elastic", N, env=dict(ENV, **(env or {})), args=[
       run, END, PERSISTENT_EVERY, LOCAL_EVERY, victim, kill_step,
       HEARTBEAT]) as g:
     results = g.wait(TIMEOUT, check=False)
@@ -99,6 +99,102 @@ def test_survivors_recover_in_place_and_every_persistent_step_restores(
                             for r in reports), 2)))
   print("victim, killed at, resumed at, first step after the kill (s):",
         *table, sep="\n")
+
+
+PARTNER_TRIALS = int(os.environ.get("FLAX_CKPT_PLUGIN_PARTNER_TRIALS", "1"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT * (2 * PARTNER_TRIALS) + 60)
+@pytest.mark.parametrize("mesh", ["data", "model_procs"])
+def test_survivors_recover_a_sharded_state_from_partner_copies(tmp_path,
+                                                               mesh):
+  """Parameters and Adam's moments split over every device (FSDP over
+  "data"; or over a "model" axis across the processes of a 2-D mesh whose
+  "data" axis stays inside each), so that the lost process held the only
+  copy of its shards, with `replicas=1`: the survivors rebuild its shards
+  from the partner copies in their local tiers and go on, on 6 devices,
+  from the whole state they saved at that step, bit for bit, within the
+  collective timeout + 5 s; every persistent step restores as the state
+  they held. FLAX_CKPT_PLUGIN_PARTNER_TRIALS sets the trials (1 by
+  default; the acceptance run is 10)."""
+  rng = random.Random(52 if mesh == "data" else 53)
+  table = []
+  env = {"ELASTIC_LAYOUT": "fsdp", "ELASTIC_MESH": mesh,
+         "ELASTIC_REPLICAS": "1"}
+  for trial in range(PARTNER_TRIALS):
+    victim = rng.randrange(1, N)
+    kill_step = rng.randrange(LOCAL_EVERY + 1, END - 1)
+    run = tmp_path / f"trial{trial}"
+    reports = _trial(run, victim, kill_step, env)
+    (verified,) = [r.json for r in run_workers(
+        "elastic", 1, args=["verify", run], env=env, timeout=TIMEOUT)]
+    steps = sorted(int(s) for s in verified)
+    assert steps and steps[-1] == END, steps
+    for s in steps:
+      held = {d for k, d in reports[0]["saved"].items()
+              if k.endswith(f"/{s}")}
+      assert verified[str(s)] in held, (s, verified, reports[0]["saved"])
+    recovery = reports[0]["recoveries"][0]
+    table.append((victim, kill_step, recovery["step"],
+                  round(max(r["recoveries"][0]["first_step_secs"]
+                            for r in reports), 2)))
+  print("victim, killed at, resumed at, first step after the kill (s):",
+        *table, sep="\n")
+
+
+TWO_LOST_END = 16
+
+
+def _two_lost(run, replicas: int, victims: tuple[int, int], kill_step: int):
+  env = dict(ENV, ELASTIC_LAYOUT="fsdp", ELASTIC_REPLICAS=str(replicas),
+             ELASTIC_ALSO=str(victims[1]))
+  with WorkerGroup("elastic", N, env=env, args=[
+      run, TWO_LOST_END, PERSISTENT_EVERY, LOCAL_EVERY, victims[0],
+      kill_step, HEARTBEAT]) as g:
+    results = g.wait(TIMEOUT, check=False)
+  logs = "\n".join(r.log() for r in results)
+  assert [results[v].returncode for v in victims] == [-9, -9], logs
+  return [r for r in results if r.process_id not in victims], logs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_two_processes_lost_at_once_are_recovered_with_two_replicas(
+    tmp_path):
+  """FSDP over 8 devices with `replicas=2`: processes 1 and 3 die at the
+  same step; the two survivors rebuild every shard from their own and
+  their partner copies and go on, on 4 devices, from the state they saved
+  at that step, bit for bit."""
+  survivors, logs = _two_lost(tmp_path, 2, (1, 3), 11)
+  for r in survivors:
+    assert r.returncode == 0, logs
+    (recovery,) = r.json["recoveries"]
+    assert recovery["devices"] == 4, logs
+    assert 0 <= 11 - recovery["step"] <= LOCAL_EVERY, recovery
+    assert recovery["digest"] == r.json["saved"][f"0/{recovery['step']}"]
+    assert r.json["step"] == TWO_LOST_END
+  assert len({r.json["digest"] for r in survivors}) == 1, logs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_process_lost_with_its_partner_is_a_clear_error(tmp_path):
+  """FSDP over 8 devices with `replicas=1` (one failure domain: process
+  p's partner is p + 1): processes 1 and 2 die together, and with them
+  both copies of process 1's shards. The survivors restore nothing partial:
+  `recover` raises the loop's error with a note that names both processes
+  and the step the persistent tier resumes from, and they exit for a
+  relaunch."""
+  survivors, logs = _two_lost(tmp_path, 1, (1, 2), 11)
+  persistent = max(int(p.name) for p in (tmp_path / "ckpt").iterdir()
+                   if p.name.isdigit())
+  for r in survivors:
+    assert r.returncode == PREEMPTED_EXIT_CODE, logs
+    assert "processes [1, 2] were lost together" in r.stderr, logs
+    assert (f"the job resumes from step {persistent} of the persistent"
+            " tier") in r.stderr, logs
+    assert "recovered in place" not in r.stderr, logs
 
 
 @pytest.mark.multiprocess

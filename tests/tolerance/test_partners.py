@@ -2,8 +2,10 @@
 too few processes hold go, so that any `replicas` lost processes leave
 every shard in some survivor's local tier."""
 
+import hashlib
 import itertools
 
+import numpy as np
 import pytest
 
 from flax_ckpt_plugin.tolerance import partners
@@ -110,18 +112,45 @@ def test_too_few_processes_for_the_replicas_is_a_clear_error():
     ring.copies((0,), 3)
 
 
+def _expected_copies(n: int, replicas: int) -> list[dict]:
+  """What partner_exchange.py's processes should receive: per receiver,
+  per leaf, [region, sha256 of its values]."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ring = partners.Ring([f"host{p}" for p in range(n)])
+  values = {
+      "fsdp": np.arange(48, dtype=np.float32).reshape(8, 6),
+      "grid": np.arange(4 * n * 3, dtype=np.int32).reshape(4 * n, 3),
+      "bf16": np.arange(16, dtype=np.float32).astype(jnp.bfloat16)}
+  rows = {"fsdp": 8 // (2 * n), "grid": 4, "bf16": 16 // (2 * n)}
+  out = [{} for _ in range(n)]
+  for path, value in values.items():
+    per_process = 2 if path != "grid" else 1  # Regions per process.
+    size = rows[path]
+    for region in range(value.shape[0] // size):
+      holder = region // per_process
+      index = [[region * size, (region + 1) * size]] + [
+          [0, d] for d in value.shape[1:]]
+      block = np.ascontiguousarray(value[region * size:(region + 1) * size])
+      digest = hashlib.sha256(block.reshape(-1).view(np.uint8)
+                              .tobytes()).hexdigest()
+      for c in ring.copies((holder,), replicas):
+        assert c.sender == holder
+        out[c.receiver].setdefault(path, []).append([index, digest])
+  return [{k: sorted(v) for k, v in o.items()} for o in out]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_four_processes_send_partner_copies_by_collective_permute():
-  """4 processes x 2 devices, gloo: at each of the plan's first two steps
-  every process receives, bit for bit, the bytes of the process whose
-  partner it is, whatever their lengths (0 bytes and an odd length too)."""
-  results = run_workers("partner_exchange", 4, timeout=150)
-  out = [r.json for r in results]
-  ring = partners.Ring([f"host{p // 2}" for p in range(4)])
-  for me, o in enumerate(out):
-    for step in ("1", "2"):
-      sender, digest, length = o["received"][step]
-      assert ring.partner(sender, int(step)) == me
-      assert digest == out[sender]["sent"], (me, step)
-      assert length == out[sender]["length"]
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_four_processes_send_partner_copies_of_their_shards(replicas):
+  """4 processes x 2 devices, gloo: `Exchange.send` moves every shard that
+  one process holds to its partners (an FSDP leaf over 8 devices, a
+  bfloat16 one, a 2-D mesh whose model axis spans the processes), by one
+  jitted program of collective permutes; each receiver gets, bit for bit,
+  the regions the plan gives it, twice in a row, and nothing of the
+  replicated leaf or the host scalar."""
+  results = run_workers("partner_exchange", 4, args=[str(replicas)],
+                        timeout=150)
+  got = [r.json["received"] for r in results]
+  assert got == _expected_copies(4, replicas)
+  assert all(len(g["fsdp"]) == 2 * replicas for g in got)
