@@ -741,7 +741,22 @@ def time_partners(n: int, *, replicas: int = 1, per_host: int = 1,
   same_domain = sum(
       ring.domains[c.receiver] == ring.domains[p]
       for p in range(n) for c in ring.copies((p,), replicas))
+  # The only coordination the copies add: the domains, shared once when
+  # the tiers open (a save adds none: the plan follows from the shardings).
+  open_ops = None
+  try:
+    from flax_ckpt_plugin.tolerance import exchange  # pylint: disable=g-import-not-at-top
+    share = getattr(exchange, "share_domains", None)
+  except ImportError:
+    share = None
+  if share is not None:
+    service = Service(n, 0.0)
+    shared = run_threads(service.coordinators(), lambda c: len(share(
+        c, "sim", domains[c.process_index], 600_000)))
+    assert shared == [n] * n, "a process missed another's domain"
+    open_ops = max(service.by_process.values())
   return {"processes": n, "replicas": replicas, "per_host": per_host,
+          "domains_ops_per_process_at_open": open_ops,
           "ring_cpu_secs": ring_secs, "copies_cpu_secs_all": copies_secs,
           "copies_cpu_secs_per_process": copies_secs / n,
           "received_max_over_mean": max(received) / mean,
@@ -921,7 +936,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {row['received_min_over_mean']:.3f}-"
             f"{row['received_max_over_mean']:.3f} x the mean;"
             f" {row['copies_in_own_domain']} copies in their sender's"
-            " domain", flush=True)
+            " domain; the domains shared at open in"
+            f" {row['domains_ops_per_process_at_open']} operations a"
+            " process, none added to a save", flush=True)
       rows.append(row)
       continue
     if args.read_plan:

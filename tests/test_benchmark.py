@@ -166,6 +166,32 @@ def test_tiny_tiers_benchmark_restores_from_every_tier(tmp_path):
   assert not list(local.iterdir())
 
 
+PARTNERS = BENCH.parent / "partners.py"
+
+
+@pytest.mark.multiprocess
+def test_tiny_partners_benchmark_reports_every_figure(tmp_path):
+  """2 processes, replicas=1: every process sends exactly its unique
+  share once per save, and every figure is there."""
+  out = tmp_path / "partners.json"
+  local = tmp_path / "local"
+  local.mkdir()
+  proc = subprocess.run(
+      [sys.executable, str(PARTNERS), "--processes", "2", "--layers", "1",
+       "--width", "64", "--local-every", "2", "--pairs", "1", "--dir",
+       str(tmp_path), "--local-dir", str(local), "--json", str(out)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  summary = json.loads(out.read_text())["summary"]
+  assert summary["sent_over_replicas_x_share"] == [1.0, 1.0], summary
+  for key in ("overhead_replicas0", "overhead_partners",
+              "save_call_ms_replicas0", "save_call_ms_partners"):
+    assert summary[key] == summary[key] and summary[key] > -1, key
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["local",
+                                                        "partners.json"]
+  assert not list(local.iterdir())
+
+
 SCALEOUT = BENCH.parent / "scaleout.py"
 
 

@@ -149,20 +149,28 @@ class Tiers:
 
   def save_local(self, step: int, state: Any, **kwargs: Any) -> None:
     """Starts saving `state` as `step` to the local tier, with the partner
-    copies of its shards that this process receives (`exchange`; the
-    exchange is started on every process, whatever its local tier does,
-    since every process takes part in it). `kwargs`: as for
-    `CheckpointManager.save`."""
-    received = None
-    if self.exchange is not None:
+    copies of its shards that this process receives (`exchange`), sent
+    once its own copies have started. Every process takes part in the
+    exchange (a collective), whatever its local tier does: if the save
+    fails before it sends, the copies go anyway and are dropped. `kwargs`:
+    as for `CheckpointManager.save`."""
+    sent = []
+
+    def send() -> dict[str, list[Any]]:
+      sent.append(step)
       try:
-        received = self.exchange.send(state)
+        return self.exchange.send(state)
       except Exception as e:  # pylint: disable=broad-except
         # The same program everywhere: it fails alike on every process.
         log.error("the partner copies of step %d were not sent (the local"
                   " step goes without them): %r", step, e)
+        return {}
+
+    exchange = None if self.exchange is None else send
     self.quietly("save", lambda m: m.save(step, state,
-                                          partner_shards=received, **kwargs))
+                                          partner_shards=exchange, **kwargs))
+    if exchange is not None and not sent:
+      send()
 
   def warm_up(self, state: Any) -> None:
     """Once: sets up what saving `state` needs in each tier

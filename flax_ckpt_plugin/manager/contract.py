@@ -48,7 +48,8 @@ class Manager(Protocol):
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None,
            data_state: Any = None,
-           partner_shards: dict[str, list[Any]] | None = None) -> None:
+           partner_shards: Callable[[], dict[str, list[Any]]] | None = None
+           ) -> None:
     ...
 
   def wait_until_finished(self, timeout: float | None = None) -> bool:

@@ -17,7 +17,7 @@ import hashlib
 import operator
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from etils import epath
 import jax
@@ -235,8 +235,8 @@ class CheckpointManager:
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None,
            data_state: Any = None,
-           partner_shards: dict[str, list[ShardData]] | None = None
-           ) -> None:
+           partner_shards: Callable[[], dict[str, list[ShardData]]]
+           | None = None) -> None:
     """Starts saving `state` as `step`; returns once a host snapshot exists.
 
     The caller may donate or overwrite the state's buffers as soon as this
@@ -251,8 +251,9 @@ class CheckpointManager:
       data_state: this process's own data state (each process passes its
         own, e.g. its data iterator's `get_state()`): bytes, or a JSON
         value; read back on each process with `data_state(step)`.
-      partner_shards: the local tier's only: shards of other processes
-        held here as partner copies (`tolerance.exchange`), by leaf path.
+      partner_shards: the local tier's only: gives the shards of other
+        processes held here as partner copies (`tolerance.exchange`), by
+        leaf path; called once this process's own copies have started.
 
     Raises:
       CheckpointExistsError: `step` is already finalized.

@@ -41,7 +41,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -141,8 +141,8 @@ class Snapshot(collections.abc.Sequence):
 def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                   staging: HostStaging, own_copy: bool = False,
                   pinned_staging: PinnedStaging | None = None,
-                  partner_shards: dict[str, list[ShardData]] | None = None
-                  ) -> Snapshot:
+                  partner_shards: Callable[[], dict[str, list[ShardData]]]
+                  | None = None) -> Snapshot:
   """Starts copying the shards this process writes to host memory.
 
   Args:
@@ -155,9 +155,10 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       included (a copy that restores this process alone: the local tier).
     pinned_staging: where shards of devices with pinned host memory go
       (see `pinned`); None: the plain transfer.
-    partner_shards: more shards of the tree's leaves, by path, that
-      this process holds for other processes (`tolerance.exchange`: the
-      local tier's partner copies), written with its own.
+    partner_shards: gives more shards of the tree's leaves, by path,
+      that this process holds for other processes (`tolerance.exchange`:
+      the local tier's partner copies), written with its own; called once
+      this process's own copies have started, last.
 
   Returns:
     The snapshot: one `LeafSnapshot` per leaf, in flattening order.
@@ -227,7 +228,7 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       arrays.programs, groups=routes.groups) if routes.programs else []
   return Snapshot(layout, routes, made, copied, host,
                   pinned_fallback_bytes=fallback_bytes,
-                  partner_shards=partner_shards)
+                  partner_shards=partner_shards and partner_shards())
 
 
 @functools.lru_cache(maxsize=None)

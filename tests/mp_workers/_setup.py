@@ -129,6 +129,9 @@ def die_at(step: int, victim: int, kill_step: int, directory: Any,
     import signal  # pylint: disable=g-import-not-at-top
     import time  # pylint: disable=g-import-not-at-top
     jax.block_until_ready(state)
+    # A test whose processes run a collective of their own after each step
+    # (a digest of the whole state) lets the others finish it first.
+    time.sleep(float(os.environ.get("DIE_DELAY_SECS", "0")))
     (directory / f"killed_{victim}").touch()
     (directory / "killed_at").write_text(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)

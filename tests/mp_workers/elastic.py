@@ -32,6 +32,7 @@ digest of every step after the first rejoin, where the state came from,
 and the final state's digest.
 """
 
+import functools
 import hashlib
 import os
 import pathlib
@@ -98,13 +99,17 @@ def _create(rng):
 SHAPES = jax.eval_shape(_create, jax.random.key(0))
 
 
+@functools.lru_cache(maxsize=None)
+def _replicate(sharding):
+  return jax.jit(lambda x: x, out_shardings=sharding.update(spec=P()))
+
+
 def whole(leaf):
   """The leaf's whole value on each process (a collective)."""
   if not isinstance(leaf, jax.Array):
     return leaf
   if not leaf.is_fully_addressable:
-    leaf = jax.jit(lambda x: x, out_shardings=leaf.sharding.update(
-        spec=P()))(leaf)
+    leaf = _replicate(leaf.sharding)(leaf)
   return np.asarray(leaf.addressable_data(0) if not leaf.is_fully_addressable
                     else leaf)
 
