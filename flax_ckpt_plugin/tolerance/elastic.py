@@ -182,6 +182,21 @@ class Peers:
         group, self._key, gen, build, self._first_lists)
     return devices, target
 
+  def _agreed_target(self, group: groups.Survivors, gen: int,
+                     build: Callable[[list[Any]], Any], key: str,
+                     where: str) -> tuple[list[Any], Any]:
+    """`_choose` on every member, agreed: raises on all if it failed on
+    any."""
+    outcome = meetings.agree(
+        meetings.Meeting(group, f"{key}/target",
+                         self._manager.barrier_timeout_ms),
+        lambda: self._choose(group, gen, build))
+    if outcome.failures:
+      raise RuntimeError(
+          f"building the target on {where} failed:"
+          f" {meetings.describe_failures(outcome.failures)}")
+    return outcome.result
+
   def _record(self) -> None:
     generations.record(self._manager.coordinator, self._key, self.group,
                        self._lists)
@@ -304,14 +319,8 @@ class Peers:
     Raises, naming the lost processes, when no copy of some shard is
     left (its holder and every partner of it lost)."""
     timeout_ms = self._manager.barrier_timeout_ms
-    outcome = meetings.agree(
-        meetings.Meeting(group, f"{key}/target", timeout_ms),
-        lambda: self._choose(group, gen, make_target))
-    if outcome.failures:
-      raise RuntimeError(
-          "building the target on the live devices failed:"
-          f" {meetings.describe_failures(outcome.failures)}")
-    devices, target = outcome.result
+    devices, target = self._agreed_target(group, gen, make_target, key,
+                                          "the live devices")
     try:
       state, extra, data = rebuild.restore(
           meetings.Meeting(group, key, timeout_ms), step, holders,
@@ -413,14 +422,8 @@ class Peers:
     build = make_target or (lambda devices: generations.on_devices(target,
                                                                devices))
     try:
-      outcome = meetings.agree(
-          meetings.Meeting(group, f"{key}/target", timeout_ms),
-          lambda: self._choose(group, gen, build))
-      if outcome.failures:
-        raise RuntimeError(
-            "building the target on the group's devices failed:"
-            f" {meetings.describe_failures(outcome.failures)}")
-      devices, built = outcome.result
+      devices, built = self._agreed_target(group, gen, build, key,
+                                           "the group's devices")
       if self._partners:
         state, extra, _ = rebuild.restore(
             meetings.Meeting(group, f"{key}/rebuild", timeout_ms), step,

@@ -49,8 +49,9 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.backends import interface
 
 
-def _agree(meeting: meetings.Meeting, fn, where: str) -> Any:
-  """`meetings.agree`; all raise together, this process its own error."""
+def agree_all(meeting: meetings.Meeting, fn, where: str) -> Any:
+  """`meetings.agree`; all raise together, this process its own error
+  (also `rebuild`'s phases)."""
   outcome = meetings.agree(meeting, fn)
   if outcome.error is not None:
     raise outcome.error
@@ -142,7 +143,7 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
       meetings.share_text(coord, f"{key}/manifest",
                         local_read(step_dir, backend).decode("utf-8"))
 
-  _agree(meeting.under("shared"), share, where)
+  agree_all(meeting.under("shared"), share, where)
 
   def prepare():
     saved = manifest_lib.parse(meetings.fetch_text(
@@ -151,7 +152,7 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
                     me == source, set(holders), where,
                     devices or jax.devices())
 
-  prepared = _agree(meeting.under("read"), prepare, where)
+  prepared = agree_all(meeting.under("read"), prepare, where)
   return _run(*prepared)
 
 

@@ -50,6 +50,7 @@ from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import shares as shares_lib
 
 if TYPE_CHECKING:
@@ -60,18 +61,6 @@ _AXIS = "slots"
 
 def _region(index: Any) -> tuple[tuple[int, int], ...]:
   return tuple((int(a), int(b)) for a, b in index)
-
-
-def _agree(meeting: meetings.Meeting, fn, where: str) -> Any:
-  """`meetings.agree`; all raise together, this process its own error."""
-  outcome = meetings.agree(meeting, fn)
-  if outcome.error is not None:
-    raise outcome.error
-  if outcome.failures:
-    raise CheckpointNotFoundError(
-        f"{where}: not restored, since other processes failed:"
-        f" {meetings.describe_failures(outcome.failures)}")
-  return outcome.result
 
 
 def restore(meeting: meetings.Meeting, step: int, holders: list[int],
@@ -108,7 +97,7 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
         " and their partner copies)")
   me = meeting.coordinator.process_index
   t1 = time.monotonic()
-  prepared = _agree(meeting.under("slots"), lambda: _prepare(
+  prepared = peer.agree_all(meeting.under("slots"), lambda: _prepare(
       found, target, me, devices or jax.devices(), where), where)
   t2 = time.monotonic()
   tree = jax.block_until_ready(_run(*prepared))
