@@ -50,6 +50,9 @@ class RestoreStats:
   step: int  # The step restored.
   secs: float  # Wall-clock seconds of the whole `restore` call.
   nbytes_read: int  # Bytes this process read from data files.
+  # Of those, the bytes taken from the snapshot of the step that this
+  # process saved and still held in memory (`backends.held`).
+  nbytes_from_memory: int = 0
 
 
 def step_metadata(m: Any) -> StepMetadata:

@@ -24,6 +24,7 @@ import jax
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
@@ -143,6 +144,9 @@ class CheckpointManager:
     # directory of this process alone may hold its snapshots (tmpfs).
     self._staging = HostStaging(arena=None if scope is None
                                 else backend.staging_arena(directory))
+    # The newest step's bytes, still in the snapshot it was written from,
+    # for a restore of it in this process (see `backends.held`).
+    self._held = held_lib.HeldStep()
     self.directory, self.backend = directory, backend
     self.is_primary = self.coordinator.process_index == primary_host
     self.read_only, self.scope = read_only, scope
@@ -157,7 +161,8 @@ class CheckpointManager:
         share_reads=share_reads, scope=scope,
         barrier_timeout_ms=self.barrier_timeout_ms, base=self._base,
         check_commit=self._committer.check,
-        free_staging=self._staging.clear, check_open=self._check_open)
+        free_staging=self._staging.clear, held=self._held,
+        check_open=self._check_open)
     self.name = self._base
     # Accelerator shards' pinned host memory (see `arrays.pinned`).
     self._pinned = pinned_staging.PinnedStaging(storage.pinned_host_bytes)
@@ -293,6 +298,8 @@ class CheckpointManager:
         data_state=encoded, writers=self._writers,
         retention=self.retention.to_json() if self.retention.deletes else None)
     self._committer.prepare()
+    # The snapshot reuses the memory that the newest step is held in.
+    self._held.drop()
     # The snapshot last: what follows it should cost the call nothing.
     leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging,
@@ -341,11 +348,15 @@ class CheckpointManager:
     inputs = box.pop()
     key, step, metrics = inputs.key, inputs.step, inputs.metrics
     try:
-      stats = commit_lib.commit(inputs)
+      stats, written = commit_lib.commit(inputs)
     except BaseException as e:
       e.add_note(commit_lib.step_state(self.directory, step))
       raise
-    del inputs  # The snapshot's buffers go back to the staging area.
+    if written.file is not None and self._staging.arena is None:
+      # (An arena's snapshot is the file's own pages in memory already.)
+      self._held.hold(step, self.directory / str(step), written.file,
+                      written.size, written.spans)
+    del inputs, written  # The snapshot's buffers go back to staging.
     self._staging.release_spent()
     self.last_save_stats = stats
     self._metrics[step] = metrics
@@ -530,6 +541,7 @@ class CheckpointManager:
       self._committer.wait()
     finally:
       self._committer.close()
+      self._held.drop()
       self._staging.clear()
       self.backend.close_directory(self.directory, wrote=not self.read_only,
                                    leaving=leaving)

@@ -14,21 +14,24 @@ sets damaged steps aside.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin.format import directory as directory_lib
+from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import shared_read
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -75,6 +78,8 @@ class DirectoryReader:
       it first).
     free_staging: frees the snapshots' host memory (a restore allocates a
       whole state of its own).
+    held: the newest step whose snapshot this process still holds
+      (`backends.held`): a restore of it reads its bytes from there.
     check_open: raises where the manager is closed.
   """
 
@@ -84,6 +89,7 @@ class DirectoryReader:
                barrier_timeout_ms: int, base: str,
                check_commit: Callable[[], None],
                free_staging: Callable[[], None],
+               held: held_lib.HeldStep,
                check_open: Callable[[], None]):
     self.directory, self.backend = directory, backend
     self.coordinator, self.is_primary = coordinator, is_primary
@@ -91,6 +97,7 @@ class DirectoryReader:
     self.scope, self.barrier_timeout_ms = scope, barrier_timeout_ms
     self._base = base
     self._check_commit, self._free_staging = check_commit, free_staging
+    self._held = held
     self._check_open = check_open
     self._lock = threading.Lock()
     self._steps: list[int] = []  # A writer's finalized steps.
@@ -259,21 +266,19 @@ class DirectoryReader:
     _not_a_step(target, step)
     self._check_commit()
     self._hint_together(target)
-    # A restore allocates a whole state of its own: free the save staging
-    # buffers first, so host memory peaks at one extra state, not two. (A
-    # running commit keeps its own references; the next save maps new ones.)
-    self._free_staging()
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
     hand_over = None if data_iterator is None else datastate.prepare(
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
     if target is None:
       target = plain_target(manifest)
-    tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
-                                backend=self.backend, partial=partial,
-                                missing=missing, cast=cast)
-    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
-                                           nbytes)
+    with self._storage(step, step_dir) as storage:
+      tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
+                                  backend=storage, partial=partial,
+                                  missing=missing, cast=cast)
+    self.last_restore_stats = RestoreStats(
+        step, time.perf_counter() - t0, nbytes,
+        getattr(storage, "held_bytes", 0))
     if hand_over is not None:
       hand_over()
     return tree
@@ -299,7 +304,6 @@ class DirectoryReader:
                           data_iterator=data_iterator, cast=cast)
     self._check_open()
     self._check_commit()
-    self._free_staging()
     t0 = time.perf_counter()
     key = f"{self._base}/shared"
     key = f"{key}/{self.coordinator.next_round(key)}"
@@ -315,16 +319,42 @@ class DirectoryReader:
       return None if data_iterator is None else datastate.prepare(
           data_iterator, step_dir, manifest, self.coordinator, self.backend)
 
-    tree, nbytes, hand_over = shared_read.restore(
-        meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
-        step_dir, read_manifest, target, step=step,
-        reads_manifest=self.is_primary, backend=self.backend, verify=verify,
-        before=before, cast=cast)
-    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
-                                           nbytes)
+    with self._storage(step, step_dir) as storage:
+      tree, nbytes, hand_over = shared_read.restore(
+          meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+          step_dir, read_manifest, target, step=step,
+          reads_manifest=self.is_primary, backend=storage, verify=verify,
+          before=before, cast=cast)
+    self.last_restore_stats = RestoreStats(
+        step, time.perf_counter() - t0, nbytes,
+        getattr(storage, "held_bytes", 0))
     if hand_over is not None:
       hand_over()
     return tree
+
+  @contextlib.contextmanager
+  def _storage(self, step: int, step_dir: epath.Path
+               ) -> Iterator[data_files.Storage]:
+    """What a restore of `step` reads through: the snapshot this process
+    still holds of it, where it does (`backends.held`; the bytes come from
+    memory, checked as a file's), else the backend.
+
+    A restore allocates a whole state of its own: the save's staging
+    memory is freed first, so host memory peaks at one extra state, not
+    two; a held snapshot of the step read is freed once read. (A running
+    commit keeps its own references; the next save maps new memory.)
+    """
+    try:
+      with self._held.reading(step, step_dir, self.backend) as held:
+        if held is None:
+          self._held.drop()
+        self._free_staging()
+        yield self.backend if held is None else held
+        if held is not None and held.held_bytes:
+          log.info("restore of step %d of %s: %d bytes from the snapshot"
+                   " held in memory", step, self.directory, held.held_bytes)
+    finally:
+      self._held.drop()
 
   def _shares_reads(self, target: Any) -> bool:
     """Whether the processes share the reading of `target`: it has
@@ -437,5 +467,7 @@ class DirectoryReader:
     if self.read_only or not steps:
       return
     self.forget(steps)
+    if self._held.step in steps:
+      self._held.drop()
     if self.is_primary:
       remove()

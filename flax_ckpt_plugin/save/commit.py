@@ -16,8 +16,9 @@ Each phase is a `meetings.agree`: a process whose part failed records it
 before the phase's barrier, so every process learns of it right after the
 barrier and all raise together, instead of the others waiting for a timeout
 at the next one. `commit` takes everything it needs as a `CommitInputs` and
-returns the `SaveStats`; the manager keeps its list of steps and applies
-retention with the result.
+returns the `SaveStats` and what this process wrote (`writer.Written`);
+the manager keeps its list of steps, applies retention with the result,
+and holds the step's bytes for a restore in this process (`backends.held`).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _phase(meeting: meetings.Meeting, name: str, fn: Callable[[], Any], *,
   return outcome.result
 
 
-def commit(inputs: CommitInputs) -> SaveStats:
+def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
   """Writes and finalizes one snapshot; the commit thread's body.
 
   Called on every process; only the primary host makes and finalizes the
@@ -182,7 +183,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
   if count > 1 and not inputs.is_primary:
     identity = json.loads(coord.kv_get(f"{key}/identity",
                                        timeout_ms=inputs.timeout_ms))
-  nbytes = phase(
+  written = phase(
       "written",
       lambda: writer.write_process_files(tmp.path, inputs.leaves, pid,
                                           identity=identity,
@@ -205,6 +206,7 @@ def commit(inputs: CommitInputs) -> SaveStats:
 
   phase("committed", finalize)
   secs = time.perf_counter() - t0
+  nbytes = written.nbytes
   if nbytes:  # A restore on this machine reads it next.
     try:
       inputs.backend.prefetch(
@@ -219,7 +221,8 @@ def commit(inputs: CommitInputs) -> SaveStats:
                    total_bytes=total_bytes,
                    path=inputs.directory / str(step),
                    finalized_at=time.time(),
-                   pinned_fallback_bytes=inputs.pinned_fallback_bytes)
+                   pinned_fallback_bytes=inputs.pinned_fallback_bytes
+                   ), written
 
 
 def step_state(directory: epath.Path, step: int) -> str:

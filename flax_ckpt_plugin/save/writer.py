@@ -22,12 +22,13 @@ import json
 import math
 import time
 import threading
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from etils import epath
 
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
+from flax_ckpt_plugin.backends.held import Span
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.format.records import CHECKSUM_BLOCK
@@ -67,12 +68,23 @@ def _describe_view(view: list[Any] | None) -> str:
   return desc + (f" (PRNG keys of impl {key_impl})" if key_impl else "")
 
 
+class Written(NamedTuple):
+  """What `write_process_files` wrote."""
+  nbytes: int  # The shards' bytes.
+  file: str | None  # The data file's name in the step directory, if any.
+  size: int  # The data file's size.
+  # Where each shard went in the data file, its bytes a view of the
+  # snapshot (valid while the snapshot is: see `backends.held`).
+  spans: list[Span]
+
+
 def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
                         process_index: int, *,
                         identity: interface.Identity | None = None,
                         backend: interface.Backend | None = None,
-                        data_state: datastate.Encoded | None = None) -> int:
-  """Writes this process's shards and shard table; returns the shards' bytes.
+                        data_state: datastate.Encoded | None = None
+                        ) -> Written:
+  """Writes this process's shards and shard table; says what it wrote.
 
   Called on every process, each into the same temporary step directory. The
   data file is fsynced before the shard table is written.
@@ -111,7 +123,9 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
       out.sync(f)
   finally:
     out.close()
-  return sum(e["nbytes"] for e in entries)
+  return Written(sum(e["nbytes"] for e in entries), name if shards else None,
+                 offset, [Span(e["offset"], e["nbytes"], s.host_bytes)
+                          for e, (_, s) in zip(entries, shards)])
 
 
 def _write_data(out: interface.StepWriter, name: str,

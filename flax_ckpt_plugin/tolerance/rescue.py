@@ -261,7 +261,7 @@ class Rescue:
                else members[0])
     tmp = atomicity_lib.temporary_path(manager.directory, step,
                                        manager.atomicity, manager.backend)
-    stats = commit_lib.commit(commit_lib.CommitInputs(
+    stats, _ = commit_lib.commit(commit_lib.CommitInputs(
         coordinator=group, directory=manager.directory,
         backend=manager.backend, step=step, key=f"{key}/commit",
         tmp=tmp, leaves=leaves, extra=extra, metrics=None,

@@ -1,0 +1,204 @@
+"""A step's data file as this process still holds it in host memory.
+
+A save writes its data file from a host snapshot: on the CPU the staging
+copies (`save.staging`), on accelerators the pinned buffers
+(`arrays.pinned`). That memory stays allocated after the commit until
+the next save takes it over. A restore of that step in the same process
+(an eval of the saved step, an elastic recovery, the local tier's
+restore, a test) reads its bytes from there, at memory speed, instead of
+from the disk, where direct I/O left nothing in the page cache.
+
+`HeldFile` is the file as written: spans of its bytes, each a view of a
+snapshot's buffer; a range it does not hold (a hole before an aligned
+shard) is read from the file itself. `HeldStep` is a manager's record of
+the newest step so held and of who reads it: the next save drops it
+(waiting for a restore that reads it to end) before its snapshot reuses
+the memory. The reader checks every block's CRC-32C against the
+manifest as it does for bytes from a disk, so held bytes are trusted no
+more than a file's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+from typing import Callable, Iterator, NamedTuple
+
+from etils import epath
+import numpy as np
+
+from flax_ckpt_plugin.backends.interface import Backend
+from flax_ckpt_plugin.backends.interface import RangedFile
+
+
+class Span(NamedTuple):
+  """`nbytes` bytes of the file from `offset`, as `view()` gives them: a
+  uint8 array, valid while the step is held."""
+  offset: int
+  nbytes: int
+  view: Callable[[], np.ndarray]
+
+
+class HeldFile(RangedFile):
+  """A data file's bytes from host memory where held, else from the file
+  (opened by `open_file` the first time a range is not held)."""
+
+  def __init__(self, size: int, spans: list[Span],
+               open_file: Callable[[], RangedFile]):
+    self.size = size
+    self._spans = sorted((s for s in spans if s.nbytes),
+                         key=lambda s: s.offset)
+    self._starts = [s.offset for s in self._spans]
+    self._open_file = open_file
+    self._file: RangedFile | None = None
+    self._lock = threading.Lock()
+    self.held_bytes = 0  # Bytes served from memory, for the tests.
+
+  def _span(self, offset: int, size: int) -> Span | None:
+    """The span that holds all of [offset, offset + size), if one does."""
+    i = bisect.bisect_right(self._starts, offset) - 1
+    if i < 0:
+      return None
+    span = self._spans[i]
+    return span if offset + size <= span.offset + span.nbytes else None
+
+  def _real(self) -> RangedFile:
+    with self._lock:
+      if self._file is None:
+        self._file = self._open_file()
+      return self._file
+
+  def read_into(self, offset: int, out: memoryview) -> int:
+    # Several shards at once (a coalesced read of small ones): each from
+    # its span, if they hold every byte; else the file's.
+    end, pos, parts = offset + len(out), offset, []
+    i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+    while pos < end and i < len(self._spans):
+      span = self._spans[i]
+      if span.offset > pos:
+        break  # A hole.
+      if span.offset + span.nbytes > pos:
+        hi = min(end, span.offset + span.nbytes)
+        parts.append((span, pos, hi))
+        pos = hi
+      i += 1
+    if pos < end:
+      return self._real().read_into(offset, out)
+    for span, lo, hi in parts:
+      src = span.view()
+      out[lo - offset:hi - offset] = memoryview(
+          src[lo - span.offset:hi - span.offset])
+      del src
+    self.held_bytes += len(out)
+    return len(out)
+
+  @contextlib.contextmanager
+  def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:
+    span = self._span(offset, size)
+    if span is None:
+      with self._real().mapped(offset, size) as view:
+        yield view
+      return
+    src = span.view()
+    view = memoryview(src[offset - span.offset:offset - span.offset + size])
+    view = view.toreadonly()
+    self.held_bytes += size
+    try:
+      yield view
+    finally:
+      view.release()
+      del src
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+class HeldStorage:
+  """A backend's files of one step directory, with the data file this
+  process wrote served from memory (`HeldFile`). What a restore's
+  `ByteReader` takes in place of the backend (`data_files.Storage`)."""
+
+  def __init__(self, backend: Backend, step_dir: epath.Path,
+               files: dict[str, tuple[int, list[Span]]]):
+    self.reads_are_requests = backend.reads_are_requests
+    self._backend, self._step_dir, self._files = backend, step_dir, files
+    self.opened: list[HeldFile] = []
+
+  def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
+    held = next((h for name, h in self._files.items()
+                 if path == self._step_dir / name), None)
+    if held is None:
+      return self._backend.open_ranged(path, within)
+    size, spans = held
+    f = HeldFile(size, spans,
+                 lambda: self._backend.open_ranged(path, within))
+    self.opened.append(f)
+    return f
+
+  @property
+  def held_bytes(self) -> int:
+    """Bytes the restore took from memory."""
+    return sum(f.held_bytes for f in self.opened)
+
+
+class HeldStep:
+  """The newest step whose snapshot this process still holds, if any.
+
+  Set by the commit thread once a step is final (`hold`); dropped by the
+  next save before its snapshot reuses the memory, and when the manager
+  frees its staging or closes (`drop`, which waits for readers). A
+  restore reads through `reading`, which returns None where the step asked
+  for is not the one held.
+  """
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self._step: int | None = None
+    self._step_dir: epath.Path | None = None
+    self._files: dict[str, tuple[int, list[Span]]] = {}
+    self._readers = 0
+
+  @property
+  def step(self) -> int | None:
+    return self._step
+
+  def hold(self, step: int, step_dir: epath.Path, name: str, size: int,
+           spans: list[Span]) -> None:
+    """Records that `step`'s data file `name` (relative to `step_dir`, the
+    finalized step's directory; `size` bytes) is held in memory as
+    `spans`."""
+    with self._cond:
+      self._step, self._step_dir = step, step_dir
+      self._files = {name: (size, spans)}
+
+  def drop(self) -> None:
+    """Forgets the held step, once no restore reads it."""
+    with self._cond:
+      while self._readers:
+        self._cond.wait()
+      self._step, self._step_dir, self._files = None, None, {}
+
+  @contextlib.contextmanager
+  def reading(self, step: int, step_dir: epath.Path, backend: Backend
+              ) -> Iterator[HeldStorage | None]:
+    """A storage for restoring `step` from `step_dir` that serves its held
+    bytes from memory, kept held until the context ends; None if `step`
+    is not held."""
+    with self._cond:
+      if self._step != step or self._step_dir != step_dir:
+        storage = None
+      else:
+        storage = HeldStorage(backend, step_dir, self._files)
+        self._readers += 1
+    try:
+      yield storage
+    finally:
+      if storage is not None:
+        for f in storage.opened:
+          f.close()
+        with self._cond:
+          self._readers -= 1
+          self._cond.notify_all()

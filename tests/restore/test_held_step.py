@@ -1,0 +1,180 @@
+"""A restore of the newest step in the process that saved it takes the
+bytes from the snapshot that process still holds (`backends.held`),
+checked against the step's checksums, instead of reading the disk.
+
+`RestoreStats.nbytes_from_memory` says how many bytes came from memory;
+the values are compared bit for bit with what was saved.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from flax_ckpt_plugin import CheckpointCorruptedError
+from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.arrays import pinned
+from flax_ckpt_plugin.backends import held as held_lib
+from flax_ckpt_plugin.backends import interface
+from flax_ckpt_plugin.format import files
+from helpers import adam_train_state
+from helpers import two_device_mesh
+
+
+def _state(seed: int) -> dict:
+  """Leaves of the kinds a train state has: a matrix sharded over two
+  devices (large enough for the staging's reused copies), a bfloat16
+  vector, a jax scalar, numpy scalars and arrays, and Python numbers."""
+  rng = np.random.default_rng(seed)
+  mesh = two_device_mesh()
+  return {
+      "w": jax.device_put(rng.standard_normal((512, 1024), dtype=np.float32),
+                          NamedSharding(mesh, P("x"))),
+      "v": jnp.asarray(rng.standard_normal(37), jnp.bfloat16),
+      "n": jnp.int32(seed),
+      "np_scalar": np.float32(seed / 3),
+      "np_array": rng.integers(0, 9, (5, 3), dtype=np.int64),
+      "lr": 0.5,
+  }
+
+
+def _same(a, b) -> None:
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
+                          jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=jax.tree_util.keystr(path))
+    if isinstance(y, jax.Array):
+      assert x.sharding == y.sharding, jax.tree_util.keystr(path)
+
+
+def _data_bytes(manager: CheckpointManager, step: int) -> int:
+  return manager.metadata(step).total_bytes
+
+
+def test_newest_step_restores_from_memory_bit_identical(ckpt_dir):
+  with CheckpointManager(ckpt_dir) as manager:
+    for step in (1, 2, 3):  # The first save's copies, then reused ones.
+      state = _state(step)
+      manager.save(step, state)
+      manager.wait_until_finished()
+      restored = manager.restore(jax.tree.map(lambda x: x, state))
+      _same(restored, state)
+      stats = manager.last_restore_stats
+      assert stats.step == step
+      assert stats.nbytes_from_memory == _data_bytes(manager, step) > 0
+    # Once read, the snapshot is let go: the next restore reads the disk.
+    again = manager.restore(_state(0))
+    _same(again, _state(3))
+    assert manager.last_restore_stats.nbytes_from_memory == 0
+
+
+def test_older_step_and_other_layouts_read_the_disk(ckpt_dir):
+  """Only the newest step is held; the held one restores onto another
+  layout too (a 2-D mesh, one device), from memory."""
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, _state(1))
+    manager.wait_until_finished()
+    manager.save(2, _state(2))
+    manager.wait_until_finished()
+    _same(manager.restore(_state(0), 1), _state(1))
+    assert manager.last_restore_stats.nbytes_from_memory == 0
+    manager.save(3, _state(3))
+    manager.wait_until_finished()
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    target = _state(0)
+    target["w"] = jax.ShapeDtypeStruct(
+        (512, 1024), jnp.float32,
+        sharding=NamedSharding(mesh, P("data", "model")))
+    restored = manager.restore(target)
+    np.testing.assert_array_equal(np.asarray(restored["w"]),
+                                  np.asarray(_state(3)["w"]))
+    assert restored["w"].sharding == target["w"].sharding
+    assert manager.last_restore_stats.nbytes_from_memory > 0
+
+
+def test_partial_restore_takes_only_its_leaves_from_memory(ckpt_dir):
+  with CheckpointManager(ckpt_dir) as manager:
+    state = _state(4)
+    manager.save(4, state)
+    manager.wait_until_finished()
+    restored = manager.restore({"w": state["w"]}, partial=True)
+    np.testing.assert_array_equal(np.asarray(restored["w"]),
+                                  np.asarray(state["w"]))
+    stats = manager.last_restore_stats
+    assert stats.nbytes_from_memory == state["w"].nbytes == stats.nbytes_read
+
+
+def test_train_state_restores_from_memory(ckpt_dir):
+  state = adam_train_state(7)
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(7, state)
+    manager.wait_until_finished()
+    restored = manager.restore(adam_train_state(0))
+    assert type(restored) is type(state)
+    _same(restored, state)
+    assert manager.last_restore_stats.nbytes_from_memory > 0
+
+
+def test_damaged_memory_is_caught_by_the_checksums(ckpt_dir):
+  """The held bytes are checked as a file's are. Memory that went bad
+  cannot be produced on demand: the held span of the matrix's first shard
+  is replaced by a copy with one byte flipped (a fake, for the fault)."""
+  with CheckpointManager(ckpt_dir) as manager:
+    state = _state(5)
+    manager.save(5, state)
+    manager.wait_until_finished()
+    held = manager._held  # pylint: disable=protected-access
+    name = files.data_file(0)
+    size, spans = held._files[name]  # pylint: disable=protected-access
+    first = max(spans, key=lambda s: s.nbytes)
+    bad = first.view().copy()
+    bad[12345] ^= 0xFF
+    spans = [s if s is not first else held_lib.Span(s.offset, s.nbytes,
+                                                   lambda: bad)
+             for s in spans]
+    held._files[name] = (size, spans)  # pylint: disable=protected-access
+    with pytest.raises(CheckpointCorruptedError, match="'w'"):
+      manager.restore(_state(0))
+
+
+def test_a_save_waits_for_a_restore_reading_the_held_step(ckpt_dir):
+  """The next save reuses the held memory only once no restore reads it."""
+  step_dir = ckpt_dir / "1"
+  held = held_lib.HeldStep()
+  held.hold(1, step_dir, files.data_file(0), 4,
+            [held_lib.Span(0, 4, lambda: np.arange(4, dtype=np.uint8))])
+  dropped = threading.Event()
+  backend = interface.for_path(step_dir)
+  with held.reading(1, step_dir, backend=backend) as storage:
+    assert storage is not None
+    thread = threading.Thread(target=lambda: (held.drop(), dropped.set()))
+    thread.start()
+    assert not dropped.wait(0.2)
+  thread.join(10)
+  assert dropped.is_set() and held.step is None
+  with held.reading(1, step_dir, backend=backend) as storage:
+    assert storage is None
+
+
+@pytest.mark.parametrize("pinned_path", [False, True])
+def test_newest_step_from_memory_with_pinned_snapshots(ckpt_dir, monkeypatch,
+                                                       pinned_path):
+  """The accelerator path (pinned host snapshots), run on the CPU through
+  the suite's switch, holds its snapshot the same way."""
+  if pinned_path:
+    monkeypatch.setenv(pinned.CPU_SWITCH, "1")
+  with CheckpointManager(ckpt_dir) as manager:
+    for step in (1, 2):
+      state = _state(step)
+      manager.save(step, state)
+      manager.wait_until_finished()
+      _same(manager.restore(_state(0)), state)
+      assert (manager.last_restore_stats.nbytes_from_memory
+              == _data_bytes(manager, step))
