@@ -266,8 +266,8 @@ class DirectoryReader:
         dtypes.
       CheckpointCorruptedError: the step's files are damaged.
       DataStateMismatchError: see `data_state`.
-      renaming.RenameError (a ValueError): a rule that is not a regular
-        expression, or two checkpoint leaves renamed to one path.
+      ValueError: a rename rule that is not a regular expression, or two
+        checkpoint leaves renamed to one path (names them).
     """
     self._check_open()
     _not_a_step(target, step)

@@ -170,8 +170,8 @@ def load_safetensors(path_or_dir: epath.PathLike, target: Any, *,
       format (names the file and the tensor).
     FileNotFoundError: no such file or folder, or a file an index names
       is missing.
-    renaming.RenameError: a rule that is not a regular expression, or two
-      tensors given one target path.
+    ValueError: a rename rule that is not a regular expression, or two
+      tensors given one target path (names them).
   """
   rename = renaming.Renaming.of(rename)
   t0 = time.perf_counter()
