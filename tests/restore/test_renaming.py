@@ -10,6 +10,7 @@ import pytest
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import StructureMismatchError
 from flax_ckpt_plugin.restore.renaming import RenameError
+from launcher import run_workers
 
 # An old model: two Dense layers auto-named by linen, and a head.
 OLD = {
@@ -165,3 +166,19 @@ def test_a_wrong_rename_is_a_value_error_naming_the_rule(saved, rename,
   with CheckpointManager(saved) as m:
     with pytest.raises(ValueError, match=message):
       m.restore(None, rename=rename)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_restore_together_renames_and_reads_each_byte_once(tmp_path):
+  """2 processes hold the renamed layer (split within each, replicated
+  across them): `restore_together(rename=)` reads the kernel once in all
+  (the 256-byte bias, too small to share, on each), and a rename that
+  gives two leaves one path fails on both, naming them."""
+  results = run_workers("rename_together", 2, args=[tmp_path / "ckpt"],
+                        timeout=120)
+  out = [r.json for r in results]
+  assert [o["same"] for o in out] == [True, True], [r.log() for r in results]
+  assert sum(o["nbytes"] for o in out) == out[0]["kernel_bytes"] + 2 * 256
+  for o in out:
+    assert "the same target path 'x'" in o["error"], o
