@@ -5,10 +5,10 @@ cast, onto the target's shardings, each process reading its own regions.
 The GPT-2 tensors and their Flax names are `tests/mp_workers/_gpt2.py`'s.
 """
 
+import importlib.util
 import json
 import logging
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,12 @@ from flax_ckpt_plugin import StructureMismatchError
 from launcher import MP_WORKERS
 from launcher import run_workers
 
-sys.path.insert(0, str(MP_WORKERS))
-import _gpt2  # pylint: disable=g-import-not-at-top,wrong-import-position
+# The workers' helper, loaded from its file (the workers' folder is not
+# put on this process's path).
+_SPEC = importlib.util.spec_from_file_location("_gpt2",
+                                               MP_WORKERS / "_gpt2.py")
+_gpt2 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_gpt2)
 
 SMALL = {"width": 64, "layers": 12, "vocab": 1000, "positions": 128}
 
