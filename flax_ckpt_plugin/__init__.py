@@ -35,6 +35,7 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.tools.exporting import ExportResult
   from flax_ckpt_plugin.manager.manager import CheckpointManager
   from flax_ckpt_plugin.tools.importer import import_orbax
+  from flax_ckpt_plugin.restore.safetensors_load import load_safetensors
   from flax_ckpt_plugin.manager.options import Processes
   from flax_ckpt_plugin.manager.options import Storage
   from flax_ckpt_plugin.manager.retention import Retention
@@ -74,6 +75,7 @@ __all__ = [
     "StructureMismatchError",
     "export",
     "import_orbax",
+    "load_safetensors",
 ]
 
 # Public name -> the module that defines it, imported when first asked for.
@@ -89,6 +91,7 @@ _LAZY = {
     "ExportResult": "flax_ckpt_plugin.tools.exporting",
     "export": "flax_ckpt_plugin.tools.exporting",
     "import_orbax": "flax_ckpt_plugin.tools.importer",
+    "load_safetensors": "flax_ckpt_plugin.restore.safetensors_load",
     "ImportResult": "flax_ckpt_plugin.tools.importer",
     "OrbaxImportError": "flax_ckpt_plugin.tools.importer",
     "LocalBackend": "flax_ckpt_plugin.backends.local",

@@ -163,6 +163,10 @@ PRINTS = {
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
     " metric_writer=writer)": ["scalars 1000 ['checkpoint/blocking_secs',"],
     "docs/integrations.md:import subprocess": ["durable: 1000 "],
+    "docs/usage.md:from flax_ckpt_plugin import CheckpointManager":
+        ["32.0", "128"],
+    "docs/integrations.md:import jax": [
+        "bfloat16 P('fsdp',) 768.0"],
 }
 
 

@@ -45,6 +45,7 @@ from flax_ckpt_plugin.stats import StepMetadata
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
+from flax_ckpt_plugin.restore.renaming import Rename
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
@@ -476,18 +477,20 @@ class CheckpointManager:
               verify: bool = True,
               data_iterator: datastate.DataIterator | None = None,
               partial: bool = False, missing: str = "error",
-              cast: bool = False) -> Any:
+              cast: bool = False, rename: Rename | None = None) -> Any:
     return self._reader.restore(
         target, step, verify=verify, data_iterator=data_iterator,
-        partial=partial, missing=missing, cast=cast)
+        partial=partial, missing=missing, cast=cast, rename=rename)
 
   @_reads(DirectoryReader.restore_together)
   def restore_together(self, target: Any, step: int | None = None, *,
                        verify: bool = True,
                        data_iterator: datastate.DataIterator | None = None,
-                       cast: bool = False) -> Any:
+                       cast: bool = False, rename: Rename | None = None
+                       ) -> Any:
     return self._reader.restore_together(
-        target, step, verify=verify, data_iterator=data_iterator, cast=cast)
+        target, step, verify=verify, data_iterator=data_iterator, cast=cast,
+        rename=rename)
 
   @_reads(DirectoryReader.restore_newest_valid)
   def restore_newest_valid(self, target: Any, *, verify: bool = True,

@@ -117,8 +117,10 @@ class ByteReader:
   """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int],
-               backend: Storage):
+               backend: Storage, within: epath.Path | None = None):
     self._dir = step_dir
+    # No file may lead outside this folder (by default the step's).
+    self._within = step_dir if within is None else within
     self._sizes = files
     self._backend = backend
     self._files: dict[str, OpenFile] = {}
@@ -138,7 +140,7 @@ class ByteReader:
     if f is None:
       path = self._dir / name
       try:
-        f = self._backend.open_ranged(path, within=self._dir)
+        f = self._backend.open_ranged(path, within=self._within)
       except FileNotFoundError as e:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e

@@ -33,6 +33,7 @@ from flax_ckpt_plugin.restore import fallback
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import read_plan
+from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import shared_read
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.logs import log
@@ -210,7 +211,8 @@ class DirectoryReader:
               verify: bool = True,
               data_iterator: datastate.DataIterator | None = None,
               partial: bool = False, missing: str = "error",
-              cast: bool = False) -> Any:
+              cast: bool = False, rename: renaming.Rename | None = None
+              ) -> Any:
     """Restores `step` (default: the newest finalized) like `target`.
 
     Runs on this process alone (it meets no other process), so it may be
@@ -245,6 +247,16 @@ class DirectoryReader:
         full copy of the leaf): floating to floating of any width, integer
         to integer (a narrower target is checked value by value). A log
         line says how many leaves were cast. See `casting`.
+      rename: the target paths of the checkpoint's leaves, applied before
+        they are matched against `target` (a module renamed, a layer
+        moved): rules, a mapping of regular expressions to replacements
+        (the first whose pattern matches a whole checkpoint path, e.g.
+        `{r"params/Dense_(\\d+)/(.*)": r"params/dense_\\1/\\2"}`; a
+        replacement of None drops that leaf; a path no rule matches keeps
+        its name), or a function of a checkpoint path returning its target
+        path (None drops it). Mismatch messages name both paths. With
+        target None, the step comes back under the new paths. See
+        `renaming`.
 
     Returns:
       A pytree of the target's type.
@@ -261,9 +273,12 @@ class DirectoryReader:
         dtypes.
       CheckpointCorruptedError: the step's files are damaged.
       DataStateMismatchError: see `data_state`.
+      ValueError: a rename rule that is not a regular expression, or two
+        checkpoint leaves renamed to one path (names them).
     """
     self._check_open()
     _not_a_step(target, step)
+    rename = renaming.Renaming.of(rename)
     self._check_commit()
     self._hint_together(target)
     t0 = time.perf_counter()
@@ -271,11 +286,11 @@ class DirectoryReader:
     hand_over = None if data_iterator is None else datastate.prepare(
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
     if target is None:
-      target = plain_target(manifest)
+      target = plain_target(manifest.leaves, rename)
     with self._storage(step, step_dir) as storage:
       tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
                                   backend=storage, partial=partial,
-                                  missing=missing, cast=cast)
+                                  missing=missing, cast=cast, rename=rename)
     self.last_restore_stats = RestoreStats(
         step, time.perf_counter() - t0, nbytes,
         getattr(storage, "held_bytes", 0))
@@ -286,7 +301,8 @@ class DirectoryReader:
   def restore_together(self, target: Any, step: int | None = None, *,
                        verify: bool = True,
                        data_iterator: datastate.DataIterator | None = None,
-                       cast: bool = False) -> Any:
+                       cast: bool = False,
+                       rename: renaming.Rename | None = None) -> Any:
     """`restore`, called on every process: storage serves each byte once.
 
     Where the target has regions that several processes need (replicated
@@ -301,8 +317,10 @@ class DirectoryReader:
     """
     if not self._shares_reads(target):
       return self.restore(target, step, verify=verify,
-                          data_iterator=data_iterator, cast=cast)
+                          data_iterator=data_iterator, cast=cast,
+                          rename=rename)
     self._check_open()
+    rename = renaming.Renaming.of(rename)
     self._check_commit()
     t0 = time.perf_counter()
     key = f"{self._base}/shared"
@@ -324,7 +342,7 @@ class DirectoryReader:
           meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
           step_dir, read_manifest, target, step=step,
           reads_manifest=self.is_primary, backend=storage, verify=verify,
-          before=before, cast=cast)
+          before=before, cast=cast, rename=rename)
     self.last_restore_stats = RestoreStats(
         step, time.perf_counter() - t0, nbytes,
         getattr(storage, "held_bytes", 0))

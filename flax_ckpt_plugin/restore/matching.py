@@ -35,9 +35,11 @@ _MAX_MISMATCHES = 20
 
 
 def _count(names: list[str], limit: int) -> str:
-  """The first `limit` of `names`, and how many more there are."""
+  """The first `limit` of `names` (each as messages show it), and how many
+  more there are."""
   more = len(names) - limit
-  return f"{names[:limit]}" + (f" and {more} more" if more > 0 else "")
+  return ("[" + ", ".join(names[:limit]) + "]"
+          + (f" and {more} more" if more > 0 else ""))
 
 
 def check_key_impl(leaf: LeafRecord, where: str) -> None:
@@ -120,7 +122,8 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
   array of another dtype restores with `cast` where `casting` converts it.
   """
   def head() -> str:  # Only for a mismatch: 5000 leaves match in 0.1 s.
-    return f"leaf {path!r}: checkpoint has {saved.describe()}, target has"
+    return (f"leaf {_named(path, saved)}: checkpoint has {saved.describe()},"
+            " target has")
 
   saved_cat = saved.kind if saved.is_scalar else kind(saved.dtype)
   if is_python_scalar(target):
@@ -153,6 +156,14 @@ def _mismatch(path: str, saved: LeafRecord, target: Any,
   return None if ok else f"{head()} {t_desc()}"
 
 
+def _named(path: str, saved: LeafRecord) -> str:
+  """A leaf as messages name it: its target path, and its checkpoint path
+  where a rename (`renaming`) gave it another."""
+  if saved.path == path:
+    return repr(path)
+  return f"{path!r} (checkpoint {saved.path!r})"
+
+
 def _castable(saved: LeafRecord, target: Any) -> bool:
   """Whether `saved` and `target` differ in a dtype alone, in a way that
   `cast=True` converts (for the hint of a mismatch without it)."""
@@ -169,8 +180,9 @@ MISSING = ("error", "keep")
 
 def match_structure(saved: dict[str, LeafRecord],
                     targets: list[tuple[str, Any]],
-                    step_dir: epath.Path, *, partial: bool = False,
-                    missing: str = "error", cast: bool = False) -> list[str]:
+                    step_dir: epath.Path | str, *, partial: bool = False,
+                    missing: str = "error", cast: bool = False,
+                    call: str = "restore") -> list[str]:
   """Raises StructureMismatchError naming every leaf that does not fit.
 
   Leaves missing on either side, and every leaf whose shape or dtype
@@ -181,7 +193,10 @@ def match_structure(saved: dict[str, LeafRecord],
   either, if the target gives them a value (not a `ShapeDtypeStruct`).
   With `cast`, a leaf whose dtype alone differs is no mismatch where
   `refusal` allows the conversion; without it, the message says
-  that `cast=True` would convert those leaves.
+  that `cast=True` would convert those leaves. `saved` is keyed by target
+  path (after a rename, `renaming.Renaming.apply`): a leaf whose record
+  has another path is named by both. `step_dir` says where the tree is,
+  `call` which function the hints name.
 
   Returns:
     The target leaves that the checkpoint lacks and that keep the target's
@@ -194,14 +209,15 @@ def match_structure(saved: dict[str, LeafRecord],
   kept = [p for p, t in targets if keep and p not in saved
           and not isinstance(t, jax.ShapeDtypeStruct)]
   missing = [p for p in target_paths if p not in saved and p not in kept]
-  unexpected = [] if partial else sorted(set(saved) - set(target_paths))
+  unexpected = [] if partial else [
+      _named(p, saved[p]) for p in sorted(set(saved) - set(target_paths))]
   differ = [m for m in (_mismatch(p, saved[p], t, cast) for p, t in targets
                         if p in saved) if m is not None]
   castable = 0 if cast or not differ else sum(
       _castable(saved[p], t) for p, t in targets if p in saved)
   cast_hint = "" if not castable else (
-      "; restore(..., cast=True) converts the dtype" if len(differ) == 1
-      else f"; restore(..., cast=True) converts the dtypes of {castable}"
+      f"; {call}(..., cast=True) converts the dtype" if len(differ) == 1
+      else f"; {call}(..., cast=True) converts the dtypes of {castable}"
       " of these leaves")
   if not missing and not unexpected and len(differ) <= 1:
     if differ:
@@ -210,12 +226,12 @@ def match_structure(saved: dict[str, LeafRecord],
   parts = []
   if missing:
     hint = (" (abstract in the target: give them a value to keep)" if keep
-            else " (restore(..., missing='keep') keeps the target's values)")
+            else f" ({call}(..., missing='keep') keeps the target's values)")
     parts.append("target leaves not in the checkpoint:"
-                 f" {_count(missing, _MAX_LISTED)}{hint}")
+                 f" {_count([repr(p) for p in missing], _MAX_LISTED)}{hint}")
   if unexpected:
     parts.append("checkpoint leaves not in the target:"
-                 f" {_count(unexpected, _MAX_LISTED)} (restore(...,"
+                 f" {_count(unexpected, _MAX_LISTED)} ({call}(...,"
                  " partial=True) restores the target's leaves alone)")
   if differ:
     more = len(differ) - _MAX_MISMATCHES

@@ -31,8 +31,15 @@ from flax_ckpt_plugin.restore.data_files import READ_THREADS
 
 # Past this many runs of fewer than this many bytes, one saved shard's part
 # is read as whole rows of its first axis: a few larger reads beat many tiny.
+# Not where the rows hold over `_MAX_WASTE` times the bytes needed and the
+# runs are of `_TINY_RUN` bytes at least: a target that splits the columns
+# of a large array over 8 devices (an embedding of 50257 rows, which no
+# device count divides) would read it 8 times over, and reads of a few
+# hundred bytes each cost less than that.
 _MAX_RUNS = 4096
 _SMALL_RUN = 64 << 10
+_TINY_RUN = 256
+_MAX_WASTE = 4
 
 
 def _runs_of(numbers: list[int]) -> Iterator[tuple[int, int]]:
@@ -260,7 +267,8 @@ class LeafReader:
     In C order the part `inter` of a shard is a set of runs contiguous in the
     file, one per combination of the axes before the last axis that `inter`
     does not span whole. Layouts that would need very many tiny runs take
-    whole rows of the first axis instead.
+    whole rows of the first axis instead, where those are not mostly bytes
+    that are not needed.
 
     Returns:
       The runs' byte offsets, the bytes per run, and the part of the shard
@@ -276,7 +284,10 @@ class LeafReader:
     strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
     run_elems = (local[k][1] - local[k][0]) * strides[k]
     runs = math.prod(hi - lo for lo, hi in local[:k])
-    if runs > _MAX_RUNS and run_elems * self.dtype.itemsize < _SMALL_RUN:
+    run_bytes = run_elems * self.dtype.itemsize
+    rows = (local[0][1] - local[0][0]) * strides[0]
+    if runs > _MAX_RUNS and run_bytes < _SMALL_RUN and (
+        run_bytes < _TINY_RUN or rows <= _MAX_WASTE * runs * run_elems):
       local = [local[0]] + [(0, d) for d in shape[1:]]
       k, run_elems = 0, (local[0][1] - local[0][0]) * strides[0]
     first = sum(lo * st for (lo, _), st in zip(local, strides))

@@ -48,6 +48,7 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import share_program
 from flax_ckpt_plugin.restore import slots as slots_lib
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -60,7 +61,8 @@ from flax_ckpt_plugin.format.treepaths import leaf_paths
 
 def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
             target: Any, *, step: int, reads_manifest: bool, backend: Any,
-            verify: bool, before: Any = None, cast: bool = False
+            verify: bool, before: Any = None, cast: bool = False,
+            rename: renaming.Renaming | None = None
             ) -> tuple[Any, int, Any]:
   """Restores `step` from `step_dir` like `target`; see the module doc.
 
@@ -72,7 +74,8 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
   `before(manifest)` then runs on every process (the data state's checks).
   Both run inside agreed phases, so that an error on one process is known
   to all. With `cast`, leaves of another dtype than the target's are
-  converted (`casting`), each read by every process that needs it.
+  converted (`casting`), each read by every process that needs it. With
+  `rename`, the checkpoint's leaves take their target paths first.
 
   Returns:
     The tree, the bytes this process read, and what `before` returned.
@@ -88,7 +91,7 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
   with _no_collection():
     return _restore(meeting, step_dir, read_manifest, target, step=step,
                     reads_manifest=reads_manifest, backend=backend,
-                    verify=verify, before=before, cast=cast)
+                    verify=verify, before=before, cast=cast, rename=rename)
 
 
 @contextlib.contextmanager
@@ -106,7 +109,7 @@ def _no_collection():
 
 
 def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
-             step, reads_manifest, backend, verify, before, cast):
+             step, reads_manifest, backend, verify, before, cast, rename):
   coord = meeting.coordinator
   key = meeting.key
   timeout_ms = meeting.timeout_ms
@@ -129,7 +132,8 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
     manifest = own[0] if own else manifest_lib.of_step(
         meetings.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
-    return (manifest,) + _plan(step_dir, manifest, target, where, cast)
+    return (manifest,) + _plan(step_dir, manifest, target, where, cast,
+                               rename)
 
   # Whatever can fail on one process alone before the programs start
   # (fetching the manifest) fails in this phase, which starts none.
@@ -171,7 +175,8 @@ def _check(outcome: meetings.Outcome, where: str,
 
 
 def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
-          where: str, cast: bool) -> tuple[Any, list, list, list]:
+          where: str, cast: bool, rename: renaming.Renaming | None
+          ) -> tuple[Any, list, list, list]:
   """Matches the target and plans every leaf (see `read_plan`): the same
   on every process, and nothing read yet. A leaf cast to another dtype is
   read alone (`placement.restore_leaf` converts it).
@@ -181,7 +186,7 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     None: read alone); the batches; their packs.
   """
   targets, treedef = leaf_paths(target)
-  saved = manifest.leaf_by_path
+  saved = (rename or renaming.Renaming()).apply(manifest.leaves)
   pairs = [(p, t) for p, _, t in targets]
   matching.match_structure(saved, pairs, step_dir, cast=cast)
   for path, _, _ in targets:

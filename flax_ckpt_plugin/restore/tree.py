@@ -15,10 +15,11 @@ converts the dtype), and `placement` puts them on the devices.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, Iterable
 
 from etils import epath
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.restore import window as window_lib
 from flax_ckpt_plugin.restore import placement
+from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.format.records import held_elements
 from flax_ckpt_plugin.format.records import Index
@@ -109,8 +111,9 @@ def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
             for saved, target in batch]
 
 
-def plain_target(manifest: Manifest) -> Any:
-  """A target for restoring `manifest`'s step without one of the user's.
+def plain_target(leaves: Iterable[LeafRecord],
+                 rename: renaming.Renaming | None = None) -> Any:
+  """A target for restoring `leaves` (a step's) without one of the user's.
 
   Nested dicts with string keys, as `flax.serialization.to_state_dict`
   spells a tree (attribute names, list indices as '0', '1'...), so
@@ -118,10 +121,19 @@ def plain_target(manifest: Manifest) -> Any:
   into a `TrainState`. Array leaves come back as whole numpy arrays on the
   host, Python scalars as themselves, typed PRNG keys as JAX key arrays on
   the first local device. A tree that is one leaf is that leaf. Nodes
-  without leaves (an `optax.EmptyState`) have no entry.
+  without leaves (an `optax.EmptyState`) have no entry. With a `rename`,
+  the leaves are under their target paths (split at '/'), and those it
+  drops are left out.
   """
   root: dict[str, Any] = {}
-  for leaf in manifest.leaves:
+  leaves = list(leaves)
+  renamed = None
+  if rename is not None and rename.renames:
+    renamed = {old: new for new, old in rename.names(
+        leaf.path for leaf in leaves).items()}
+  for leaf in leaves:
+    if renamed is not None and leaf.path not in renamed:
+      continue
     if leaf.is_scalar:
       placeholder = leaf.value
     elif leaf.key_impl is not None:
@@ -130,21 +142,53 @@ def plain_target(manifest: Manifest) -> Any:
           jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     else:  # Zero strides: shape and dtype, no memory.
       placeholder = np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
-    if not leaf.keys:
+    if renamed is not None:
+      names = renamed[leaf.path].split("/")
+    elif not leaf.keys:
       return placeholder
+    else:
+      names = [str(next(iter(k.values()))) for k in leaf.keys]
     node = root
-    names = [str(next(iter(k.values()))) for k in leaf.keys]
     for name in names[:-1]:
       node = node.setdefault(name, {})
     node[names[-1]] = placeholder
   return root
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where the leaves of a restore are: a step's data files, or any files
+  whose arrays lie whole and in C order at known byte ranges (safetensors
+  files: `safetensors_load`).
+
+  Attributes:
+    directory: the folder of the files; their names are relative to it.
+    files: each file's name and the size it must have at least.
+    leaves: the saved leaves, their shards in `files`.
+    block: bytes per checksum of the shards (when they have checksums).
+    where: how messages name the source ("step 5 in /ckpt/5").
+    shown: how a structure mismatch names it ("the tree in ...").
+    scope: see `Manifest.scope`.
+    call: the function that the hints of a mismatch name.
+    within: no file may lead outside this folder (default: `directory`).
+  """
+  directory: epath.Path
+  files: dict[str, int]
+  leaves: tuple[LeafRecord, ...]
+  block: int
+  where: str
+  shown: Any
+  scope: tuple[int, int] | None = None
+  call: str = "restore"
+  within: epath.Path | None = None
+
+
 def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
                  verify: bool = True,
                  backend: interface.Backend | None = None,
                  partial: bool = False, missing: str = "error",
-                 cast: bool = False) -> tuple[Any, int]:
+                 cast: bool = False,
+                 rename: renaming.Renaming | None = None) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
 
   Args:
@@ -159,6 +203,8 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       target's value (logged); "error" (default): a mismatch.
     cast: convert leaves saved in another dtype than the target's, as
       `casting` allows, while they are read (one log line counts them).
+    rename: the checkpoint's leaves take these target paths before they
+      are matched (`renaming`).
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
@@ -171,13 +217,32 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       or fail their checksums; the message names the file, step and leaf.
     CheckpointNotFoundError: a step of one process's shards does not hold
       what this process restores (raised before any data is read).
+    renaming.RenameError: the rename gives two leaves one name.
   """
-  saved = manifest.leaf_by_path
+  return restore_records(
+      Source(directory=step_dir, files=manifest.files,
+             leaves=manifest.leaves, block=manifest.checksum_block_bytes,
+             where=f"step {manifest.step} in {step_dir}", shown=step_dir,
+             scope=manifest.scope),
+      target, verify=verify, backend=backend, partial=partial,
+      missing=missing, cast=cast, rename=rename)
+
+
+def restore_records(source: Source, target: Any, *, verify: bool,
+                    backend: interface.Backend | None,
+                    partial: bool = False, missing: str = "error",
+                    cast: bool = False,
+                    rename: renaming.Renaming | None = None
+                    ) -> tuple[Any, int]:
+  """`restore_tree` of any `Source`: the same matching, casting, reading
+  and placing. `verify` only where its shards carry checksums."""
+  rename = rename or renaming.Renaming()
+  saved = rename.apply(source.leaves)
   targets, treedef = leaf_paths(target)
-  where = f"step {manifest.step} in {step_dir}"
+  where = source.where
   kept = set(match_structure(saved, [(p, leaf) for p, _, leaf in targets],
-                             step_dir, partial=partial, missing=missing,
-                             cast=cast))
+                             source.shown, partial=partial, missing=missing,
+                             cast=cast, call=source.call))
   if kept:
     log.warning("%s: %d target leaves are not in the checkpoint and keep"
                 " the target's values: %s", where, len(kept), sorted(kept))
@@ -191,11 +256,11 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
   if cast:
     placement.log_casts(where, saved, targets)
   batches = _batches(targets, saved)
-  if manifest.scope is not None:
+  if source.scope is not None:
     _check_held(saved, targets, where)
-  reader = ByteReader(step_dir, manifest.files, backend)
-  lr_args = {"reader": reader, "verify": verify,
-             "block": manifest.checksum_block_bytes,
+  reader = ByteReader(source.directory, source.files, backend,
+                      within=source.within)
+  lr_args = {"reader": reader, "verify": verify, "block": source.block,
              "where": where}
   window = window_lib.RestoreWindow()
   try:

@@ -1,7 +1,7 @@
 """`flax-ckpt`: look at, verify, prune and export checkpoint directories.
 
     flax-ckpt list   DIR [--json]
-    flax-ckpt show   DIR [STEP] [--json]
+    flax-ckpt show   DIR [STEP] [--json] [--rename PATTERN REPLACEMENT ...]
     flax-ckpt verify DIR [STEP] [--all] [--json] [-q]
     flax-ckpt prune  DIR --keep N [--dry-run] [--unfinished] [--force]
     flax-ckpt export DIR OUT [--step N] [--format safetensors|npz]
@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("step", metavar="STEP", type=int, nargs="?",
                  help="step to show (default: the newest finalized)")
   p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.add_argument("--rename", metavar=("PATTERN", "REPLACEMENT"), nargs=2,
+                 action="append", default=[],
+                 help="show each leaf under the path a restore with this"
+                 " rename gives it: the first PATTERN (a regular expression)"
+                 " that matches a whole path is replaced by REPLACEMENT"
+                 " (\\1 for groups; '' drops the leaf); repeat for more"
+                 " rules, tried in order")
   p.set_defaults(func=cmd_show)
 
   p = add("verify", "Read every shard and check its CRC-32C checksums.")

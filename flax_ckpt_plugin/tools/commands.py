@@ -36,6 +36,7 @@ from flax_ckpt_plugin.tools.inventory import table
 from flax_ckpt_plugin.tools.inventory import zero_d_values
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import describe
+from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.tools.verify import Progress
 from flax_ckpt_plugin.tools.verify import human_size
 from flax_ckpt_plugin.tools.verify import verify_step
@@ -187,7 +188,17 @@ def leaf_type(leaf: LeafRecord, values: dict[str, Any]) -> str:
   return desc
 
 
+def _renaming(rules: list[list[str]]) -> renaming.Renaming:
+  """`--rename PATTERN REPLACEMENT` rules; an empty REPLACEMENT drops."""
+  try:
+    return renaming.Renaming.of([(pattern, replacement or None)
+                                 for pattern, replacement in rules])
+  except renaming.RenameError as e:
+    raise CliError(str(e), EXIT_USAGE) from e
+
+
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
+  rename = _renaming(getattr(args, "rename", None) or [])
   directory = existing_dir(args.directory)
   if args.step is None:
     step = finalized(directory, args.directory)[-1]
@@ -197,6 +208,14 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
   m = read_manifest(directory, step)
   values = zero_d_values(directory / str(step), m)
   leaves = [leaf_summary(leaf, values) for leaf in m.leaves]
+  if rename.renames:  # Where a restore with this rename puts each leaf.
+    try:
+      new = {old: p for p, old in rename.names(
+          leaf.path for leaf in m.leaves).items()}
+    except renaming.RenameError as e:
+      raise CliError(str(e), EXIT_USAGE) from e
+    for summary in leaves:
+      summary["target_path"] = new.get(summary["path"])
   created = m.created_unix
   checksum = {"algorithm": m.checksum_algorithm,
               "block_bytes": m.checksum_block_bytes}
@@ -226,7 +245,17 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
       f"checksums: {m.checksum_algorithm} per"
       f" {human_size(m.checksum_block_bytes)} block\n"
       f"leaves:    {len(leaves)}\n")
-  if leaves:
+  if leaves and rename.renames:
+    rows = [["PATH", "CHECKPOINT PATH", "TYPE", "BYTES", "SHARDS"]]
+    for leaf, summary in zip(m.leaves, leaves):
+      target = summary["target_path"]
+      rows.append([
+          "(dropped)" if target is None else target,
+          "" if target == leaf.path else leaf.path, leaf_type(leaf, values),
+          "" if leaf.is_scalar else human_size(leaf.nbytes),
+          "" if leaf.is_scalar else str(len(leaf.shards))])
+    table(rows, out, indent="  ")
+  elif leaves:
     rows = [["PATH", "TYPE", "BYTES", "SHARDS"]]
     rows += [[leaf.path, leaf_type(leaf, values),
               "" if leaf.is_scalar else human_size(leaf.nbytes),

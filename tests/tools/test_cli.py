@@ -339,3 +339,38 @@ def test_show_prints_the_value_of_0_d_arrays_such_as_the_step(
       capsys.readouterr().out)["leaves"]}
   assert leaves["step"]["value"] == 42
   assert "value" not in leaves["params/w"]
+
+
+def test_show_with_rename_shows_where_a_restore_puts_each_leaf(source, run):
+  """`show --rename` lists each leaf under the path `restore(rename=)`
+  gives it, beside its checkpoint path; '' drops a leaf."""
+  r = run("show", source, "--rename", r"params/params/Dense_(\d+)/(.*)",
+          r"params/encoder/layer_\1/\2", "--rename", "opt_state/.*", "")
+  assert r.returncode == 0, r.stderr
+  out = r.stdout
+  assert re.search(r"^  PATH\s+CHECKPOINT PATH\s+TYPE\s+BYTES\s+SHARDS$",
+                   out, re.M)
+  assert re.search(rf"^  params/encoder/layer_0/kernel\s+{KERNEL}\s+"
+                   r"float32\[8,16\]\s+512 B\s+1$", out, re.M)
+  assert re.search(r"^  \(dropped\)\s+opt_state/0/count\s+int32", out, re.M)
+  assert re.search(r"^  step\s+int = 3$", out, re.M)  # Kept as it is.
+
+  r = run("show", source, "--json", "--rename",
+          r"params/params/Dense_(\d+)/(.*)", r"params/encoder/layer_\1/\2")
+  assert r.returncode == 0, r.stderr
+  leaves = {leaf["path"]: leaf for leaf in json.loads(r.stdout)["leaves"]}
+  assert leaves[KERNEL]["target_path"] == "params/encoder/layer_0/kernel"
+  assert leaves["step"]["target_path"] == "step"
+
+
+@pytest.mark.parametrize("rules, message", [
+    (["(", "x"], "rename rule '(': not a regular expression"),
+    ([r"params/params/Dense_\d/(.*)", r"params/\1"],
+     "the same target path 'params/bias'"),
+])
+def test_show_with_a_wrong_rename_is_a_usage_error(source, run, rules,
+                                                   message):
+  r = run("show", source, "--rename", *rules)
+  assert r.returncode == 2
+  assert r.stderr.startswith("flax-ckpt show: ") and message in r.stderr
+  assert r.stdout == ""
