@@ -53,7 +53,31 @@ class HeldFile(RangedFile):
     self._open_file = open_file
     self._file: RangedFile | None = None
     self._lock = threading.Lock()
-    self.held_bytes = 0  # Bytes served from memory, for the tests.
+    self._served: list[tuple[int, int]] = []  # Ranges from memory, merged.
+
+  @property
+  def held_bytes(self) -> int:
+    """Bytes of the file served from memory, each counted once (a
+    checksum block at the edge of two regions is read for both)."""
+    with self._lock:
+      return sum(hi - lo for lo, hi in self._served)
+
+  def _count(self, lo: int, hi: int) -> None:
+    with self._lock:
+      merged, placed = [], False
+      for a, b in self._served:
+        if b < lo or a > hi:
+          merged.append((a, b))
+        else:
+          lo, hi = min(a, lo), max(b, hi)
+      for i, (a, _) in enumerate(merged):
+        if a > hi:
+          merged.insert(i, (lo, hi))
+          placed = True
+          break
+      if not placed:
+        merged.append((lo, hi))
+      self._served = merged
 
   def _span(self, offset: int, size: int) -> Span | None:
     """The span that holds all of [offset, offset + size), if one does."""
@@ -90,7 +114,7 @@ class HeldFile(RangedFile):
       out[lo - offset:hi - offset] = memoryview(
           src[lo - span.offset:hi - span.offset])
       del src
-    self.held_bytes += len(out)
+    self._count(offset, end)
     return len(out)
 
   @contextlib.contextmanager
@@ -103,7 +127,7 @@ class HeldFile(RangedFile):
     src = span.view()
     view = memoryview(src[offset - span.offset:offset - span.offset + size])
     view = view.toreadonly()
-    self.held_bytes += size
+    self._count(offset, offset + size)
     try:
       yield view
     finally:
