@@ -1,8 +1,13 @@
 """Tests of `every_steps="auto"`: the Young/Daly interval from measured
 costs (`loop.interval`), in fake time, and its agreement across processes."""
 
+import json
 import logging
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -290,3 +295,36 @@ def test_processes_with_other_measures_save_at_the_same_steps(tmp_path):
   # Process 1 alone would have saved every sqrt(2 x 32 x 100) / 2 = 40.
   assert out[1]["local"] == {"cost_secs": 32.0, "step_secs": 2.0}
   assert out[0]["local"] == {"cost_secs": 2.0, "step_secs": 1.0}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_auto_interval_benchmark_chooses_what_its_figures_say(tmp_path):
+  """benchmarks/auto_interval.py, tiny: a real loop, real saves and the real
+  clock; each interval decided is sqrt(2 C M) over the step time (or a
+  bound), from the figures the same save reports."""
+  script = (pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+            / "auto_interval.py")
+  out = tmp_path / "auto.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), "--layers", "2", "--width", "128",
+       "--steps", "60", "--mtbf", "5", "--min-every", "4", "--dir",
+       str(tmp_path), "--json", str(out)], capture_output=True, text=True,
+      timeout=180, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  saves = result["saves"]
+  assert [s["step"] for s in saves] == result["saved"]
+  assert result["saved"][:3] == [4, 8, 12]  # The starting interval.
+  assert saves[0]["auto_saves_measured"] == 0
+  measured = [s for s in saves if s["auto_saves_measured"]]
+  assert measured
+  for s in measured:
+    steps = round(s["auto_young_daly_secs"] / s["auto_step_secs"])
+    assert s["auto_next_every_steps"] == max(4, steps), s
+    assert s["auto_cost_secs"] == pytest.approx(
+        s["auto_blocking_secs"] + s["auto_background_secs"])
+  for before, after in zip(saves, saves[1:]):  # Each from the save before.
+    assert after["auto_every_steps"] == before["auto_next_every_steps"]
+    assert after["step"] - before["step"] == before["auto_every_steps"]
+  assert sorted(os.listdir(tmp_path)) == ["auto.json"]
