@@ -1,4 +1,5 @@
-"""The options of fault tolerance and of the local tier, as one typed record.
+"""The options of fault tolerance and of the local tier, as one typed record
+(with the failure rate that `every_steps="auto"` saves for).
 
 `CheckpointCallback(tolerance=FaultTolerance(...))`: what the callback does
 when a preemption notice arrives or a process is lost, and the per-host
@@ -47,7 +48,8 @@ class FaultTolerance:
       that has it (see `CheckpointCallback.restored_tier`). The path must
       belong to this job. A failure of the local tier is logged, never
       raised (see docs/fault_tolerance.md).
-    local_every_steps: the local tier's interval, in steps.
+    local_every_steps: the local tier's interval, in steps (an int:
+      `"auto"` sets the persistent tier's interval only, see `mtbf_secs`).
     replicas: partner copies (see `tolerance.exchange`): at each local-tier
       save, every shard that fewer than `replicas + 1` processes hold
       (with FSDP or tensor parallelism across hosts: every shard) is also
