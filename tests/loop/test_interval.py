@@ -279,11 +279,14 @@ def test_callback_refuses_options_of_auto_that_do_not_fit(ckpt_dir, kwargs,
 
 
 @pytest.mark.timeout(120)
-def test_processes_with_other_measures_save_at_the_same_steps(tmp_path):
+@pytest.mark.parametrize("wait", ["1", "0"],
+                         ids=["commit_waited", "commit_beside_steps"])
+def test_processes_with_other_measures_save_at_the_same_steps(tmp_path, wait):
   # Each process's fake clock runs at its own step time and save cost; the
-  # primary's alone set the interval (see mp_workers/auto_interval.py).
-  results = run_workers("auto_interval", 2, args=[str(tmp_path / "ckpt")],
-                        timeout=100)
+  # primary's alone set the interval (see mp_workers/auto_interval.py). The
+  # fake clocks do not see the commits, which slow no step of them.
+  results = run_workers("auto_interval", 2,
+                        args=[str(tmp_path / "ckpt"), wait], timeout=100)
   out = [r.json for r in results]
   primary = [5, 10, 15, 35, 55, 75, 95]  # sqrt(2 x 2 s x 100 s) / 1 s = 20.
   assert out[0]["saved"] == out[1]["saved"] == primary

@@ -1,12 +1,16 @@
 """`every_steps="auto"` with other measures on every process.
 
-    auto_interval.py DIR
+    auto_interval.py DIR WAIT
+
 
 Each process's clock is injected and runs at its own pace: process 0's
 steps take 1 fake second and its saves block the loop 2 (its data
 iterator's state takes that long to get), process 1's take 2 and 32. Each
 process alone would choose another interval; prints the steps at which the
-callback saved and what this process measured.
+callback saved and what this process measured. WAIT "1": the loop waits
+for each save's commit before its next step; "0": the commits run beside
+the steps, and each save reads the primary's interval right after waiting
+for the previous commit, in the callback.
 """
 
 import statistics
@@ -46,7 +50,7 @@ class CostlyIterator:
     del state
 
 
-def main(directory: str) -> dict:
+def main(directory: str, wait: bool) -> dict:
   mesh = _train.mesh()
   w = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
   state = {"w": jax.make_array_from_callback(
@@ -63,7 +67,8 @@ def main(directory: str) -> dict:
     now[0] += STEP_SECS
     if cb(step, state):
       saved.append(step)
-      cb.wait_until_finished()  # No slowdown by the commit: none measured.
+      if wait:
+        cb.wait_until_finished()
   cb.close()
   costs = cb.triggers.auto.costs
   return {"saved": saved, "all_steps": cb.manager.all_steps(),
@@ -72,4 +77,4 @@ def main(directory: str) -> dict:
 
 
 if __name__ == "__main__":
-  _setup.emit(main(sys.argv[1]))
+  _setup.emit(main(sys.argv[1], sys.argv[2] == "1"))
