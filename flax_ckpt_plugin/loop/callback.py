@@ -97,7 +97,8 @@ class CheckpointCallback:
       `auto_background_secs`, `auto_step_secs`, `auto_mtbf_secs`,
       `auto_young_daly_secs` (sqrt(2 C M)), `auto_bound` (-1: raised to
       the minimum, 1: cut to the maximum, else 0) and
-      `auto_saves_measured` (0: no cost measured yet). Written from the
+      `auto_saves_measured` (0: no cost measured yet; the figures not
+      measured yet are NaN). Written from the
       loop's thread, at the next call, `wait_until_finished` or `close`
       after the commit.
     retention: the rules that keep more steps (`Retention`: every N-th
