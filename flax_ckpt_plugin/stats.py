@@ -85,6 +85,13 @@ class SaveMetrics:
     self._finished: collections.deque[tuple[SaveStats, float]] = (
         collections.deque())
     self._last_durable = time.time()
+    self._more: dict[int, dict[str, float]] = {}  # By step, see `add`.
+
+  def add(self, step: int, scalars: dict[str, float]) -> None:
+    """More scalars to write with the save of `step` (from the loop's
+    thread)."""
+    if self._writer is not None and scalars:
+      self._more[step] = scalars
 
   def record(self, stats: SaveStats) -> None:
     since = stats.finalized_at - self._last_durable
@@ -94,7 +101,11 @@ class SaveMetrics:
   def flush(self) -> None:
     while self._finished:
       stats, since = self._finished.popleft()
-      self._writer.write_scalars(stats.step, save_metrics(stats, since))
+      more = self._more.pop(stats.step, {})
+      for step in [s for s in self._more if s < stats.step]:
+        del self._more[step]  # Saves that failed.
+      self._writer.write_scalars(stats.step,
+                                 {**save_metrics(stats, since), **more})
 
 
 def save_metrics(stats: SaveStats, secs_since_last_durable: float

@@ -158,6 +158,10 @@ EPILOGUE = {
 }
 # What a block prints, where the page shows it.
 PRINTS = {
+    # The save at `last_step` reports the interval `every_steps="auto"`
+    # chose and why, with its own figures.
+    "docs/usage.md:from flax_ckpt_plugin import CheckpointCallback,"
+    " FaultTolerance": ["scalars 3 ['checkpoint/auto_background_secs',"],
     "docs/usage.md:import jax.numpy as jnp": [
         "[2, 3]", "3", "{'epoch': 0}", "2 2.0"],
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"

@@ -64,7 +64,19 @@ class CheckpointCallback:
 
   Args:
     directory: where checkpoints live (local path, `gs://`, `s3://`).
-    every_steps: save at every positive multiple of this step.
+    every_steps: save at every positive multiple of this step; or
+      `"auto"`: at the interval that loses least time to saves and
+      failures, sqrt(2 x C x MTBF) (Young/Daly), from the job's mean time
+      between failures (`FaultTolerance(mtbf_secs=)`, needed) and the
+      measured cost C of a save to the loop (the time the loop waited in
+      the call that saved, plus the slowdown of the steps that ran while
+      its commit was written in the background), the mean of the last 3
+      saves, over the measured step time; within
+      `FaultTolerance(min_every_steps=, max_every_steps=)`. The primary
+      host decides each interval from its own measures, at a save, and
+      every process applies it from the next save on, so all save at the
+      same steps. Until a save is measured it saves every
+      `min_every_steps` steps (default 100). See docs/usage.md.
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).
@@ -77,8 +89,18 @@ class CheckpointCallback:
       `checkpoint/gbytes_per_sec`, and `checkpoint/secs_since_last_durable`
       (wall-clock seconds from the previous durable checkpoint of this
       callback, or from its creation, to this one: the work a crash just
-      before it would have lost). Written from the loop's thread, at the
-      next call, `wait_until_finished` or `close` after the commit.
+      before it would have lost). With `every_steps="auto"`, also the
+      interval and why: `checkpoint/auto_every_steps` (the steps from this
+      save to the next), `checkpoint/auto_next_every_steps` (the interval
+      decided at this save, from the next save on), and what it rests on:
+      `checkpoint/auto_cost_secs` (C), `auto_blocking_secs`,
+      `auto_background_secs`, `auto_step_secs`, `auto_mtbf_secs`,
+      `auto_young_daly_secs` (sqrt(2 C M)), `auto_bound` (-1: raised to
+      the minimum, 1: cut to the maximum, else 0) and
+      `auto_saves_measured` (0: no cost measured yet; the figures not
+      measured yet are NaN). Written from the
+      loop's thread, at the next call, `wait_until_finished` or `close`
+      after the commit.
     retention: the rules that keep more steps (`Retention`: every N-th
       step; the best by a metric passed in `metrics=` of the calls that may
       save).
@@ -114,14 +136,16 @@ class CheckpointCallback:
       and the watch over the other processes).
 
   Raises:
-    ValueError: `every_steps` < 1 or `every_secs` <= 0.
+    ValueError: `every_steps` < 1 or `every_secs` <= 0;
+      `every_steps="auto"` without `FaultTolerance(mtbf_secs=)`, or those
+      options without it.
 
   As a context manager it closes on exit (restoring signal handlers and
   waiting for the running save).
   """
 
   def __init__(self, directory: epath.PathLike, *,
-               every_steps: int | None = None,
+               every_steps: int | str | None = None,
                every_secs: float | None = None,
                on_steps: Iterable[int] = (),
                last_step: int | None = None,
@@ -134,7 +158,10 @@ class CheckpointCallback:
     tolerance = tolerance or FaultTolerance()
     self.triggers = Triggers(
         every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
-        last_step=last_step, local_every_steps=tolerance.local_every_steps)
+        last_step=last_step, local_every_steps=tolerance.local_every_steps,
+        mtbf_secs=tolerance.mtbf_secs,
+        min_every_steps=tolerance.min_every_steps,
+        max_every_steps=tolerance.max_every_steps)
     self.save_on_preemption = tolerance.save_on_preemption
     self.metric_writer = metric_writer
     self.data_iterator: datastate.DataIterator | None = None
@@ -230,12 +257,14 @@ class CheckpointCallback:
       Exception: the error of an earlier background save (once).
     """
     self._check_open()
+    self.triggers.call_started()
     self.tiers.check()
     self._metrics.flush()
     self.manager.check_for_errors()
     self.tiers.quietly("save", lambda m: m.check_for_errors())
     self._chosen = None
     if self.should_stop:
+      self._call_ended()
       return False
     step = operator.index(step)
     preempted = self.save_on_preemption and (
@@ -252,11 +281,19 @@ class CheckpointCallback:
              # (a collective), whatever its local tier holds.
              and (self.tiers.exchange is not None
                   or step not in self.local.manager.all_steps()))
+    self._call_ended()
     if not (persistent or local):
       return False
     self._preempted_at = step if preempted else None
     self._chosen = (step, persistent, local)
     return True
+
+  def _call_ended(self) -> None:
+    """`every_steps="auto"` measures the step that starts now."""
+    if self.triggers.auto is not None:
+      committing = self.manager.save_in_progress
+      self.triggers.call_ended(committing=committing, busy=committing or (
+          self.local is not None and self.local.manager.save_in_progress))
 
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None) -> None:
@@ -270,6 +307,13 @@ class CheckpointCallback:
     chosen, self._chosen = self._chosen, None
     persistent, local = (True, False) if chosen is None or chosen[0] != step \
         else chosen[1:]
+    if persistent and self.triggers.auto is not None:
+      self.triggers.save_started()
+      # The interval the primary published at the previous save is in the
+      # key-value store once that save's commit finished (the save would
+      # wait for it anyway).
+      self.manager.wait_until_finished()
+      self._metrics.add(step, self.triggers.saving(step, self.manager.name))
     data = None if self.data_iterator is None else (
         self.data_iterator.get_state())
     if persistent:
@@ -279,6 +323,9 @@ class CheckpointCallback:
     if local:
       self.tiers.save_local(step, state, extra=extra, metrics=metrics,
                             data_state=data)
+    if persistent:
+      self.triggers.save_ended()
+    self._call_ended()
     if self._preempted_at == step:
       self.wait_until_finished()
       self.should_stop = True

@@ -1,4 +1,5 @@
-"""When `every_secs` has passed, decided alike on every process, rarely talking.
+"""When a callback saves; and when `every_secs` has passed, decided alike on
+every process, rarely talking (`every_steps="auto"` is `interval`'s).
 
 Hosts' clocks disagree, so one process (the primary host) decides and the
 others must hear its decision before they leave the step. Asking it at every
@@ -18,7 +19,11 @@ import operator
 import time
 from typing import Callable, Iterable
 
+from flax_ckpt_plugin.loop import interval
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+
+# `every_steps="auto"`: see `interval`.
+AUTO = "auto"
 
 
 def monotonic() -> float:
@@ -29,21 +34,45 @@ def monotonic() -> float:
 
 class Triggers:
   """When a callback saves, decided alike on every process: to the
-  persistent tier at every positive multiple of `every_steps`, when
-  `every_secs` have passed (`EverySecs`, from `start`), at `on_steps` and
-  at `last_step`; to the local tier at every positive multiple of
-  `local_every_steps`.
+  persistent tier at every positive multiple of `every_steps` (or, with
+  `every_steps="auto"`, at the interval `interval.AutoEverySteps` works
+  out from `mtbf_secs` and the measured costs, within `min_every_steps` and
+  `max_every_steps`), when `every_secs` have passed (`EverySecs`, from
+  `start`), at `on_steps` and at `last_step`; to the local tier at every
+  positive multiple of `local_every_steps`.
 
   Raises:
-    ValueError: an interval that cannot be kept.
+    ValueError: an interval that cannot be kept; `every_steps="auto"`
+      without `mtbf_secs`, or its options without it.
   """
 
-  def __init__(self, *, every_steps: int | None, every_secs: float | None,
+  def __init__(self, *, every_steps: int | str | None,
+               every_secs: float | None,
                on_steps: Iterable[int], last_step: int | None,
                local_every_steps: int | None,
+               mtbf_secs: float | None = None,
+               min_every_steps: int | None = None,
+               max_every_steps: int | None = None,
                clock: Callable[[], float] | None = None):
-    if every_steps is not None and every_steps < 1:
-      raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    auto = every_steps == AUTO
+    if auto and mtbf_secs is None:
+      raise ValueError(
+          'every_steps="auto" saves at the interval that loses least'
+          " time to saves and failures, which needs the job's mean time"
+          " between failures: pass tolerance=FaultTolerance(mtbf_secs=...)")
+    if not auto:
+      given = [f"{name}={value!r}" for name, value in (
+          ("mtbf_secs", mtbf_secs), ("min_every_steps", min_every_steps),
+          ("max_every_steps", max_every_steps)) if value is not None]
+      if given:
+        raise ValueError(
+            f"FaultTolerance({', '.join(given)}) sets how every_steps="
+            f'"auto" chooses its interval, but every_steps is'
+            f" {every_steps!r}: pass every_steps=\"auto\" or drop them")
+      if every_steps is not None and (isinstance(every_steps, str)
+                                      or every_steps < 1):
+        raise ValueError(
+            f'every_steps must be an int >= 1 or "auto", got {every_steps!r}')
     if every_secs is not None and not every_secs > 0:
       raise ValueError(f"every_secs must be > 0, got {every_secs}")
     self.every_steps, self.every_secs = every_steps, every_secs
@@ -51,21 +80,58 @@ class Triggers:
     self.last_step, self.local_every_steps = last_step, local_every_steps
     self._clock = clock or monotonic
     self.timer: EverySecs | None = None
+    self._auto_options = (mtbf_secs, interval.Bounds(
+        min_every_steps, max_every_steps)) if auto else None
+    self.auto: interval.AutoEverySteps | None = None
 
   def start(self, coord: coordinator_lib.Coordinator, *, is_primary: bool,
             timeout_ms: int) -> None:
-    """Starts the `every_secs` clock, decided by the primary of `coord`."""
+    """Starts the `every_secs` clock, decided by the primary of `coord`,
+    and the `every_steps="auto"` schedule, whose intervals it decides."""
     if self.every_secs is not None:
       self.timer = EverySecs(self.every_secs, self._clock, coord,
                              is_primary=is_primary, timeout_ms=timeout_ms)
+    if self._auto_options is not None:
+      mtbf_secs, bounds = self._auto_options
+      self.auto = interval.AutoEverySteps(
+          mtbf_secs=mtbf_secs, bounds=bounds, coord=coord,
+          is_primary=is_primary, timeout_ms=timeout_ms)
 
   def persistent(self, step: int, name: str) -> bool:
     """Whether `step` is due in the persistent tier (`name`: the manager's,
     for the `every_secs` keys)."""
     due = self.timer is not None and self.timer.due(step, name)
-    if self.every_steps is not None and step > 0:
+    if self.auto is not None:
+      due |= self.auto.due(step)
+    elif self.every_steps is not None and step > 0:
       due |= step % self.every_steps == 0
     return due or step in self.on_steps or step == self.last_step
+
+  # The measures of `every_steps="auto"` (see `interval.Costs`), taken by
+  # the callback in the loop's thread; nothing without it.
+
+  def call_started(self) -> None:
+    if self.auto is not None:
+      self.auto.costs.call_started(self._clock())
+
+  def call_ended(self, *, committing: bool, busy: bool) -> None:
+    if self.auto is not None:
+      self.auto.costs.call_ended(self._clock(), committing=committing,
+                                 busy=busy)
+
+  def save_started(self) -> None:
+    """A persistent save starts (its previous commit may still run)."""
+    if self.auto is not None:
+      self.auto.costs.save_started(self._clock())
+
+  def saving(self, step: int, name: str) -> dict[str, float]:
+    """The persistent tier saves `step`, its previous commit finished: see
+    `AutoEverySteps.saving`."""
+    return {} if self.auto is None else self.auto.saving(step, name)
+
+  def save_ended(self) -> None:
+    if self.auto is not None:
+      self.auto.costs.save_ended(self._clock())
 
   def local(self, step: int) -> bool:
     return (self.local_every_steps is not None and step > 0
@@ -78,9 +144,11 @@ class Triggers:
 
   def regroup(self, coord: coordinator_lib.Coordinator, *,
               is_primary: bool) -> None:
-    """See `EverySecs.regroup`."""
+    """See `EverySecs.regroup` and `AutoEverySteps.regroup`."""
     if self.timer is not None:
       self.timer.regroup(coord, is_primary=is_primary)
+    if self.auto is not None:
+      self.auto.regroup(coord, is_primary=is_primary)
 
 
 class EverySecs:

@@ -1,4 +1,5 @@
-"""The options of fault tolerance and of the local tier, as one typed record.
+"""The options of fault tolerance and of the local tier, as one typed record
+(with the failure rate that `every_steps="auto"` saves for).
 
 `CheckpointCallback(tolerance=FaultTolerance(...))`: what the callback does
 when a preemption notice arrives or a process is lost, and the per-host
@@ -8,6 +9,7 @@ local tier that a loss and a fast restore draw on.
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from typing import Iterable
 
@@ -46,7 +48,8 @@ class FaultTolerance:
       that has it (see `CheckpointCallback.restored_tier`). The path must
       belong to this job. A failure of the local tier is logged, never
       raised (see docs/fault_tolerance.md).
-    local_every_steps: the local tier's interval, in steps.
+    local_every_steps: the local tier's interval, in steps (an int:
+      `"auto"` sets the persistent tier's interval only, see `mtbf_secs`).
     replicas: partner copies (see `tolerance.exchange`): at each local-tier
       save, every shard that fewer than `replicas + 1` processes hold
       (with FSDP or tensor parallelism across hosts: every shard) is also
@@ -61,6 +64,17 @@ class FaultTolerance:
       slice); partners sit in other domains where any exist. Default: the
       host's name, so that partners are on other hosts. Shared through
       the coordination service when the tiers open.
+    mtbf_secs: the job's mean time between failures that cost it the
+      work since the last persistent checkpoint (with a local tier: the
+      failures it cannot restore from), in seconds. Needed by
+      `CheckpointCallback(every_steps="auto")`, which saves to the
+      persistent tier every sqrt(2 x C x mtbf_secs) seconds, C being the
+      measured cost of a save to the loop (see `loop.interval`).
+    min_every_steps: with `every_steps="auto"`, never save more often
+      than every this many steps (also the interval until a save's cost
+      is measured; default 100 steps then).
+    max_every_steps: with `every_steps="auto"`, never save less often
+      than every this many steps.
   """
   save_on_preemption: bool = True
   preemption_signals: Iterable[int] = (signal.SIGTERM,)
@@ -72,6 +86,9 @@ class FaultTolerance:
   local_every_steps: int | None = None
   replicas: int = 0
   failure_domain: str | None = None
+  mtbf_secs: float | None = None
+  min_every_steps: int | None = None
+  max_every_steps: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "preemption_signals",
@@ -80,6 +97,13 @@ class FaultTolerance:
       raise ValueError(
           "local_directory and local_every_steps go together; got"
           f" {self.local_directory!r} and {self.local_every_steps!r}")
+    if self.local_every_steps == "auto":
+      raise ValueError(
+          'local_every_steps="auto" is not offered: the interval that'
+          " loses least depends on the rate of the failures a tier"
+          " restores from, and the local tier's differ from the persistent"
+          " tier's (mtbf_secs is theirs: see every_steps=\"auto\" of the"
+          " callback); give the local tier an int")
     if self.local_every_steps is not None and (
         isinstance(self.local_every_steps, bool)
         or not isinstance(self.local_every_steps, int)
@@ -96,6 +120,22 @@ class FaultTolerance:
         isinstance(self.failure_domain, str) and self.failure_domain):
       raise ValueError("failure_domain must be a non-empty str, got"
                        f" {self.failure_domain!r}")
+    if self.mtbf_secs is not None and not (
+        isinstance(self.mtbf_secs, (int, float))
+        and not isinstance(self.mtbf_secs, bool)
+        and math.isfinite(self.mtbf_secs) and self.mtbf_secs > 0):
+      raise ValueError("mtbf_secs must be a finite number of seconds > 0,"
+                       f" got {self.mtbf_secs!r}")
+    for name in ("min_every_steps", "max_every_steps"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool)
+                                or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if (self.min_every_steps is not None and self.max_every_steps is not None
+        and self.min_every_steps > self.max_every_steps):
+      raise ValueError(
+          f"min_every_steps={self.min_every_steps} is above"
+          f" max_every_steps={self.max_every_steps}")
     for name in ("watch_poll_secs", "elastic_wait_secs"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

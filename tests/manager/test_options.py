@@ -96,3 +96,20 @@ def test_max_to_keep_given_two_ways_must_agree(tmp_path):
   with pytest.raises(ValueError, match="disagree: give it one way"):
     CheckpointManager(tmp_path, max_to_keep=2,
                       retention=Retention(max_to_keep=3))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"local_directory": "/tmp/x", "local_every_steps": "auto"},
+     'local_every_steps="auto" is not offered'),
+    ({"mtbf_secs": 0}, "mtbf_secs must be a finite number of seconds > 0,"
+     " got 0"),
+    ({"mtbf_secs": float("inf")}, "mtbf_secs must be a finite number"),
+    ({"min_every_steps": 0}, "min_every_steps must be an int >= 1, got 0"),
+    ({"min_every_steps": 10, "max_every_steps": 5},
+     "min_every_steps=10 is above max_every_steps=5"),
+], ids=["local_auto", "mtbf_zero", "mtbf_inf", "min_zero", "min_above_max"])
+def test_fault_tolerance_refuses_bad_interval_options(kwargs, message):
+  with pytest.raises(ValueError) as e:
+    FaultTolerance(**kwargs)
+  assert message in str(e.value)
+
