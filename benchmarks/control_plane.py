@@ -34,6 +34,7 @@ and, with --json, writes them all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import collections
 import json
 import logging
@@ -615,6 +616,10 @@ def simulate_shares(n: int, *, leaves: int = 100,
         self.backend = backend_lib.MEMORY
         self.coordinator = groups.SoloCoordinator()
         self.manager = self
+
+      def reading(self, step: int):  # Nothing held in memory: the files.
+        del step
+        return contextlib.nullcontext(self.backend)
 
     def work(coord: SimCoordinator) -> list[int]:
       group = groups.Survivors(coord, members)

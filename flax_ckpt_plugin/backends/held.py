@@ -143,7 +143,8 @@ class HeldFile(RangedFile):
 class HeldStorage:
   """A backend's files of one step directory, with the data file this
   process wrote served from memory (`HeldFile`). What a restore's
-  `ByteReader` takes in place of the backend (`data_files.Storage`)."""
+  `ByteReader` takes in place of the backend (`data_files.Storage`); the
+  backend's other calls (the manifest's read) go to the backend."""
 
   def __init__(self, backend: Backend, step_dir: epath.Path,
                files: dict[str, tuple[int, list[Span]]]):
@@ -161,6 +162,9 @@ class HeldStorage:
                  lambda: self._backend.open_ranged(path, within))
     self.opened.append(f)
     return f
+
+  def __getattr__(self, name: str):
+    return getattr(self._backend, name)
 
   @property
   def held_bytes(self) -> int:

@@ -13,7 +13,7 @@ the docstrings are the class's (see docs/api.md).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from etils import epath
 
@@ -55,17 +55,20 @@ class Manager(Protocol):
   def wait_until_finished(self, timeout: float | None = None) -> bool:
     ...
 
+  def reading(self, step: int) -> ContextManager[Backend]:
+    ...
+
   def restore(self, target: Any, step: int | None = None, *,
               verify: bool = True,
               data_iterator: DataIterator | None = None,
               partial: bool = False, missing: str = "error",
-              cast: bool = False) -> Any:
+              cast: bool = False, rename: Any = None) -> Any:
     ...
 
   def restore_together(self, target: Any, step: int | None = None, *,
                        verify: bool = True,
                        data_iterator: DataIterator | None = None,
-                       cast: bool = False) -> Any:
+                       cast: bool = False, rename: Any = None) -> Any:
     ...
 
   def restore_newest_valid(self, target: Any, *, verify: bool = True,

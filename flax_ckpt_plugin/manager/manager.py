@@ -12,12 +12,13 @@ holds, whose methods it hands on under the same names.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import operator
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from etils import epath
 import jax
@@ -316,6 +317,18 @@ class CheckpointManager:
     # freed when the commit returns, before hooks and retention run.
     self._committer.start(functools.partial(self._commit, [inputs]),
                           description=f"step {step} in {self.directory}")
+
+  @contextlib.contextmanager
+  def reading(self, step: int) -> Iterator[interface.Backend]:
+    """The storage to read `step`'s files through, for a reader of its
+    own (the tolerance layer's): where this process still holds the
+    step's snapshot (the newest step it saved; see `backends.held`), its
+    data file comes from memory, checked as a file's by the reader; else
+    the directory's backend. The next save waits for the context to end.
+    """
+    with self._held.reading(step, self.directory / str(step),
+                            self.backend) as held:
+      yield self.backend if held is None else held
 
   def warm_up(self, state: Any) -> bool:
     """Sets up what saving `state` needs that the first save would

@@ -145,14 +145,18 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
 
   agree_all(meeting.under("shared"), share, where)
 
-  def prepare():
+  def prepare(storage: interface.Backend):
     saved = manifest_lib.parse(meetings.fetch_text(
         coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
-    return _prepare(saved, target, step_dir if holding else None, backend,
+    return _prepare(saved, target, step_dir if holding else None, storage,
                     me == source, set(holders), where,
                     devices or jax.devices())
 
-  prepared = agree_all(meeting.under("read"), prepare, where)
+  # The newest local step that this process saved comes from the snapshot
+  # it still holds (`CheckpointManager.reading`), not from its disk.
+  with local.manager.reading(step) as storage:
+    prepared = agree_all(meeting.under("read"), lambda: prepare(storage),
+                         where)
   return _run(*prepared)
 
 

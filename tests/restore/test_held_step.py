@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -24,6 +25,7 @@ from flax_ckpt_plugin.arrays import pinned
 from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import files
+from flax_ckpt_plugin.format import manifest as manifest_lib
 from helpers import adam_train_state
 from helpers import two_device_mesh
 
@@ -178,3 +180,28 @@ def test_newest_step_from_memory_with_pinned_snapshots(ckpt_dir, monkeypatch,
       _same(manager.restore(_state(0)), state)
       assert (manager.last_restore_stats.nbytes_from_memory
               == _data_bytes(manager, step))
+
+
+def test_the_tolerance_layer_reads_the_held_step_through_reading(ckpt_dir):
+  """`CheckpointManager.reading(step)`: what the survivors' save and an
+  elastic recovery read a local step through. The newest step's data file
+  comes from memory, byte for byte the file's; an older step's from disk."""
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, _state(1))
+    manager.wait_until_finished()
+    manager.save(2, _state(2))
+    manager.wait_until_finished()
+    name = files.data_file(0)
+    on_disk = (ckpt_dir / "2" / name).read_bytes()
+    with manager.reading(2) as storage:
+      step_dir = epath.Path(ckpt_dir) / "2"
+      f = storage.open_ranged(step_dir / name, within=step_dir)
+      for leaf in manifest_lib.read(step_dir, 2).leaves:
+        for shard in leaf.shards if leaf.is_array else ():
+          got = bytearray(shard.nbytes)
+          f.read_into(shard.offset, memoryview(got))
+          assert bytes(got) == on_disk[shard.offset:shard.offset
+                                       + shard.nbytes], leaf.path
+      assert storage.held_bytes == manager.metadata(2).total_bytes
+    with manager.reading(1) as storage:
+      assert storage is manager.backend
