@@ -64,6 +64,7 @@ import tempfile
 import time
 
 import bench
+import machine
 import scaling
 from flax_ckpt_plugin import Storage
 
@@ -339,7 +340,7 @@ def _disk_rates(directory: str | None, nbytes: int) -> dict:
       os.fsync(f.fileno())
     out["disk_write_fsync_gbps"] = n * chunk.nbytes / 1e9 / (
         time.perf_counter() - t)
-    out["disk_write_direct_gbps"] = _direct_write_rate(
+    out["disk_write_direct_gbps"] = machine.direct_write_gbps(
         os.path.join(root, "direct.bin"), n * chunk.nbytes)
     for name, evict in (("disk_read_gbps", True),
                         ("page_cache_read_gbps", False)):
@@ -355,38 +356,6 @@ def _disk_rates(directory: str | None, nbytes: int) -> dict:
   finally:
     shutil.rmtree(root, ignore_errors=True)
   return out
-
-
-def _direct_write_rate(path: str, nbytes: int) -> float | None:
-  """GB/s of the disk's sustained direct write: 8 threads writing 64 MB
-  pieces with direct I/O from page-aligned memory, then fsync (the rate a
-  save to durable is held to); None where the file system takes no
-  direct I/O."""
-  import concurrent.futures  # pylint: disable=g-import-not-at-top
-  import mmap  # pylint: disable=g-import-not-at-top
-  piece = 64 << 20
-  nbytes = max(piece, nbytes // piece * piece)
-  try:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
-  except OSError:
-    return None
-  buf = mmap.mmap(-1, piece)  # Page-aligned, as direct I/O needs.
-  buf.write(b"\x01" * piece)
-  view = memoryview(buf)
-  try:
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-      list(pool.map(lambda lo: os.pwrite(fd, view, lo),
-                    range(0, nbytes, piece)))
-    os.fsync(fd)
-    return nbytes / 1e9 / (time.perf_counter() - t)
-  except OSError:
-    return None
-  finally:
-    view.release()
-    buf.close()
-    os.close(fd)
-    os.unlink(path)
 
 
 def _direct_read_rate(root: str, path: str, nbytes: int) -> float | None:

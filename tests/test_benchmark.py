@@ -45,7 +45,8 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
                 "restore_cpu_secs", "restore_page_faults",
                 "warm_restore_vs_floor", "fresh_restore_secs",
                 "fresh_restore_cold_secs",
-                "fresh_restore_vs_parallel_floor"):
+                "fresh_restore_vs_parallel_floor", "restore_after_save_secs",
+                "restore_after_save_vs_parallel_floor", "direct_write_gbps"):
       assert figures[key] == figures[key], (system, key)  # Not NaN.
     run = result["runs"][system][0]
     assert len(run["blocking_secs"]) == 4  # Steps 2 and 4, in 2 rounds.
@@ -67,6 +68,7 @@ def test_tiny_benchmark_runs_both_systems_and_reports_every_figure(tmp_path):
   assert set(summary["ratios"]) == {"loop_overhead", "loop_overhead_steady",
                                     "blocking",
                                     "isolated_save", "warm_restore",
+                                    "restore_after_save",
                                     "fresh_restore", "fresh_restore_cold",
                                     "rss_peak"}
   # The lever A/B ran and reported every mode.
@@ -264,7 +266,8 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
   restored bit for bit, and nothing left under --dir."""
   out = tmp_path / "accel.json"
   proc = subprocess.run(
-      [sys.executable, str(ACCEL), "--layers", "2", "--width", "128",
+      # --gb: the state's size, here 2 layers of 128 x 128 with Adam.
+      [sys.executable, str(ACCEL), "--gb", "0.0004", "--width", "128",
        "--batch", "4", "--repeats", "1", "--first-after-secs", "0.1",
        "--loop-saves", "1", "--later-restores", "1", "--cold", "--dir",
        str(tmp_path), "--json", str(out)],
@@ -272,8 +275,10 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
       env={**os.environ, "FLAX_CKPT_PLUGIN_PINNED_CPU": "1"})
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   assert [p.name for p in tmp_path.iterdir()] == ["accel.json"]
-  result = json.loads(out.read_text())
+  result = json.loads(out.read_text())["0.0004GB"]
+  assert 0.3e6 < result["runs"]["ours"][0]["state_bytes"] < 0.5e6
   assert "ours/orbax" in proc.stdout and "machine: " in proc.stdout
+  assert "the disk's direct-write rate" in proc.stdout
   for system in ("ours", "ours_page_cache", "orbax"):
     run = result["runs"][system][0]
     for key in ("first_save_blocking_secs", "isolated_save_durable_secs",
@@ -283,10 +288,15 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
     # A difference of two loops' times: a few ms below 0 on a tiny state.
     assert math.isfinite(run["synced_overhead_per_save_secs"]), system
     assert len(run["later_save_blocking_secs"]) == 2  # One per loop.
-    stages = ["trained", "first_saved", "closed"]
+    stages = ["trained", "first_saved", "restored_after_save", "closed"]
+    assert run["restore_after_save_identical"] is True, system
+    assert run["restore_after_save_secs"] > 0, system
     if system != "orbax":
       assert run["pinned_path"] is True
       assert run["saves_bit_identical"] == [True] * 4, system
+      # From the pinned snapshot the save still held, not from the disk.
+      assert (run["restore_after_save_from_memory_bytes"]
+              == run["state_bytes"]), system
       stages.insert(1, "warmed_up")
     assert list(run["rss_gb_at"]) == stages, system
     assert list(run["restore_rss_gb_at"]) == ["opened", "restored",
@@ -296,7 +306,8 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
     assert all(0 < gb <= 1.02 * run["peak_rss_gb"]
                for gb in run["rss_gb_at"].values()), system
   for key in ("d2h_pinned_gbps", "h2d_pinned_gbps", "d2h_pageable_gbps",
-              "disk_read_gbps", "page_cache_read_gbps"):
+              "disk_read_gbps", "page_cache_read_gbps",
+              "disk_write_direct_gbps"):
     assert result["rates"][key] > 0, key
 
 
