@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.arrays.copies import Packed
+from flax_ckpt_plugin.arrays.pinned import PINNED
 from flax_ckpt_plugin.arrays.pinned import wait_ready
 from flax_ckpt_plugin.format.records import block_checksums
 from flax_ckpt_plugin.format.treepaths import extents
@@ -53,6 +54,21 @@ class ShardData:
       return self.data.unsafe_buffer_pointer()
     except Exception:  # pylint: disable=broad-except
       return None
+
+  @property
+  def on_host(self) -> bool:
+    """Whether the values are in host memory (a numpy array, pinned host
+    memory, a CPU device's memory): what a restore may still read after the
+    save (`backends.held`). A copy on an accelerator's own memory (a partner
+    copy just received) is not kept past its save."""
+    data = self.data.pack if isinstance(self.data, Packed) else self.data
+    if isinstance(data, np.ndarray):
+      return True
+    try:
+      return (data.sharding.memory_kind == PINNED
+              or next(iter(data.devices())).platform == "cpu")
+    except Exception:  # pylint: disable=broad-except
+      return False
 
   def host(self) -> np.ndarray:
     """The values as a host array (a zero-copy view of a staging or pinned
