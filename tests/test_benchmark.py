@@ -295,8 +295,9 @@ def test_tiny_accelerator_benchmark_reports_every_figure(tmp_path):
       assert run["pinned_path"] is True
       assert run["saves_bit_identical"] == [True] * 4, system
       # From the pinned snapshot the save still held, not from the disk.
-      assert (run["restore_after_save_from_memory_bytes"]
-              == run["state_bytes"]), system
+      assert (0.9 * run["state_bytes"]
+              <= run["restore_after_save_from_memory_bytes"]
+              <= run["state_bytes"]), system
       stages.insert(1, "warmed_up")
     assert list(run["rss_gb_at"]) == stages, system
     assert list(run["restore_rss_gb_at"]) == ["opened", "restored",

@@ -23,13 +23,16 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, TypeVar
 
 from etils import epath
 import numpy as np
 
 from flax_ckpt_plugin.backends.interface import Backend
 from flax_ckpt_plugin.backends.interface import RangedFile
+from flax_ckpt_plugin.logs import log
+
+T = TypeVar("T")
 
 
 class Span(NamedTuple):
@@ -135,6 +138,7 @@ class HeldFile(RangedFile):
       del src
 
   def close(self) -> None:
+    self._spans, self._starts = [], []
     if self._file is not None:
       self._file.close()
       self._file = None
@@ -151,6 +155,7 @@ class HeldStorage:
     self.reads_are_requests = backend.reads_are_requests
     self._backend, self._step_dir, self._files = backend, step_dir, files
     self.opened: list[HeldFile] = []
+    self._counted = 0  # Bytes from the files closed.
 
   def open_ranged(self, path: epath.Path, within: epath.Path) -> RangedFile:
     held = next((h for name, h in self._files.items()
@@ -169,17 +174,27 @@ class HeldStorage:
   @property
   def held_bytes(self) -> int:
     """Bytes the restore took from memory."""
-    return sum(f.held_bytes for f in self.opened)
+    return self._counted + sum(f.held_bytes for f in self.opened)
+
+  def close(self) -> None:
+    """Lets go of the snapshot: an error that keeps this storage alive
+    (in its traceback) keeps none of the memory."""
+    self._counted = self.held_bytes
+    for f in self.opened:
+      f.close()
+    self.opened, self._files = [], {}
 
 
 class HeldStep:
   """The newest step whose snapshot this process still holds, if any.
 
-  Set by the commit thread once a step is final (`hold`); dropped by the
-  next save before its snapshot reuses the memory, and when the manager
-  frees its staging or closes (`drop`, which waits for readers). A
-  restore reads through `reading`, which returns None where the step asked
-  for is not the one held.
+  Set by the commit thread once a step is final (`hold`). The next save
+  drops it before its snapshot reuses the memory (`drop`: it waits for
+  readers on other threads, and refuses a save made inside a read); a
+  restore lets it go once read, or at once if it reads another step
+  (`release`). Readers go through `reading`, which yields None where the
+  step asked for is not the one held, and `read`, which reads the files
+  instead where the held bytes fail their checks.
   """
 
   def __init__(self):
@@ -187,7 +202,7 @@ class HeldStep:
     self._step: int | None = None
     self._step_dir: epath.Path | None = None
     self._files: dict[str, tuple[int, list[Span]]] = {}
-    self._readers = 0
+    self._readers: dict[int, int] = {}  # Thread id: reads open on it.
 
   @property
   def step(self) -> int | None:
@@ -203,11 +218,32 @@ class HeldStep:
       self._files = {name: (size, spans)}
 
   def drop(self) -> None:
-    """Forgets the held step, once no restore reads it."""
+    """Forgets the held step once no other thread reads it (a save, whose
+    snapshot reuses the memory, calls it first).
+
+    Raises:
+      RuntimeError: this thread reads the held step (a save made inside
+        `reading` would overwrite what it reads).
+    """
+    me = threading.get_ident()
     with self._cond:
+      if self._readers.get(me):
+        raise RuntimeError(
+            f"a save while this thread reads the held snapshot of step"
+            f" {self._step}: its memory would be reused under the read")
       while self._readers:
         self._cond.wait()
-      self._step, self._step_dir, self._files = None, None, {}
+      self._forget()
+
+  def release(self) -> None:
+    """Forgets the held step, as `drop`, where no thread reads it (a
+    restore done with it); otherwise leaves it to the next save."""
+    with self._cond:
+      if not self._readers:
+        self._forget()
+
+  def _forget(self) -> None:
+    self._step, self._step_dir, self._files = None, None, {}
 
   @contextlib.contextmanager
   def reading(self, step: int, step_dir: epath.Path, backend: Backend
@@ -215,18 +251,45 @@ class HeldStep:
     """A storage for restoring `step` from `step_dir` that serves its held
     bytes from memory, kept held until the context ends; None if `step`
     is not held."""
+    me = threading.get_ident()
     with self._cond:
       if self._step != step or self._step_dir != step_dir:
         storage = None
       else:
         storage = HeldStorage(backend, step_dir, self._files)
-        self._readers += 1
+        self._readers[me] = self._readers.get(me, 0) + 1
     try:
       yield storage
     finally:
       if storage is not None:
-        for f in storage.opened:
-          f.close()
+        storage.close()  # Nothing of the snapshot outlives the read.
         with self._cond:
-          self._readers -= 1
+          self._readers[me] -= 1
+          if not self._readers[me]:
+            del self._readers[me]
           self._cond.notify_all()
+
+  def read(self, step: int, step_dir: epath.Path, backend: Backend,
+           fn: Callable[[Backend | HeldStorage], T],
+           damaged: type[BaseException], where: str) -> tuple[T, int]:
+    """`fn(storage)`, with `step`'s held bytes from memory where they are
+    held; returns its result and the bytes it took from memory.
+
+    Where the held bytes fail the reader's checks (`damaged`: memory went
+    bad after the save), the held step is dropped and `fn` runs again on
+    the backend's files, which are then what counts: a good step on the
+    disk is never taken for a damaged one because of this process's
+    memory.
+    """
+    with self.reading(step, step_dir, backend) as held:
+      if held is None:
+        return fn(backend), 0
+      try:
+        return fn(held), held.held_bytes
+      except damaged as e:
+        error = e
+    log.warning("%s: the snapshot of step %d held in memory failed its"
+                " checks (%s); reading the step from its files instead",
+                where, step, error)
+    self.release()
+    return fn(backend), 0

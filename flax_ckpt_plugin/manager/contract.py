@@ -13,7 +13,7 @@ the docstrings are the class's (see docs/api.md).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, Protocol
 
 from etils import epath
 
@@ -55,7 +55,7 @@ class Manager(Protocol):
   def wait_until_finished(self, timeout: float | None = None) -> bool:
     ...
 
-  def reading(self, step: int) -> ContextManager[Backend]:
+  def read_step(self, step: int, fn: Callable[[Backend], Any]) -> Any:
     ...
 
   def restore(self, target: Any, step: int | None = None, *,
@@ -73,7 +73,8 @@ class Manager(Protocol):
 
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
                            data_iterator: DataIterator | None = None,
-                           cast: bool = False) -> tuple[int, Any] | None:
+                           cast: bool = False, rename: Any = None
+                           ) -> tuple[int, Any] | None:
     ...
 
   def discard(self, steps: list[int]) -> None:

@@ -12,13 +12,12 @@ holds, whose methods it hands on under the same names.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import operator
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from etils import epath
 import jax
@@ -43,6 +42,7 @@ from flax_ckpt_plugin.save.commit import CommitHook
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.stats import StepMetadata
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
@@ -50,6 +50,8 @@ from flax_ckpt_plugin.restore.renaming import Rename
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
+
+T = TypeVar("T")
 
 
 def _reads(method: Any) -> Any:
@@ -318,17 +320,18 @@ class CheckpointManager:
     self._committer.start(functools.partial(self._commit, [inputs]),
                           description=f"step {step} in {self.directory}")
 
-  @contextlib.contextmanager
-  def reading(self, step: int) -> Iterator[interface.Backend]:
-    """The storage to read `step`'s files through, for a reader of its
-    own (the tolerance layer's): where this process still holds the
-    step's snapshot (the newest step it saved; see `backends.held`), its
-    data file comes from memory, checked as a file's by the reader; else
-    the directory's backend. The next save waits for the context to end.
+  def read_step(self, step: int, fn: Callable[[interface.Backend], T]) -> T:
+    """`fn(storage)`: `fn` reads `step`'s files through `storage` (the
+    tolerance layer's readers). Where this process still holds the step's
+    snapshot (the newest step it saved; see `backends.held`), its data
+    file comes from memory, checked by the reader as a file's; if those
+    bytes fail the checks, `fn` runs again on the files. `fn` must not
+    save (a save waits for the read to end, and raises inside it).
     """
-    with self._held.reading(step, self.directory / str(step),
-                            self.backend) as held:
-      yield self.backend if held is None else held
+    result, _ = self._held.read(step, self.directory / str(step),
+                                self.backend, fn, CheckpointCorruptedError,
+                                f"reading step {step} of {self.directory}")
+    return result
 
   def warm_up(self, state: Any) -> bool:
     """Sets up what saving `state` needs that the first save would
@@ -508,9 +511,11 @@ class CheckpointManager:
   @_reads(DirectoryReader.restore_newest_valid)
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
                            data_iterator: datastate.DataIterator | None = None,
-                           cast: bool = False) -> tuple[int, Any] | None:
+                           cast: bool = False, rename: Rename | None = None
+                           ) -> tuple[int, Any] | None:
     return self._reader.restore_newest_valid(
-        target, verify=verify, data_iterator=data_iterator, cast=cast)
+        target, verify=verify, data_iterator=data_iterator, cast=cast,
+        rename=rename)
 
   @_reads(DirectoryReader.discard)
   def discard(self, steps: list[int]) -> None:

@@ -14,11 +14,10 @@ sets damaged steps aside.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, TypeVar
 
 from etils import epath
 import numpy as np
@@ -35,6 +34,7 @@ from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import shared_read
+from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.tree import plain_target
@@ -42,6 +42,8 @@ from flax_ckpt_plugin.restore.tree import restore_tree
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import step_metadata
 from flax_ckpt_plugin.stats import StepMetadata
+
+T = TypeVar("T")
 
 
 def _not_a_step(target: Any, step: int | None) -> None:
@@ -287,13 +289,12 @@ class DirectoryReader:
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
     if target is None:
       target = plain_target(manifest.leaves, rename)
-    with self._storage(step, step_dir) as storage:
-      tree, nbytes = restore_tree(step_dir, manifest, target, verify=verify,
-                                  backend=storage, partial=partial,
-                                  missing=missing, cast=cast, rename=rename)
+    (tree, nbytes), from_memory = self._read_step(
+        step, step_dir, lambda storage: restore_tree(
+            step_dir, manifest, target, verify=verify, backend=storage,
+            partial=partial, missing=missing, cast=cast, rename=rename))
     self.last_restore_stats = RestoreStats(
-        step, time.perf_counter() - t0, nbytes,
-        getattr(storage, "held_bytes", 0))
+        step, time.perf_counter() - t0, nbytes, from_memory)
     if hand_over is not None:
       hand_over()
     return tree
@@ -337,42 +338,48 @@ class DirectoryReader:
       return None if data_iterator is None else datastate.prepare(
           data_iterator, step_dir, manifest, self.coordinator, self.backend)
 
-    with self._storage(step, step_dir) as storage:
-      tree, nbytes, hand_over = shared_read.restore(
-          meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
-          step_dir, read_manifest, target, step=step,
-          reads_manifest=self.is_primary, backend=storage, verify=verify,
-          before=before, cast=cast, rename=rename)
-    self.last_restore_stats = RestoreStats(
-        step, time.perf_counter() - t0, nbytes,
-        getattr(storage, "held_bytes", 0))
+    # From the files, even where this process holds the step in memory:
+    # a read of held bytes that failed its checks would be read again
+    # here alone, while the others go on to the collectives.
+    self._held.release()
+    self._free_staging()
+    tree, nbytes, hand_over = shared_read.restore(
+        meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
+        step_dir, read_manifest, target, step=step,
+        reads_manifest=self.is_primary, backend=self.backend, verify=verify,
+        before=before, cast=cast, rename=rename)
+    self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
+                                           nbytes)
     if hand_over is not None:
       hand_over()
     return tree
 
-  @contextlib.contextmanager
-  def _storage(self, step: int, step_dir: epath.Path
-               ) -> Iterator[data_files.Storage]:
-    """What a restore of `step` reads through: the snapshot this process
-    still holds of it, where it does (`backends.held`; the bytes come from
-    memory, checked as a file's), else the backend.
+  def _read_step(self, step: int, step_dir: epath.Path,
+                 read: Callable[[data_files.Storage], T]) -> tuple[T, int]:
+    """`read(storage)` for a restore of `step` on this process alone, and
+    the bytes it took from memory: where this process still holds the
+    step's snapshot (`backends.held`), its data file comes from there,
+    checked as a file's (a check that fails reads the files instead).
 
     A restore allocates a whole state of its own: the save's staging
     memory is freed first, so host memory peaks at one extra state, not
-    two; a held snapshot of the step read is freed once read. (A running
-    commit keeps its own references; the next save maps new memory.)
+    two; a held snapshot is freed once read (at once, where another step
+    is read). (A running commit keeps its own references; the next save
+    maps new memory.)
     """
+    if self._held.step != step:
+      self._held.release()
+    self._free_staging()
     try:
-      with self._held.reading(step, step_dir, self.backend) as held:
-        if held is None:
-          self._held.drop()
-        self._free_staging()
-        yield self.backend if held is None else held
-        if held is not None and held.held_bytes:
-          log.info("restore of step %d of %s: %d bytes from the snapshot"
-                   " held in memory", step, self.directory, held.held_bytes)
+      result, from_memory = self._held.read(
+          step, step_dir, self.backend, read, CheckpointCorruptedError,
+          f"restore of {self.directory}")
     finally:
-      self._held.drop()
+      self._held.release()
+    if from_memory:
+      log.info("restore of step %d of %s: %d bytes from the snapshot held in"
+               " memory", step, self.directory, from_memory)
+    return result, from_memory
 
   def _shares_reads(self, target: Any) -> bool:
     """Whether the processes share the reading of `target`: it has
@@ -415,7 +422,9 @@ class DirectoryReader:
 
   def restore_newest_valid(self, target: Any, *, verify: bool = True,
                            data_iterator: datastate.DataIterator | None = None,
-                           cast: bool = False) -> tuple[int, Any] | None:
+                           cast: bool = False,
+                           rename: renaming.Rename | None = None
+                           ) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
 
     Called on every process; see `fallback`. A step whose files fail
@@ -430,6 +439,7 @@ class DirectoryReader:
       data_iterator: as for `restore`; a step without this process's data
         state (but others') is skipped, and kept.
       cast: convert dtypes, as for `restore`.
+      rename: checkpoint paths to target paths, as for `restore`.
 
     Returns:
       (step, restored tree), or None when the directory has no finalized
@@ -451,7 +461,7 @@ class DirectoryReader:
         steps=self.all_steps,
         restore=lambda step: self.restore_together(
             target, step, verify=verify, data_iterator=data_iterator,
-            cast=cast),
+            cast=cast, rename=rename),
         is_primary=self.is_primary,
         where=str(self.directory))
     if found is not None:  # Every process restored it.
@@ -486,6 +496,6 @@ class DirectoryReader:
       return
     self.forget(steps)
     if self._held.step in steps:
-      self._held.drop()
+      self._held.release()
     if self.is_primary:
       remove()

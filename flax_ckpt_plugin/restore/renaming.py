@@ -126,10 +126,11 @@ class Renaming:
         return path
     if new is None:
       return None
-    if not isinstance(new, str) or not new:
+    if not isinstance(new, str) or not new or "" in new.split("/"):
       raise RenameError(f"{what} gives checkpoint leaf {path!r} the name"
                         f" {new!r:.80}: a target path is a non-empty string"
-                        " (or None, to drop the leaf)")
+                        " of non-empty names between slashes (or None, to"
+                        " drop the leaf)")
     return new
 
   def names(self, paths: Iterable[str]) -> dict[str, str]:
@@ -149,6 +150,18 @@ class Renaming:
             f"rename gives checkpoint leaves {out[new]!r} and {path!r} the"
             f" same target path {new!r}")
       out[new] = path
+    if self.renames:
+      # A leaf's path may not be a folder of another's ('x' and 'x/y').
+      for b in out:
+        parts = b.split("/")
+        a = next((a for a in ("/".join(parts[:k])
+                              for k in range(1, len(parts))) if a in out),
+                 None)
+        if a is not None:
+          raise RenameError(
+              f"rename gives checkpoint leaf {out[a]!r} the target path"
+              f" {a!r} and {out[b]!r} the path {b!r} inside it: a leaf"
+              " cannot also hold leaves")
     return out
 
   def apply(self, leaves: Iterable[LeafRecord]) -> dict[str, LeafRecord]:

@@ -9,7 +9,9 @@ the rename (`renaming`) and the match against the target (every leaf
 without a tensor and every tensor without a leaf in one message), casts
 (`casting`), and each process reading only the byte ranges of the regions
 its devices of the target's shardings hold, straight into the arrays it
-builds (no host copy of a whole tensor, let alone of the file). Nothing
+builds (no host copy of a whole tensor, let alone of the file; on object
+stores, where reads are requests, a region that cuts a tensor along a
+later axis is read as whole rows of it). Nothing
 here meets another process: every process calls it with the same target,
 and each reads its own part.
 """
@@ -51,13 +53,16 @@ def _header(folder: epath.Path, name: str, backend: interface.Backend,
     f.close()
 
 
-def _local_within(folder: epath.Path, names: list[str]) -> epath.Path:
-  """The folder no file may lead outside: the one the files' real paths
-  share with `folder`'s (the hub's cache links each file of a snapshot
-  to a blob two folders up)."""
-  real = [os.path.realpath(os.fspath(folder))] + [
-      os.path.realpath(os.fspath(folder / n)) for n in names]
-  return epath.Path(os.path.commonpath(real))
+def _local_within(folder: epath.Path) -> epath.Path:
+  """The folder no file may lead outside: `folder` itself, or where it is
+  a revision of the hub's cache (`<repo>/snapshots/<revision>/`, whose
+  files link to `<repo>/blobs/`), that repository's folder. A link that
+  leads elsewhere is refused, naming it."""
+  real = os.path.realpath(os.fspath(folder))
+  parent = os.path.dirname(real)
+  if os.path.basename(parent) == "snapshots":
+    return epath.Path(os.path.dirname(parent))
+  return epath.Path(real)
 
 
 def source(path_or_dir: epath.PathLike, backend: interface.Backend | None = None
@@ -96,7 +101,7 @@ def source(path_or_dir: epath.PathLike, backend: interface.Backend | None = None
     wanted = st.weight_map(text, str(path))
     names = sorted(set(wanted.values()))
   local = "://" not in os.fspath(folder)
-  within = _local_within(folder, names) if local else folder
+  within = _local_within(folder) if local else folder
   by_file, sizes = {}, {}
   for name in names:
     try:

@@ -56,14 +56,17 @@ class ShardData:
       return None
 
   @property
-  def on_host(self) -> bool:
-    """Whether the values are in host memory (a numpy array, pinned host
-    memory, a CPU device's memory): what a restore may still read after the
-    save (`backends.held`). A copy on an accelerator's own memory (a partner
-    copy just received) is not kept past its save."""
+  def holdable(self) -> bool:
+    """Whether a restore may still read the values after the save
+    (`backends.held`): a staging copy on a CPU device, or pinned host
+    memory, which the next save reuses anyway. Not a numpy copy (a plain
+    transfer past the pinned budget, or after the runtime refused pinned
+    memory; a numpy leaf): that pageable memory is freed with its save,
+    as a budget asks. Not a copy in an accelerator's own memory (a partner
+    copy just received)."""
     data = self.data.pack if isinstance(self.data, Packed) else self.data
     if isinstance(data, np.ndarray):
-      return True
+      return False
     try:
       return (data.sharding.memory_kind == PINNED
               or next(iter(data.devices())).platform == "cpu")

@@ -126,7 +126,7 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
   return Written(sum(e["nbytes"] for e in entries), name if shards else None,
                  offset, [Span(e["offset"], e["nbytes"], s.host_bytes)
                           for e, (_, s) in zip(entries, shards)
-                          if s.on_host])
+                          if s.holdable])
 
 
 def _write_data(out: interface.StepWriter, name: str,

@@ -153,10 +153,9 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
                     devices or jax.devices())
 
   # The newest local step that this process saved comes from the snapshot
-  # it still holds (`CheckpointManager.reading`), not from its disk.
-  with local.manager.reading(step) as storage:
-    prepared = agree_all(meeting.under("read"), lambda: prepare(storage),
-                         where)
+  # it still holds (`CheckpointManager.read_step`), not from its disk.
+  prepared = agree_all(meeting.under("read"),
+                       lambda: local.manager.read_step(step, prepare), where)
   return _run(*prepared)
 
 

@@ -193,15 +193,17 @@ def share_out(meeting: meetings.Meeting, manager: Manager,
     if m is None:
       return [_leaf_share(leaf, set(), None, manifest)
               for leaf in manifest.leaves], None
-    # The newest step this process saved comes from the snapshot it still
-    # holds (`CheckpointManager.reading`), not from its disk.
-    with manager.reading(step) as storage:
+    def leaves_through(storage) -> list[LeafSnapshot]:
       reader = ByteReader(step_dir, m.files, storage)
       try:
-        leaves = [_leaf_share(leaf, mine.get(leaf.path, set()), reader, m)
-                  for leaf in m.leaves]
+        return [_leaf_share(leaf, mine.get(leaf.path, set()), reader, m)
+                for leaf in m.leaves]
       finally:
         reader.close()
+
+    # The newest step this process saved comes from the snapshot it still
+    # holds (`CheckpointManager.read_step`), not from its disk.
+    leaves = manager.read_step(step, leaves_through)
     data = datastate.of_step(step_dir, m, manager.coordinator,
                              manager.backend)
     return leaves, None if data is None else datastate.encode(data)

@@ -60,6 +60,14 @@ def _data_bytes(manager: CheckpointManager, step: int) -> int:
   return manager.metadata(step).total_bytes
 
 
+def _from_memory(manager: CheckpointManager, step: int) -> bool:
+  """Whether the last restore took the step's arrays from memory: every
+  byte of the large matrix at least (the snapshot holds the staging and
+  pinned copies; numpy leaves are copies freed with their save)."""
+  got = manager.last_restore_stats.nbytes_from_memory
+  return _state(0)["w"].nbytes <= got <= _data_bytes(manager, step)
+
+
 def test_newest_step_restores_from_memory_bit_identical(ckpt_dir):
   with CheckpointManager(ckpt_dir) as manager:
     for step in (1, 2, 3):  # The first save's copies, then reused ones.
@@ -70,7 +78,7 @@ def test_newest_step_restores_from_memory_bit_identical(ckpt_dir):
       _same(restored, state)
       stats = manager.last_restore_stats
       assert stats.step == step
-      assert stats.nbytes_from_memory == _data_bytes(manager, step) > 0
+      assert _from_memory(manager, step)
     # Once read, the snapshot is let go: the next restore reads the disk.
     again = manager.restore(_state(0))
     _same(again, _state(3))
@@ -124,26 +132,62 @@ def test_train_state_restores_from_memory(ckpt_dir):
     assert manager.last_restore_stats.nbytes_from_memory > 0
 
 
-def test_damaged_memory_is_caught_by_the_checksums(ckpt_dir):
-  """The held bytes are checked as a file's are. Memory that went bad
-  cannot be produced on demand: the held span of the matrix's first shard
-  is replaced by a copy with one byte flipped (a fake, for the fault)."""
-  with CheckpointManager(ckpt_dir) as manager:
-    state = _state(5)
-    manager.save(5, state)
-    manager.wait_until_finished()
+def test_damaged_memory_is_read_again_from_the_files(ckpt_dir, caplog):
+  """The held bytes are checked as a file's are; where they fail, the step
+  is read from its files, and a good step is never set aside for this
+  process's memory. Memory that went bad cannot be produced on demand:
+  the held span of the matrix's first shard is replaced by a copy with
+  one byte flipped (a fake, for the fault)."""
+
+  def damage(manager):
     held = manager._held  # pylint: disable=protected-access
     name = files.data_file(0)
     size, spans = held._files[name]  # pylint: disable=protected-access
     first = max(spans, key=lambda s: s.nbytes)
     bad = first.view().copy()
     bad[12345] ^= 0xFF
-    spans = [s if s is not first else held_lib.Span(s.offset, s.nbytes,
-                                                   lambda: bad)
-             for s in spans]
-    held._files[name] = (size, spans)  # pylint: disable=protected-access
-    with pytest.raises(CheckpointCorruptedError, match="'w'"):
-      manager.restore(_state(0))
+    held._files[name] = (size, [  # pylint: disable=protected-access
+        s if s is not first else held_lib.Span(s.offset, s.nbytes,
+                                               lambda: bad)
+        for s in spans])
+
+  with CheckpointManager(ckpt_dir) as manager:
+    for step in (4, 5):
+      manager.save(step, _state(step))
+      manager.wait_until_finished()
+    damage(manager)
+    with caplog.at_level("WARNING", logger="flax_ckpt_plugin"):
+      _same(manager.restore(_state(0)), _state(5))
+    assert "held in memory failed its checks" in caplog.text
+    assert manager.last_restore_stats.nbytes_from_memory == 0
+    manager.save(6, _state(6))
+    manager.wait_until_finished()
+    damage(manager)
+    step, restored = manager.restore_newest_valid(_state(0))
+    assert step == 6
+    _same(restored, _state(6))
+    assert manager.all_steps() == [4, 5, 6]  # Nothing set aside.
+    assert sorted(p.name for p in ckpt_dir.iterdir()
+                  if not p.name.startswith("_")) == ["4", "5", "6"]
+
+
+def test_a_save_inside_a_read_of_the_held_step_is_refused(ckpt_dir):
+  """A save would reuse the memory under the read: a clear error, never a
+  hang."""
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, _state(1))
+    manager.wait_until_finished()
+
+    def save_inside(storage):
+      del storage
+      with pytest.raises(RuntimeError, match="reads the held snapshot"):
+        manager.save(2, _state(2))
+      return "read"
+
+    assert manager.read_step(1, save_inside) == "read"
+    manager.save(2, _state(2))  # Once the read is over.
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1, 2]
 
 
 def test_a_save_waits_for_a_restore_reading_the_held_step(ckpt_dir):
@@ -178,14 +222,14 @@ def test_newest_step_from_memory_with_pinned_snapshots(ckpt_dir, monkeypatch,
       manager.save(step, state)
       manager.wait_until_finished()
       _same(manager.restore(_state(0)), state)
-      assert (manager.last_restore_stats.nbytes_from_memory
-              == _data_bytes(manager, step))
+      assert _from_memory(manager, step)
 
 
-def test_the_tolerance_layer_reads_the_held_step_through_reading(ckpt_dir):
-  """`CheckpointManager.reading(step)`: what the survivors' save and an
-  elastic recovery read a local step through. The newest step's data file
-  comes from memory, byte for byte the file's; an older step's from disk."""
+def test_the_tolerance_layer_reads_the_held_step_through_read_step(ckpt_dir):
+  """`CheckpointManager.read_step(step, fn)`: what the survivors' save and
+  an elastic recovery read a local step through. The newest step's data
+  file comes from memory, byte for byte the file's; an older step's from
+  disk."""
   with CheckpointManager(ckpt_dir) as manager:
     manager.save(1, _state(1))
     manager.wait_until_finished()
@@ -193,8 +237,9 @@ def test_the_tolerance_layer_reads_the_held_step_through_reading(ckpt_dir):
     manager.wait_until_finished()
     name = files.data_file(0)
     on_disk = (ckpt_dir / "2" / name).read_bytes()
-    with manager.reading(2) as storage:
-      step_dir = epath.Path(ckpt_dir) / "2"
+    step_dir = epath.Path(ckpt_dir) / "2"
+
+    def read_all(storage):
       f = storage.open_ranged(step_dir / name, within=step_dir)
       for leaf in manifest_lib.read(step_dir, 2).leaves:
         for shard in leaf.shards if leaf.is_array else ():
@@ -202,6 +247,8 @@ def test_the_tolerance_layer_reads_the_held_step_through_reading(ckpt_dir):
           f.read_into(shard.offset, memoryview(got))
           assert bytes(got) == on_disk[shard.offset:shard.offset
                                        + shard.nbytes], leaf.path
-      assert storage.held_bytes == manager.metadata(2).total_bytes
-    with manager.reading(1) as storage:
-      assert storage is manager.backend
+      return storage.held_bytes
+
+    assert (_state(0)["w"].nbytes <= manager.read_step(2, read_all)
+            <= _data_bytes(manager, 2))
+    assert manager.read_step(1, lambda storage: storage) is manager.backend

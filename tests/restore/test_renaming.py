@@ -63,6 +63,14 @@ def test_rules_restore_renamed_layers_and_drop_the_old_head(saved):
                      if k != "head" for v in layer.values())
 
 
+def test_restore_newest_valid_renames_too(saved):
+  """The resume path: the newest step that restores everywhere, renamed."""
+  with CheckpointManager(saved) as m:
+    step, restored = m.restore_newest_valid(_new(), rename=RULES)
+  assert step == 11
+  _check_values(restored)
+
+
 def test_a_function_renames_as_the_rules_do(saved):
   def rename(path):
     if path.startswith("params/head/"):
@@ -155,11 +163,26 @@ def test_two_leaves_renamed_to_one_path_are_refused_naming_both(saved):
       m.restore(None, rename={r"params/Dense_\d/(.*)": r"params/\1"})
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_leaf_renamed_into_another_leaf_is_refused_naming_both(saved,
+                                                                 order):
+  """'x' and 'x/y' cannot both be leaves, in whichever order the rules
+  come."""
+  rules = [(r"params/Dense_0/bias", "params/x"),
+           (r"params/Dense_0/kernel", "params/x/y")][::order]
+  with CheckpointManager(saved) as m:
+    for target in (None, "tree"):
+      with pytest.raises(RenameError, match=r"'params/x/y' inside it"):
+        m.restore(None if target is None else {"params": {"x": 0}},
+                  rename=rules, partial=target is not None)
+
+
 @pytest.mark.parametrize("rename, message", [
     ({"(": "x"}, r"rename rule '\(': not a regular expression"),
     ({"params/(.*)": r"\2"}, r"rename rule 'params/\(\.\*\)' -> '\\\\2' on"),
     ({"params/(.*)": 3}, r"the replacement a string or None, got 3"),
     (lambda path: "", r"the rename function gives checkpoint leaf"),
+    ({"params/(.*)": r"p//\1"}, r"non-empty names between slashes"),
 ])
 def test_a_wrong_rename_is_a_value_error_naming_the_rule(saved, rename,
                                                           message):

@@ -119,6 +119,31 @@ def test_a_file_an_index_or_a_folder_name_the_same_tensors(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, loads[0], other)
 
 
+def test_the_hub_cache_layout_loads_and_links_elsewhere_are_refused(
+    tmp_path):
+  """The hub's cache: `<repo>/snapshots/<revision>/` holds links to
+  `<repo>/blobs/`. A link that leads out of that repository (here to
+  another folder's weights) is refused, naming the file."""
+  tensors = {"a": np.arange(6, dtype=np.float32), "b": np.ones(3, np.int8)}
+  repo = tmp_path / "models--org--name"
+  (repo / "blobs").mkdir(parents=True)
+  save_file(tensors, str(repo / "blobs" / "0123abcd"))
+  revision = repo / "snapshots" / "fedcba98"
+  revision.mkdir(parents=True)
+  os.symlink("../../blobs/0123abcd", revision / "model.safetensors")
+  plain = load_safetensors(revision, None)
+  np.testing.assert_array_equal(plain["a"], tensors["a"])
+  np.testing.assert_array_equal(plain["b"], tensors["b"])
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  save_file(tensors, str(elsewhere / "other.safetensors"))
+  folder = tmp_path / "folder"
+  folder.mkdir()
+  os.symlink(elsewhere / "other.safetensors", folder / "model.safetensors")
+  with pytest.raises(CheckpointCorruptedError, match="model.safetensors"):
+    load_safetensors(folder, None)
+
+
 def test_without_a_target_the_tensors_come_back_as_nested_numpy(tmp_path):
   tensors = {"a.b": np.arange(6, dtype=np.int16).reshape(2, 3),
              "a.c": np.ones(2, ml_dtypes.bfloat16), "d": np.array(3, np.float32)}
