@@ -163,6 +163,8 @@ PRINTS = {
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
     " metric_writer=writer)": ["scalars 1000 ['checkpoint/blocking_secs',"],
     "docs/integrations.md:import subprocess": ["durable: 1000 "],
+    "docs/usage.md:import time": ["[1, 3]"],
+    "docs/usage.md:import os": ["['4', '5', '_WRITER']"],
 }
 
 
