@@ -404,7 +404,9 @@ class CheckpointManager:
   def _queue_deletes(self, doomed: list[int], after: int) -> None:
     """The primary queues `doomed` and raises an earlier delete's error."""
     if self.is_primary:
-      error = self._deletions.take_error()  # Before: not these steps'.
+      # An earlier delete's error, taken before these steps are queued: an
+      # error of theirs waits for a later retention.
+      error = self._deletions.take_error()
       self._deletions.submit(doomed, after, self.check_still_writer)
       if error is not None:
         raise error

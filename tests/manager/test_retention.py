@@ -396,6 +396,18 @@ def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
   assert finalized_steps_on_disk(tmp_path) == [2]
 
 
+def test_list_names_the_time_rules_that_keep_each_step(tmp_path, capsys):
+  with CheckpointManager(tmp_path, retention=Retention(
+      max_to_keep=1, keep_every_secs=3600, keep_for_secs=86400)) as mngr:
+    for step in (1, 2, 3):
+      mngr.save(step, _state(step))
+  assert cli.main(["list", os.fspath(tmp_path)]) == 0
+  rows = capsys.readouterr().out.splitlines()
+  assert rows[1].endswith("every 1h, younger than 1d")
+  assert rows[2].endswith("younger than 1d")
+  assert rows[3].endswith("newest, newest 1, younger than 1d")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
