@@ -423,6 +423,19 @@ def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
   assert finalized_steps_on_disk(tmp_path / "ckpt") == [2, 4, 6]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_real_processes_keep_by_the_primary_s_clock(tmp_path):
+  out = [r.json for r in run_workers("time_rules", 2,
+                                     args=[tmp_path / "ckpt"], timeout=180)]
+  assert out[0] == out[1]
+  listed = out[0]["listed"]
+  assert listed["3"] == [1, 3]
+  assert listed["4"] == [1, 4]  # 40 s after step 1, by the primary's clock.
+  assert listed["6"] == [1, 4, 6]  # Process 1 alone would have kept [1, 6].
+  assert finalized_steps_on_disk(tmp_path / "ckpt") == [1, 4, 6]
+
+
 def test_retention_keeps_the_newest_step_known_to_restore():
   assert steps_to_delete([1, 6], 1, None) == [1]
   assert steps_to_delete([1, 6], 1, None, protect=1) == []
