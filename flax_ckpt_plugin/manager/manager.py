@@ -411,21 +411,27 @@ class CheckpointManager:
       if error is not None:
         raise error
 
-  def wait_until_finished(self, timeout: float | None = None) -> bool:
+  def wait_until_finished(self, timeout: float | None = None, *,
+                          deletes: bool = True) -> bool:
     """Blocks until the running save is finalized and retention's
     deletes are done; raises the save's error. A delete's error is raised
     by the next save whose retention deletes, on every process (see
     `deletions`), or by `close`.
 
-    Returns False, raising nothing, if either still runs after `timeout`
-    secs.
+    Args:
+      timeout: at most this many seconds; None: as long as it takes.
+      deletes: wait for retention's deletes too; False: for the save
+        alone (a preemption stop: they are left to `close`).
+
+    Returns:
+      False, raising nothing, if either still runs after `timeout` secs.
     """
     start = time.monotonic()
     if not self._committer.join(timeout):
       return False
     left = None if timeout is None else max(
         0.0, timeout - (time.monotonic() - start))
-    if not self._deletions.wait(left):
+    if deletes and not self._deletions.wait(left):
       return False
     self._committer.check()
     return True
