@@ -332,3 +332,23 @@ def test_tiny_save_call_benchmark_reports_every_call(tmp_path):
     assert f"median of {calls}" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["save_call.json"]
     out.unlink()
+
+
+@pytest.mark.multiprocess
+def test_tiny_deletes_benchmark_reports_both_configurations(tmp_path):
+  """deletes.py, tiny: a GCS emulator behind the delay proxy, both
+  configurations, every save's call and time to durable."""
+  script = pathlib.Path(__file__).parent.parent / "benchmarks" / "deletes.py"
+  out = tmp_path / "deletes.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), "--files", "20", "--saves", "3",
+       "--every-secs", "0.2", "--delay-ms", "5", "--elements", "64",
+       "--json", str(out)], capture_output=True, text=True, timeout=300,
+      check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert [r["max_to_keep"] for r in result["results"]] == [None, 2]
+  for r in result["results"]:
+    assert len(r["save_call_secs"]) == len(r["durable_secs"]) == 3
+    assert 0 < r["save_call_median"] <= r["durable_median"]
+  assert "max_to_keep=2: save call median" in proc.stdout

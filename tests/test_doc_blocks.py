@@ -171,6 +171,8 @@ PRINTS = {
         ["32.0", "128"],
     "docs/integrations.md:import jax": [
         "bfloat16 P('fsdp',) 768.0"],
+    "docs/usage.md:import time": ["[1, 3]"],
+    "docs/usage.md:import os": ["['4', '5', '_WRITER']"],
 }
 
 

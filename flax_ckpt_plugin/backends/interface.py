@@ -95,6 +95,11 @@ class Backend(abc.ABC):
   # Whether each read is a request (restore then fetches the span of blocks
   # around many small ranges in one read).
   reads_are_requests: bool
+  # Whether retention deletes steps in the background, off the save's path
+  # (see `manager.deletions`); False where a delete must be done before
+  # the next save begins (a file system in memory hands the deleted step's
+  # data file to the next save's snapshot).
+  deletes_in_background: bool = True
 
   @abc.abstractmethod
   def as_path(self, given: str) -> epath.Path:

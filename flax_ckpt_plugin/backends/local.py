@@ -192,6 +192,11 @@ class MemoryBackend(LocalBackend):
   save to save (`memfile`): a copy into mapped pages took 0.07 s per GB.
   """
 
+  # A delete moves the step's data file to `SPARE_FILE`, where the next
+  # save's snapshot is taken: it is done before that save begins. (It is
+  # also a rename and an unlink in memory: nothing to wait for.)
+  deletes_in_background = False
+
   def write_small(self, path: epath.Path, text: str) -> None:
     with open(os.fspath(path), "w", encoding="utf-8") as f:
       f.write(text)

@@ -326,8 +326,8 @@ class CheckpointCallback:
     if persistent:
       self.triggers.save_ended()
     self._call_ended()
-    if self._preempted_at == step:
-      self.wait_until_finished()
+    if self._preempted_at == step:  # Durable; deletes are left to close.
+      self._wait_until_durable(deletes=False)
       self.should_stop = True
       log.warning("preemption checkpoint of step %d is durable in %s; the"
                   " loop should stop", step, self.directory)
@@ -434,14 +434,18 @@ class CheckpointCallback:
     return done.state
 
   def wait_until_finished(self) -> None:
-    """Blocks until the running save is durable; raises its error.
+    """Blocks until the running save is durable and retention's deletes
+    are done; raises the save's error.
 
     Raises:
       RuntimeError: the callback is closed.
     """
     self._check_open()
+    self._wait_until_durable(deletes=True)
+
+  def _wait_until_durable(self, *, deletes: bool) -> None:
     try:
-      self.tiers.wait_until_finished()
+      self.tiers.wait_until_finished(deletes=deletes)
     finally:
       self._metrics.flush()
 

@@ -286,12 +286,13 @@ class Tiers:
           "elastic/live_processes": len(done.members)})
     return Restored(done.state, done.step, tier, done.extra, regrouped=True)
 
-  def wait_until_finished(self) -> None:
-    """Blocks until each tier's running save is durable; raises its error
+  def wait_until_finished(self, *, deletes: bool = True) -> None:
+    """Blocks until each tier's running save is durable (and, with
+    `deletes`, retention's deletes are done); raises its error
     (`PeerLostError` instead, once a peer was lost)."""
     try:
-      self.manager.wait_until_finished()
-      self.quietly("save", lambda m: m.wait_until_finished())
+      self.manager.wait_until_finished(deletes=deletes)
+      self.quietly("save", lambda m: m.wait_until_finished(deletes=deletes))
     except Exception as e:
       self.raise_instead(e)
       raise

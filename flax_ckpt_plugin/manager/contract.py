@@ -52,7 +52,8 @@ class Manager(Protocol):
            ) -> None:
     ...
 
-  def wait_until_finished(self, timeout: float | None = None) -> bool:
+  def wait_until_finished(self, timeout: float | None = None, *,
+                          deletes: bool = True) -> bool:
     ...
 
   def read_step(self, step: int, fn: Callable[[Backend], Any]) -> Any:

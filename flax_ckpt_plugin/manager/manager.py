@@ -32,6 +32,7 @@ from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.save import pinned_staging
+from flax_ckpt_plugin.manager import deletions as deletions_lib
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.format import files
@@ -69,6 +70,9 @@ class CheckpointManager:
   Called on every process. `save` blocks only for a host snapshot; a
   background thread writes and commits. An error in the background is raised
   on the next call to `save`, `restore`, `wait_until_finished` or `close`.
+  Retention's deletes run on another background thread of the primary
+  host, after the commit (see `deletions`): the next save does not wait
+  for them, unless `Retention(wait_for_deletes=True)`.
 
   Args:
     directory: where steps live; a local path, or `gs://`/`s3://`.
@@ -143,6 +147,11 @@ class CheckpointManager:
                                                      backend)
     self.primary_host = primary_host
     base = processes.name or hashlib.sha1(given.encode()).hexdigest()[:12]
+    # Retention's deletes, in the background (the primary's alone). Made
+    # before the committer: at exit, its commit is waited for first, then
+    # the deletes that commit queued (see `exits`: last made, first run).
+    self._deletions = deletions_lib.Deletions(
+        directory, backend, f"flax_ckpt_plugin-delete-{base}")
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
     # Host copies of CPU shards, reused by each save (see staging.py). A
     # directory of this process alone may hold its snapshots (tmpfs).
@@ -176,9 +185,10 @@ class CheckpointManager:
     for hook in hooks:
       self.add_commit_hook(hook)
     self._writers: list[int] | None = None  # None: every process.
-    # The primary's recorded metrics of each step, for `keep_best` (steps
-    # of earlier runs are read from their manifests when first needed).
-    self._metrics: dict[int, Any] = {}
+    # The primary's records (metrics, time) of each step, for `keep_best`
+    # and the time rules (steps of earlier runs are read from their
+    # manifests when first needed).
+    self._records: dict[int, retention_lib.StepRecord] = {}
     if not read_only:  # The writer's token names every later key.
       token, steps = commit_lib.open_for_writing(
           self.coordinator, self.directory, self.backend, self._base,
@@ -285,6 +295,8 @@ class CheckpointManager:
     encoded = None if data_state is None else datastate.encode(data_state)
     t0 = time.perf_counter()
     self._committer.wait()  # Only blocks if the previous commit still runs.
+    if step in self._deletions.pending:  # Its files would go with the old.
+      self._deletions.wait()
     if step in self.all_steps():
       raise CheckpointExistsError(
           f"step {step} is already finalized in {self.directory}")
@@ -300,7 +312,9 @@ class CheckpointManager:
         timeout_ms=self.barrier_timeout_ms,
         check_still_writer=self.check_still_writer, scope=self.scope,
         data_state=encoded, writers=self._writers,
-        retention=self.retention.to_json() if self.retention.deletes else None)
+        retention=self.retention.to_json() if self.retention.deletes else None,
+        before_write=(self._deletions.wait if self.retention.wait_for_deletes
+                      else None))
     self._committer.prepare()
     # The snapshot reuses the memory that the newest step is held in.
     self._held.drop()
@@ -376,7 +390,10 @@ class CheckpointManager:
     del inputs, written  # The snapshot's buffers go back to staging.
     self._staging.release_spent()
     self.last_save_stats = stats
-    self._metrics[step] = metrics
+    # Its time: the retention clock's, as the step became final (a step of
+    # an earlier run has its manifest's, written just before).
+    self._records[step] = retention_lib.StepRecord(metrics,
+                                                   retention_lib.now())
     self._reader.finalized(step)  # The reader's checks accepted it.
     try:
       commit_lib.run_hooks(
@@ -390,31 +407,59 @@ class CheckpointManager:
       raise
 
   def _retention(self, key: str, stats: SaveStats) -> None:
+    """Decides which steps go, the same on every process, and has the
+    primary queue their deletes (`deletions`); raises, on every process,
+    the error of an earlier delete."""
     steps, protect = self._reader.steps_and_protected()
-    if self.retention.needs_metrics:
+    if self.retention.needs_records:
       doomed = retention_lib.decided_by_primary(
           self.retention, meetings.Meeting(
               self.coordinator, f"{key}/retention_plan",
               self.barrier_timeout_ms), steps,
-          protect=protect, metrics=self._metrics,
-          read_metrics=functools.partial(
-              retention_lib.recorded_metrics, self.directory, self.backend,
-              self.retention.best_metric), is_primary=self.is_primary)
+          protect=protect, records=self._records,
+          read_record=functools.partial(
+              retention_lib.recorded, self.directory, self.backend),
+          is_primary=self.is_primary)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
     self._reader.forget(doomed)
     if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
           meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
-          stats, delete=lambda: self.is_primary and directory_lib.delete_steps(
-              self.directory, doomed, self.check_still_writer, self.backend))
+          stats, delete=functools.partial(self._queue_deletes, doomed,
+                                          stats.step))
 
-  def wait_until_finished(self, timeout: float | None = None) -> bool:
-    """Blocks until the running save is finalized; raises its error.
+  def _queue_deletes(self, doomed: list[int], after: int) -> None:
+    """The primary queues `doomed` and raises an earlier delete's error."""
+    if self.is_primary:
+      # An earlier delete's error, taken before these steps are queued: an
+      # error of theirs waits for a later retention.
+      error = self._deletions.take_error()
+      self._deletions.submit(doomed, after, self.check_still_writer)
+      if error is not None:
+        raise error
 
-    Returns False, raising nothing, if it still runs after `timeout` secs.
+  def wait_until_finished(self, timeout: float | None = None, *,
+                          deletes: bool = True) -> bool:
+    """Blocks until the running save is finalized and retention's
+    deletes are done; raises the save's error. A delete's error is raised
+    by the next save whose retention deletes, on every process (see
+    `deletions`), or by `close`.
+
+    Args:
+      timeout: at most this many seconds; None: as long as it takes.
+      deletes: wait for retention's deletes too; False: for the save
+        alone (a preemption stop: they are left to `close`).
+
+    Returns:
+      False, raising nothing, if either still runs after `timeout` secs.
     """
+    start = time.monotonic()
     if not self._committer.join(timeout):
+      return False
+    left = None if timeout is None else max(
+        0.0, timeout - (time.monotonic() - start))
+    if deletes and not self._deletions.wait(left):
       return False
     self._committer.check()
     return True
@@ -441,6 +486,8 @@ class CheckpointManager:
     except Exception as e:  # pylint: disable=broad-except
       log.info("dropped the error of the save the loss broke: %r", e)
     members = list(coordinator.members)
+    # (`wait_until_finished` waited for this process's deletes too: the
+    # steps listed below are not being deleted.)
     self.coordinator, self._writers = coordinator, members
     # Keys of their own: the members may have counted the broken save
     # differently (one whose snapshot failed did not count it), a key used
@@ -542,7 +589,8 @@ class CheckpointManager:
       raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
 
   def close(self, *, leaving: bool = False) -> None:
-    """Waits for the running save and raises its error. Idempotent.
+    """Waits for the running save and for retention's deletes, and raises
+    their errors (a delete's on the primary host). Idempotent.
 
     On a local disk, a writer's close then has its newest step read back
     into the page cache, so that a job restarting on this machine restores
@@ -552,7 +600,9 @@ class CheckpointManager:
     Args:
       leaving: the process is about to exit and its machine may be going
         away (a preemption stop): read nothing back, and stop a read-back
-        that runs. Leaving the `with` block by an exception does the same.
+        that runs; delete no more than the step being deleted (the steps
+        still queued stay on disk, whole, for a later retention). Leaving
+        the `with` block by an exception does the same.
     """
     if self._closed:
       return
@@ -562,10 +612,14 @@ class CheckpointManager:
       self._committer.wait()
     finally:
       self._committer.close()
-      self._held.drop()
+      self._held.release()
+      if leaving:
+        self._deletions.stop()
+      self._deletions.wait()
       self._staging.clear()
       self.backend.close_directory(self.directory, wrote=not self.read_only,
                                    leaving=leaving)
+    self._deletions.check()
 
   def __enter__(self) -> "CheckpointManager":
     return self

@@ -6,26 +6,41 @@ A step is kept if any rule keeps it:
 * the newest step known to restore (`protect`), always;
 * `max_to_keep`: the newest N steps;
 * `keep_every_n_steps`: every step divisible by N, forever;
+* `keep_every_secs`: one step per N seconds of the steps' recorded times
+  (the oldest step, then each finished N seconds or more after the last
+  one this rule keeps), forever;
+* `keep_for_secs`: the steps finished less than N seconds ago (a time to
+  live: older ones go unless another rule keeps them);
 * `keep_best`: the N steps with the best value of `best_metric` ('min' or
   'max'); ties go to the newer step;
 * `keep_without_metric`: with `keep_best`, every step that has no value of
   the metric (a null value, which is how NaN is stored, counts as none).
 
-With neither `max_to_keep` nor `keep_best` set, every step is kept.
+With none of `max_to_keep`, `keep_best` and `keep_for_secs` set, every
+step is kept. A step's time is the one its manifest records
+(`created_unix`, written as the step is finalized); a step without one is
+kept by the time rules.
 `Policy.reasons` names the rules that keep each step; `flax-ckpt list`
 prints them from the policy recorded in the newest step's manifest.
 
-The decision must be the same on every process. Without `keep_best` it
-depends on the list of steps alone, which every process knows. With it, it
-depends on metrics, which the primary host's manifests record: the primary
-decides and the others learn its list (see `CheckpointManager`).
+The decision must be the same on every process. Without `keep_best` and
+the time rules it depends on the list of steps alone, which every process
+knows. With them, it depends on metrics, times and the clock, which the
+primary host's manifests record and its clock reads: the primary decides
+and the others learn its list (see `CheckpointManager`).
+
+Retention's deletes run in the background (`deletions`); with
+`wait_for_deletes` a save writes only once the deletes of the previous
+one are done.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Literal, Mapping, MutableMapping, Sequence
+import time
+from typing import (Any, Callable, Literal, Mapping, MutableMapping,
+                    NamedTuple, Sequence)
 
 from etils import epath
 
@@ -39,6 +54,18 @@ BestMode = Literal["min", "max"]
 
 NEWEST = "newest"
 RESTORABLE = "restorable"
+
+
+def now() -> float:
+  """The clock of `keep_for_secs`: `time.time`, the clock of the steps'
+  recorded times (a test may replace this function)."""
+  return time.time()
+
+
+class StepRecord(NamedTuple):
+  """What retention reads of a step: its metrics and its time."""
+  metrics: Any  # `save(metrics=...)`, as recorded; None if none.
+  time: float | None  # Seconds since the epoch; None if not recorded.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +88,17 @@ class Retention:
     keep_without_metric: with `keep_best`, keep the steps saved without a
       value of `best_metric` (or with NaN); False leaves them to the other
       rules.
+    keep_every_secs: also keep one step per this many seconds, forever:
+      the oldest step, then each step finished at least this long after
+      the last one this rule keeps (by the times the steps' manifests
+      record).
+    keep_for_secs: keep the steps finished less than this many seconds
+      ago; older ones are deleted unless another rule keeps them (the
+      newest finalized step and the newest known to restore always are).
+    wait_for_deletes: bound the disk use: a save writes only once the
+      deletes of the previous save's retention are done (at most the kept
+      steps and the one being written are on disk). False (default):
+      deletes run in the background and never make a save wait.
   """
   max_to_keep: int | None = None
   keep_every_n_steps: int | None = None
@@ -68,10 +106,18 @@ class Retention:
   best_metric: str | None = None
   best_mode: BestMode = "min"
   keep_without_metric: bool = True
+  keep_every_secs: float | None = None
+  keep_for_secs: float | None = None
+  wait_for_deletes: bool = False
 
   def __post_init__(self):
     for name in ("max_to_keep", "keep_every_n_steps", "keep_best"):
       _check_count(name, getattr(self, name))
+    for name in ("keep_every_secs", "keep_for_secs"):
+      _check_secs(name, getattr(self, name))
+    if not isinstance(self.wait_for_deletes, bool):
+      raise ValueError("wait_for_deletes must be True or False, got"
+                       f" {self.wait_for_deletes!r}")
     if self.keep_best is not None and not self.best_metric:
       raise ValueError(
           f"keep_best={self.keep_best} needs best_metric, the name of the"
@@ -90,6 +136,14 @@ def _check_count(name: str, value: Any) -> None:
   if value is not None and (not isinstance(value, int)
                             or isinstance(value, bool) or value < 1):
     raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def _check_secs(name: str, value: Any) -> None:
+  if value is not None and (not isinstance(value, (int, float))
+                            or isinstance(value, bool)
+                            or not math.isfinite(value) or value <= 0):
+    raise ValueError(f"{name} must be a number of seconds > 0 or None, got"
+                     f" {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +171,15 @@ class Policy(Retention):
   @property
   def deletes(self) -> bool:
     """Whether any step can ever be deleted."""
-    return self.max_to_keep is not None or self.keep_best is not None
+    return (self.max_to_keep is not None or self.keep_best is not None
+            or self.keep_for_secs is not None)
 
   @property
-  def needs_metrics(self) -> bool:
-    """Whether the decision depends on the steps' metrics."""
-    return self.keep_best is not None
+  def needs_records(self) -> bool:
+    """Whether the decision depends on the steps' metrics or times (or
+    the clock), which the primary host reads: then it decides for all."""
+    return (self.keep_best is not None or self.keep_every_secs is not None
+            or self.keep_for_secs is not None)
 
   def metric_of(self, metrics: Any) -> float | None:
     """The ranking value in a step's recorded `metrics`, or None."""
@@ -135,7 +192,9 @@ class Policy(Retention):
 
   def reasons(self, steps: Sequence[int],
               metrics: Mapping[int, Any] | None = None,
-              protect: int | None = None) -> dict[int, list[str]]:
+              protect: int | None = None, *,
+              times: Mapping[int, float | None] | None = None,
+              at: float | None = None) -> dict[int, list[str]]:
     """The rules that keep each step; steps with none are deleted.
 
     Args:
@@ -143,6 +202,10 @@ class Policy(Retention):
       metrics: per step, its recorded `metrics` (needed for `keep_best`;
         a step missing here has no metric).
       protect: the newest step known to restore.
+      times: per step, its recorded time in seconds since the epoch
+        (needed for `keep_every_secs` and `keep_for_secs`; a step missing
+        here, or with None, has no time, and the time rules keep it).
+      at: the time now, for `keep_for_secs` (default: `now()`).
     """
     steps = sorted(set(steps))
     why: dict[int, list[str]] = {s: [] for s in steps}
@@ -162,6 +225,8 @@ class Policy(Retention):
       for s in steps:
         if s % self.keep_every_n_steps == 0:
           why[s].append(f"every {self.keep_every_n_steps} steps")
+    if self.keep_every_secs is not None or self.keep_for_secs is not None:
+      self._by_time(why, steps, times or {}, now() if at is None else at)
     if self.keep_best is not None:
       metrics = metrics or {}
       ranked, unranked = [], []
@@ -178,11 +243,37 @@ class Policy(Retention):
           why[s].append(f"no {self.best_metric} (keep_without_metric)")
     return why
 
+  def _by_time(self, why: dict[int, list[str]], steps: list[int],
+               times: Mapping[int, float | None], at: float) -> None:
+    """Adds the reasons of `keep_every_secs` and `keep_for_secs`."""
+    timed = [(s, times.get(s)) for s in steps]
+    for s, t in timed:
+      if t is None or not math.isfinite(t):
+        why[s].append("no recorded time")
+    timed = [(s, t) for s, t in timed if t is not None and math.isfinite(t)]
+    if self.keep_every_secs is not None:
+      # The oldest, then the first at least the interval after the last
+      # kept: once kept, a step stays kept as newer steps come and others
+      # go (what is before it is the same each time).
+      last = None
+      for s, t in timed:
+        if last is None or t - last >= self.keep_every_secs:
+          why[s].append(f"every {_secs(self.keep_every_secs)}")
+          last = t
+    if self.keep_for_secs is not None:
+      for s, t in timed:
+        if at - t < self.keep_for_secs:
+          why[s].append(f"younger than {_secs(self.keep_for_secs)}")
+
   def to_delete(self, steps: Sequence[int],
                 metrics: Mapping[int, Any] | None = None,
-                protect: int | None = None) -> list[int]:
-    """The finalized steps that retention removes, oldest first."""
-    return [s for s, rules in self.reasons(steps, metrics, protect).items()
+                protect: int | None = None, *,
+                times: Mapping[int, float | None] | None = None,
+                at: float | None = None) -> list[int]:
+    """The finalized steps that retention removes, oldest first (see
+    `reasons` for the arguments)."""
+    return [s for s, rules in self.reasons(steps, metrics, protect,
+                                           times=times, at=at).items()
             if not rules]
 
   def to_json(self) -> dict[str, Any]:
@@ -202,6 +293,14 @@ class Policy(Retention):
       return None
 
 
+def _secs(secs: float) -> str:
+  """'90s', '2h', '1.5d': a rule's interval, for `reasons`."""
+  for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+    if secs >= size and secs % (size / 2) == 0:
+      return f"{secs / size:g}{unit}"
+  return f"{secs:g}s"
+
+
 def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
                     keep_every_n_steps: int | None,
                     protect: int | None = None) -> list[int]:
@@ -214,31 +313,32 @@ def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
       steps, protect=protect)
 
 
-def recorded_metrics(directory: epath.Path, backend: interface.Backend,
-                     metric: str | None, step: int) -> Any:
-  """The metrics in `step`'s manifest; None (no value of `metric`) if
-  unreadable."""
+def recorded(directory: epath.Path, backend: interface.Backend,
+             step: int) -> StepRecord:
+  """The metrics and time in `step`'s manifest; neither if unreadable."""
   try:
-    return manifest_lib.read(directory / str(step), step, backend).metrics
+    m = manifest_lib.read(directory / str(step), step, backend)
   except (OSError, CheckpointCorruptedError) as e:
-    log.warning("retention: cannot read the metrics of step %d in %s (%s);"
-                " it counts as a step without %s", step, directory, e,
-                metric)
-    return None
+    log.warning("retention: cannot read the manifest of step %d in %s (%s);"
+                " it counts as a step without metrics or time", step,
+                directory, e)
+    return StepRecord(None, None)
+  return StepRecord(m.metrics, m.created_unix)
 
 
 def decided_by_primary(policy: Policy, meeting: meetings.Meeting,
                        steps: list[int], *, protect: int | None,
-                       metrics: MutableMapping[int, Any],
-                       read_metrics: Callable[[int], Any], is_primary: bool
-                       ) -> list[int]:
-  """The steps to delete by a policy that ranks metrics, the same on all.
+                       records: MutableMapping[int, StepRecord],
+                       read_record: Callable[[int], StepRecord],
+                       is_primary: bool) -> list[int]:
+  """The steps to delete by a policy that reads the steps' metrics or
+  times, the same on all.
 
   Called by every process after a finalized save, with a meeting of that
-  save. The primary decides from its recorded metrics (`metrics`, filled
-  in with `read_metrics(step)` for steps it has not seen, such as those of
-  an earlier run) and shares its list; the others, whose own metrics may
-  differ, take it (`meetings.decided_by_one`).
+  save. The primary decides from its records (`records`, filled in with
+  `read_record(step)` for steps it has not seen, such as those of an
+  earlier run) and its clock, and shares its list; the others, whose own
+  metrics and clocks may differ, take it (`meetings.decided_by_one`).
 
   Raises:
     Exception: the primary's error while deciding (on the others, a
@@ -247,14 +347,16 @@ def decided_by_primary(policy: Policy, meeting: meetings.Meeting,
 
   def decide() -> list[int]:
     for step in steps:
-      if step not in metrics:
-        metrics[step] = read_metrics(step)
-    return policy.to_delete(steps, metrics, protect)
+      if step not in records:
+        records[step] = read_record(step)
+    return policy.to_delete(
+        steps, {s: records[s].metrics for s in steps}, protect,
+        times={s: records[s].time for s in steps})
 
   doomed = meetings.decided_by_one(
       meeting, decide, decides=is_primary,
       what=f"retention after step {steps[-1]}",
       consequence="the step is finalized; older steps are left")
   for step in doomed:
-    metrics.pop(step, None)
+    records.pop(step, None)
   return doomed

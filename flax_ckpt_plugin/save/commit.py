@@ -73,6 +73,9 @@ class CommitInputs(NamedTuple):
   data_state: datastate.Encoded | None = None  # This process's, if any.
   retention: dict[str, Any] | None = None  # The policy, for the manifest.
   pinned_fallback_bytes: int = 0  # See `SaveStats`.
+  # The primary's wait before the step is made (the deletes of earlier
+  # retention, when disk use is bounded); None: none.
+  before_write: Callable[[], Any] | None = None
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -174,6 +177,8 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
 
   def prepare():
     if inputs.is_primary:
+      if inputs.before_write is not None:  # Every process waits with it.
+        inputs.before_write()
       tmp.prepare()
       if count > 1:  # Others check that they write where it made.
         coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
@@ -238,7 +243,8 @@ def step_state(directory: epath.Path, step: int) -> str:
 
 def run_retention(meeting: meetings.Meeting, stats: SaveStats, *,
                   delete: Callable[[], Any]) -> None:
-  """All: `delete` (the primary deletes), then learn together how it went.
+  """All: `delete` (the primary queues the deletes, and raises an
+  earlier one's error), then learn together how it went.
 
   Raises:
     Exception: this process's own error; or RuntimeError naming the process

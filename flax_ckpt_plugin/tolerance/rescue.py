@@ -229,7 +229,8 @@ class Rescue:
     manager, local = self._manager, self._local
     for m in (manager, local.manager if local else None):
       try:
-        if m is not None and not m.wait_until_finished(WAIT_SECS):
+        if m is not None and not m.wait_until_finished(WAIT_SECS,
+                                                       deletes=False):
           log.warning("the background save to %s still runs after %.0fs;"
                       " the survivors' save goes on without it",
                       m.directory, WAIT_SECS)

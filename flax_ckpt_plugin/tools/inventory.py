@@ -126,6 +126,7 @@ def retention_view(directory: epath.Path, entries: list[dict[str, Any]]
   """
   finalized = [e for e in entries if e["state"] == "finalized"]
   policy = None
+  times: dict[int, float | None] = {}
   for e in reversed(finalized):  # Newest first: its policy is the one.
     try:
       m = manifest_lib.read(directory / e["name"], e["step"])
@@ -133,10 +134,12 @@ def retention_view(directory: epath.Path, entries: list[dict[str, Any]]
       e["metrics"] = None
       continue
     e["metrics"] = m.metrics
+    times[e["step"]] = m.created_unix
     policy = policy or Policy.from_json(m.retention)
   reasons = {} if policy is None else policy.reasons(
       [e["step"] for e in finalized],
-      {e["step"]: e["metrics"] for e in finalized})
+      {e["step"]: e["metrics"] for e in finalized},
+      times=times)
   for e in finalized:
     e["kept_by"] = reasons.get(e["step"]) if policy else None
   return policy

@@ -53,23 +53,28 @@ class _NoDeletes(backend_lib.LocalBackend):
 def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
   """Before: every background error said "That step was not finalized",
   also for a retention error after the step was."""
-  with CheckpointManager(ckpt_dir, max_to_keep=1,
-                         storage=Storage(backend=_NoDeletes())) as mgr:
-    mgr.save(1, {"w": np.ones(3)})
+  mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
+                          storage=Storage(backend=_NoDeletes()))
+  mgr.save(1, {"w": np.ones(3)})
+  mgr.save(2, {"w": np.ones(3)})
+  mgr.wait_until_finished()  # Step 1's delete failed, in the background.
+  mgr.save(3, {"w": np.ones(3)})  # Its retention raises that failure.
+  with pytest.raises(PermissionError) as info:
     mgr.wait_until_finished()
-    mgr.save(2, {"w": np.ones(3)})
-    with pytest.raises(PermissionError) as info:
-      mgr.wait_until_finished()
-    notes = " ".join(info.value.__notes__)
-    assert f"Step 2 is finalized in {ckpt_dir}." in notes, notes
-    assert "not finalized" not in notes
+  notes = " ".join(info.value.__notes__)
+  assert f"Step 3 is finalized in {ckpt_dir}." in notes, notes
+  assert (f"Retention after step 2 could not delete steps [1] of {ckpt_dir}"
+          in notes), notes
+  assert "not finalized" not in notes
+  with pytest.raises(PermissionError, match="cannot delete step 2"):
+    mgr.close()  # Step 2's delete, queued by step 3's retention.
   flaky = FlakyDisk()
   with CheckpointManager(ckpt_dir, storage=Storage(backend=flaky)) as mgr:
     flaky.on_fire = True
-    mgr.save(3, {"w": np.ones(3)})
+    mgr.save(9, {"w": np.ones(3)})
     with pytest.raises(OSError) as info:
       mgr.wait_until_finished()
-    assert "Step 3 was not finalized." in info.value.__notes__, info.value
+    assert "Step 9 was not finalized." in info.value.__notes__, info.value
     flaky.on_fire = False
 
 

@@ -98,8 +98,9 @@ def test_older_job_never_deletes_after_a_takeover_at_the_worst_moment(
   Injected fault: A's `AtomicRenamePath.finalize` is wrapped so that, right
   after step 2 is finalized, another job claims the directory (exactly what
   opening a `CheckpointManager` there does first). A's retention
-  (max_to_keep=1) would now delete step 1; it must not, and A's next call
-  raises ConcurrentWriterError saying so.
+  (max_to_keep=1) would now delete step 1; it must not, and A's close (or
+  next deleting save: the delete runs in the background) raises
+  ConcurrentWriterError saying so.
   """
   a = CheckpointManager(ckpt_dir, max_to_keep=1)
   states = {1: _job_state(1), 2: _job_state(2)}
@@ -116,10 +117,10 @@ def test_older_job_never_deletes_after_a_takeover_at_the_worst_moment(
   monkeypatch.setattr(atomicity.AtomicRenamePath, "finalize",
                       finalize_then_taken_over)
   a.save(2, states[2])
+  a.wait_until_finished()  # The delete, in the background, refused.
   with pytest.raises(ConcurrentWriterError,
                      match=r"steps \[1\] were not deleted"):
-    a.wait_until_finished()
-  a.close()
+    a.close()
   assert _entries(ckpt_dir) == ["1", "2", "_WRITER"]
   for step in (1, 2):
     assert_trees_equal(_restore(ckpt_dir, _job_target(), step),

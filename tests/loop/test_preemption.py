@@ -30,6 +30,8 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import PREEMPTED_EXIT_CODE
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin import LocalBackend
+from flax_ckpt_plugin import Storage
 
 from helpers import start_thread
 from launcher import StdoutLines
@@ -475,6 +477,41 @@ def test_other_signal_configured_saves_and_stops(ckpt_dir, previous_handlers):
     assert restored["w"].tobytes() == _tiny(2)["w"].tobytes()
   finally:
     cb.close()
+
+
+def test_a_preemption_stop_leaves_retention_s_deletes_to_close(
+    ckpt_dir, previous_handlers):
+  """The stop waits for the preemption step to be durable, not for the
+  deletes of older steps. Fault injected: a slow store, as a backend whose
+  background deletes wait at a gate (a disk deletes a small step at once)."""
+  gate, at_gate, deleted = threading.Event(), threading.Event(), []
+
+  class SlowDeletes(LocalBackend):
+
+    def delete_step(self, directory, step):
+      if threading.current_thread().name.startswith(
+          "flax_ckpt_plugin-delete-"):
+        at_gate.set()
+        gate.wait(10)
+      super().delete_step(directory, step)
+      deleted.append(step)
+
+  cb = CheckpointCallback(
+      ckpt_dir, every_steps=1, max_to_keep=1,
+      storage=Storage(backend=SlowDeletes()),
+      tolerance=FaultTolerance(preemption_signals=(signal.SIGUSR1,)))
+  try:
+    assert cb(1, _tiny(1)) and cb(2, _tiny(2))  # Step 1's delete queued.
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert cb(3, _tiny(3))
+    assert cb.should_stop
+    assert at_gate.wait(10)
+    assert deleted == []  # Still at the gate: the stop did not wait.
+    assert cb.manager.all_steps() == [3]
+  finally:
+    gate.set()
+    cb.close()  # Leaving: finishes step 1's delete, starts not step 2's.
+  assert step_entries(ckpt_dir) == ["2", "3"]
 
 
 def test_save_on_preemption_false_installs_nothing(ckpt_dir,

@@ -1,4 +1,5 @@
-"""Retention: the newest N, every K-th, the best N by a metric.
+"""Retention: the newest N, every K-th, the best N by a metric, one step
+per interval of time, the steps younger than a time to live.
 
 The rules themselves (`retention.Policy`), then what a user of the manager
 and the callback sees in the directory, across a restart, with several
@@ -20,6 +21,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.manager.retention import Policy
 from flax_ckpt_plugin.manager.retention import steps_to_delete
 from flax_ckpt_plugin import Processes
@@ -102,6 +104,13 @@ def test_without_max_to_keep_or_keep_best_nothing_is_deleted():
     ({"max_to_keep": 0}, "max_to_keep must be an int >= 1 or None, got 0"),
     ({"keep_best": 1, "best_metric": "loss", "keep_without_metric": "yes"},
      "keep_without_metric must be True or False"),
+    ({"keep_every_secs": 0}, "keep_every_secs must be a number of seconds"
+                             " > 0 or None, got 0"),
+    ({"keep_for_secs": -5.0}, "keep_for_secs must be a number of seconds > 0"),
+    ({"keep_for_secs": math.inf}, "keep_for_secs must be a number of seconds"),
+    ({"keep_every_secs": "60"}, "keep_every_secs must be a number of seconds"),
+    ({"keep_for_secs": True}, "keep_for_secs must be a number of seconds"),
+    ({"wait_for_deletes": "yes"}, "wait_for_deletes must be True or False"),
 ])
 def test_bad_policies_are_refused_with_a_clear_error(tmp_path, kwargs,
                                                       message):
@@ -120,13 +129,124 @@ def test_bad_policies_are_refused_with_a_clear_error(tmp_path, kwargs,
 def test_a_recorded_policy_round_trips_and_bad_ones_are_ignored():
   policy = Policy(max_to_keep=3, keep_every_n_steps=10, keep_best=2,
                   best_metric="acc", best_mode="max",
-                  keep_without_metric=False)
+                  keep_without_metric=False, keep_every_secs=3600.0,
+                  keep_for_secs=86400, wait_for_deletes=True)
   assert Policy.from_json(json.loads(json.dumps(policy.to_json()))) == policy
   assert Policy.from_json({"keep_best": 2}) is None  # No metric: not one.
   assert Policy.from_json("newest") is None
 
 
+# -- the time rules --------------------------------------------------------------
+
+# Steps 1..10, finished 10 s apart (with some jitter), from t = 1000.
+TIMES = {s: 1000.0 + 10 * (s - 1) + (0.5 if s % 2 else 0.0)
+         for s in range(1, 11)}
+
+
+def test_keep_every_secs_keeps_one_step_per_interval_of_finish_time():
+  policy = Policy(max_to_keep=2, keep_every_secs=25)
+  why = policy.reasons(list(TIMES), times=TIMES)
+  # The oldest, then the first finished 25 s or more after the last kept.
+  assert [s for s in TIMES if "every 25s" in why[s]] == [1, 4, 7, 10]
+  assert policy.to_delete(list(TIMES), times=TIMES) == [2, 3, 5, 6, 8]
+  # Once kept, always kept: the same steps with the others gone and more
+  # to come.
+  later = {s: TIMES[s] for s in (1, 4, 7, 9, 10)} | {11: 1100.0, 12: 1121.0}
+  assert policy.to_delete(list(later), times=later) == [9]  # 11: newest 2.
+  assert Policy(keep_every_secs=25).to_delete(list(TIMES), times=TIMES) == []
+
+
+def test_keep_for_secs_deletes_older_steps_but_the_newest_and_restorable():
+  policy = Policy(keep_for_secs=35)
+  at = TIMES[10] + 1  # 1091: steps finished after 1056 are young.
+  why = policy.reasons(list(TIMES), times=TIMES, at=at)
+  assert [s for s in TIMES if "younger than 35s" in why[s]] == [7, 8, 9, 10]
+  assert policy.to_delete(list(TIMES), times=TIMES, at=at) == [1, 2, 3, 4, 5,
+                                                               6]
+  # Much later, every step is old: the newest stays, and the newest known
+  # to restore (when it is another).
+  assert policy.to_delete(list(TIMES), times=TIMES, at=at + 1e6) == list(
+      range(1, 10))
+  assert policy.to_delete(list(TIMES), times=TIMES, at=at + 1e6,
+                          protect=8) == [1, 2, 3, 4, 5, 6, 7, 9]
+  # With the other rules, a step is kept if any rule keeps it.
+  both = Policy(keep_for_secs=35, max_to_keep=5, keep_every_n_steps=3)
+  assert both.to_delete(list(TIMES), times=TIMES, at=at) == [1, 2, 4, 5]
+  # A step without a recorded time is never taken for an old one.
+  assert policy.to_delete(list(TIMES), times={**TIMES, 2: None},
+                          at=at) == [1, 3, 4, 5, 6]
+
+
 # -- the manager ---------------------------------------------------------------
+
+
+@pytest.fixture
+def clock(monkeypatch):
+  """The retention clock, faked: `clock[0]` is the time now."""
+  now = [1_000_000.0]
+  monkeypatch.setattr(retention_lib, "now", lambda: now[0])
+  return now
+
+
+def test_manager_keeps_one_step_per_minute_by_the_fake_clock(tmp_path,
+                                                              clock):
+  with CheckpointManager(
+      tmp_path, retention=Retention(max_to_keep=1, keep_every_secs=60)
+  ) as mgr:
+    for step in range(1, 22):  # One save every 10 s.
+      mgr.save(step, _state(step))
+      mgr.wait_until_finished()
+      clock[0] += 10
+  assert finalized_steps_on_disk(tmp_path) == [1, 7, 13, 19, 21]
+
+
+def test_manager_deletes_steps_older_than_keep_for_secs(tmp_path, clock):
+  with CheckpointManager(tmp_path,
+                         retention=Retention(keep_for_secs=25)) as mgr:
+    for step in range(1, 8):
+      mgr.save(step, _state(step))
+      mgr.wait_until_finished()
+      clock[0] += 10
+    assert mgr.all_steps() == [5, 6, 7]
+  assert finalized_steps_on_disk(tmp_path) == [5, 6, 7]
+  manifest = json.loads((tmp_path / "7" / "manifest.json").read_text())
+  assert manifest["retention"]["keep_for_secs"] == 25
+
+
+def test_a_restarted_job_ages_the_steps_of_the_earlier_run(tmp_path,
+                                                           monkeypatch):
+  """The steps of an earlier run are aged by their manifests' times."""
+  with CheckpointManager(tmp_path) as mgr:
+    for step in (1, 2, 3):
+      mgr.save(step, _state(step))
+  times = [manifest_lib.read(tmp_path / str(s), s).created_unix
+           for s in (1, 2, 3)]
+  later = max(times) + 3600  # The job restarts an hour later.
+  monkeypatch.setattr(retention_lib, "now", lambda: later)
+  with CheckpointManager(tmp_path,
+                         retention=Retention(keep_for_secs=1800)) as mgr:
+    mgr.save(4, _state(4))
+  assert finalized_steps_on_disk(tmp_path) == [4]
+
+
+def test_processes_agree_on_the_primary_s_times(tmp_path, clock):
+  """The time rules are decided by the primary, for all."""
+
+  def work(coord):
+    with CheckpointManager(
+        tmp_path, retention=Retention(max_to_keep=1, keep_every_secs=30),
+        processes=Processes(coordinator=coord,
+                            barrier_timeout_secs=30)) as mngr:
+      for step in range(1, 8):
+        mngr.save(step, _state(step))
+        mngr.wait_until_finished()
+        if coord.process_index == 0:
+          clock[0] += 10  # (One clock for both threads: the primary's.)
+      return mngr.all_steps()
+
+  results = run_threads(2, work)
+  assert results == [[1, 4, 7], [1, 4, 7]], results
+  assert finalized_steps_on_disk(tmp_path) == [1, 4, 7]
 
 
 def test_manager_keeps_the_best_and_records_its_policy(tmp_path):
@@ -276,6 +396,18 @@ def test_list_names_the_step_that_retention_is_about_to_delete(tmp_path,
   assert finalized_steps_on_disk(tmp_path) == [2]
 
 
+def test_list_names_the_time_rules_that_keep_each_step(tmp_path, capsys):
+  with CheckpointManager(tmp_path, retention=Retention(
+      max_to_keep=1, keep_every_secs=3600, keep_for_secs=86400)) as mngr:
+    for step in (1, 2, 3):
+      mngr.save(step, _state(step))
+  assert cli.main(["list", os.fspath(tmp_path)]) == 0
+  rows = capsys.readouterr().out.splitlines()
+  assert rows[1].endswith("every 1h, younger than 1d")
+  assert rows[2].endswith("younger than 1d")
+  assert rows[3].endswith("newest, newest 1, younger than 1d")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
@@ -289,6 +421,19 @@ def test_two_real_processes_keep_what_the_primary_ranks_best(tmp_path):
   assert listed["5"] == [2, 4, 5]
   assert listed["6"] == [2, 4, 6]
   assert finalized_steps_on_disk(tmp_path / "ckpt") == [2, 4, 6]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_real_processes_keep_by_the_primary_s_clock(tmp_path):
+  out = [r.json for r in run_workers("time_rules", 2,
+                                     args=[tmp_path / "ckpt"], timeout=180)]
+  assert out[0] == out[1]
+  listed = out[0]["listed"]
+  assert listed["3"] == [1, 3]
+  assert listed["4"] == [1, 4]  # 40 s after step 1, by the primary's clock.
+  assert listed["6"] == [1, 4, 6]  # Process 1 alone would have kept [1, 6].
+  assert finalized_steps_on_disk(tmp_path / "ckpt") == [1, 4, 6]
 
 
 def test_retention_keeps_the_newest_step_known_to_restore():

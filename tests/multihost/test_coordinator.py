@@ -300,7 +300,8 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
     tmp_path):
   """Fault injected: the primary's backend cannot delete an old step. Before,
   only the primary raised; the others went on to the next save's barriers
-  and waited there for the whole timeout."""
+  and waited there for the whole timeout. The delete runs in the
+  background: the retention of the next save raises its error, on all."""
 
   class Undeletable(backend_lib.LocalBackend):
 
@@ -316,6 +317,8 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
                             barrier_timeout_secs=TIMEOUT_SECS))
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
+    mgr.wait_until_finished()  # The primary's delete of step 1 failed.
+    mgr.save(3, _state(3))  # Its retention tells every process.
     return _error_of_wait(mgr)
 
   t0 = time.monotonic()
@@ -323,6 +326,7 @@ def test_a_retention_failure_on_the_primary_is_raised_on_every_process(
   assert time.monotonic() - t0 < TIMEOUT_SECS / 2
   assert isinstance(errors[0], OSError) and "injected" in str(errors[0])
   assert isinstance(errors[1], RuntimeError)
-  assert "retention after step 2 failed" in str(errors[1])
+  assert "retention after step 3 failed" in str(errors[1])
   assert "process 0: OSError" in str(errors[1])
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "_WRITER"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "1", "2", "3", "_WRITER"]

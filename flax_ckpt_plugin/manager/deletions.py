@@ -1,0 +1,200 @@
+"""Retention's deletes, off the save's path: one background queue per
+directory.
+
+On an object store, deleting a step is a request per file (a job of many
+processes leaves thousands), so a save that deleted the old steps inline
+held the commit thread, and the next save waited for it. Here the commit
+ends at finalization: retention only queues the steps it chose, and a
+thread of the primary host deletes them, oldest first, one step after the
+other (so a directory's deletes never interleave), while the loop trains
+and saves on.
+
+A backend whose deletes must be done before the next save begins
+(`Backend.deletes_in_background` False: a file system in memory, whose
+deleted data file the next snapshot reuses) has them run at once, on the
+commit thread, as part of the save.
+
+A step leaves the list before its files go (`Backend.delete_step`: a
+rename to `<step>.deleting`, or the commit marker removed first), so a
+crash half way leaves an unfinished entry, never a step, and the next
+writer cleans it up.
+
+An error of a delete is logged at once and kept, with its type (an
+`OSError`, a `ConcurrentWriterError`...) and a note naming the steps: it
+is raised, once, by the retention of a later save, at the meeting where
+the primary queues that save's deletes, so that every process learns it
+(the others raise a `RuntimeError` naming it), or by the primary's
+`close`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable
+import weakref
+
+from etils import epath
+
+from flax_ckpt_plugin import exits
+from flax_ckpt_plugin.backends import interface
+from flax_ckpt_plugin.logs import log
+
+
+_live: "weakref.WeakSet[Deletions]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _finish_at_exit() -> None:
+  """Waits for every queue's deletes, once the main thread returned."""
+  for deletions in list(_live):
+    deletions.finish_at_exit()
+
+
+def _install_exit_hook() -> None:
+  global _hook_installed
+  with _hook_lock:
+    if _hook_installed:
+      return
+    _hook_installed = True
+  exits.before_exit(_finish_at_exit)
+
+
+class Deletions:
+  """The queue of steps to delete from one directory, and its thread.
+
+  Used on the primary host only (the others never delete). The thread
+  starts with the first `submit` and exits when the queue is empty; at the
+  interpreter's exit what is queued is deleted first (see `exits`).
+  """
+
+  def __init__(self, directory: epath.Path, backend: interface.Backend,
+               name: str):
+    self.directory, self.backend, self._name = directory, backend, name
+    self._cond = threading.Condition()
+    # Each job: the steps, oldest first, the step whose retention chose
+    # them, and the writer's check.
+    self._queue: collections.deque[
+        tuple[list[int], int, Callable[[str], None] | None]
+    ] = collections.deque()
+    self._pending: set[int] = set()  # Queued or being deleted.
+    self._worker: threading.Thread | None = None
+    self._stopping = False
+    self._error: BaseException | None = None
+    _live.add(self)
+    _install_exit_hook()
+
+  @property
+  def pending(self) -> set[int]:
+    """The steps queued or being deleted."""
+    with self._cond:
+      return set(self._pending)
+
+  def submit(self, steps: list[int], after: int,
+             still_writer: Callable[[str], None] | None) -> None:
+    """Queues `steps` for deletion; returns at once (where the backend
+    deletes in the background: otherwise deletes them, and raises).
+
+    Args:
+      steps: the steps to delete.
+      after: the step whose retention chose them (for messages).
+      still_writer: `still_writer(consequence)` (the manager's
+        `check_still_writer`), run on the thread before the steps' first
+        request.
+    """
+    if not steps:
+      return
+    if not self.backend.deletes_in_background:  # Now, on this thread.
+      self._delete(sorted(steps), after, still_writer)
+      self.check()
+      return
+    with self._cond:
+      self._queue.append((sorted(steps), after, still_writer))
+      self._pending.update(steps)
+      self._stopping = False
+      if self._worker is None:
+        self._worker = threading.Thread(target=self._loop, name=self._name,
+                                        daemon=True)
+        self._worker.start()
+      self._cond.notify_all()
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        if self._stopping:  # The rest stay whole steps.
+          self._queue.clear()
+          self._pending.clear()
+        if not self._queue:
+          self._worker = None
+          self._cond.notify_all()
+          return
+        steps, after, still_writer = self._queue[0]
+      self._delete(steps, after, still_writer)
+      with self._cond:
+        self._queue.popleft()
+        self._pending.difference_update(steps)
+        self._cond.notify_all()
+
+  def _delete(self, steps: list[int], after: int,
+              still_writer: Callable[[str], None] | None) -> None:
+    done = []
+    try:
+      if still_writer is not None:
+        still_writer(f"steps {steps} were not deleted")
+      for step in steps:
+        if self._stopping:  # The rest stay whole steps.
+          return
+        self.backend.delete_step(self.directory, step)
+        done.append(step)
+        log.info("retention deleted step %d from %s", step, self.directory)
+    except Exception as e:  # pylint: disable=broad-except
+      left = [s for s in steps if s not in done]
+      where = (" (in the background)" if self.backend.deletes_in_background
+               else "")
+      e.add_note(
+          f"Retention after step {after} could not delete steps {left} of"
+          f" {self.directory}{where}. They are no longer"
+          " listed; what is left of them is removed when a writer next"
+          " opens the directory (unfinished), or by a later retention"
+          " (still whole steps).")
+      log.error("retention after step %d failed to delete steps %s of %s:"
+                " %r", after, left, self.directory, e, exc_info=True)
+      e.__traceback__ = None  # Kept for later: no frames kept alive.
+      with self._cond:
+        if self._error is None:  # The first: later ones follow from it.
+          self._error = e
+
+  def take_error(self) -> BaseException | None:
+    """The error of a finished delete, once (later ones while it was kept
+    were logged only)."""
+    with self._cond:
+      error, self._error = self._error, None
+    return error
+
+  def check(self) -> None:
+    """Raises the error of a finished delete, once."""
+    error = self.take_error()
+    if error is not None:
+      raise error
+
+  def wait(self, timeout: float | None = None) -> bool:
+    """Waits until nothing is queued; False if still deleting after
+    `timeout` seconds. Raises nothing (see `check`)."""
+    with self._cond:
+      return self._cond.wait_for(lambda: self._worker is None, timeout)
+
+  def stop(self) -> None:
+    """Deletes nothing more than the step being deleted (a process about
+    to go away): the rest stay whole steps on disk, which a later
+    retention deletes. A later `submit` starts again."""
+    with self._cond:
+      self._stopping = True
+      self._cond.notify_all()
+
+  def finish_at_exit(self) -> None:
+    """Deletes what is queued before the interpreter stops the thread."""
+    if self._worker is not None:
+      log.warning("the program is exiting: waiting for retention to delete"
+                  " steps %s of %s", sorted(self.pending), self.directory)
+      self.wait()
