@@ -214,6 +214,16 @@ class Backend(abc.ABC):
     A step already gone (pruned by a person or `flax-ckpt prune`) is fine.
     """
 
+  def delete_step_in_parts(self, directory: epath.Path, step: int
+                           ) -> Iterator[None]:
+    """`delete_step`, a part at a time: each `next` sends some of its
+    requests, so that a caller may hold the rest back (retention's deletes
+    wait while a save commits, see `manager.deletions`). The first part
+    takes the step out of the list, as `delete_step` does. By default one
+    part, the whole delete."""
+    self.delete_step(directory, step)
+    yield
+
   @abc.abstractmethod
   def set_aside(self, directory: epath.Path, step: int) -> str:
     """Takes a damaged finalized step out of the list; says where it went."""

@@ -7,7 +7,9 @@ held the commit thread, and the next save waited for it. Here the commit
 ends at finalization: retention only queues the steps it chose, and a
 thread of the primary host deletes them, oldest first, one step after the
 other (so a directory's deletes never interleave), while the loop trains
-and saves on.
+and saves on. While a save is taken and committed they hold off, between
+parts of a step's delete (`hold_off`, `go_on`): the save's requests and
+writes go first, and it is durable as soon as without retention.
 
 A backend whose deletes must be done before the next save begins
 (`Backend.deletes_in_background` False: a file system in memory, whose
@@ -79,6 +81,10 @@ class Deletions:
         tuple[list[int], int, Callable[[str], None] | None]
     ] = collections.deque()
     self._pending: set[int] = set()  # Queued or being deleted.
+    # Clear while a save is taken and committed: the deletes wait between
+    # their parts, so that the save's requests never queue behind them.
+    self._quiet = threading.Event()
+    self._quiet.set()
     self._worker: threading.Thread | None = None
     self._stopping = False
     self._error: BaseException | None = None
@@ -145,7 +151,8 @@ class Deletions:
       for step in steps:
         if self._stopping:  # The rest stay whole steps.
           return
-        self.backend.delete_step(self.directory, step)
+        for _ in self.backend.delete_step_in_parts(self.directory, step):
+          self._wait_for_quiet()
         done.append(step)
         log.info("retention deleted step %d from %s", step, self.directory)
     except Exception as e:  # pylint: disable=broad-except
@@ -165,6 +172,22 @@ class Deletions:
         if self._error is None:  # The first: later ones follow from it.
           self._error = e
 
+  def hold_off(self) -> None:
+    """A save begins: the deletes wait, between parts of a step's delete
+    (`Backend.delete_step_in_parts`: on object stores, 100 objects), until
+    `go_on`. A step already out of the list stays out."""
+    self._quiet.clear()
+
+  def go_on(self) -> None:
+    """The save is final (or failed): the deletes go on."""
+    self._quiet.set()
+
+  def _wait_for_quiet(self) -> None:
+    # As long as the save's commit lasts, which its own deadlines bound.
+    while not self._quiet.wait(1.0):
+      if self._stopping:
+        return
+
   def take_error(self) -> BaseException | None:
     """The error of a finished delete, once (later ones while it was kept
     were logged only)."""
@@ -179,8 +202,10 @@ class Deletions:
       raise error
 
   def wait(self, timeout: float | None = None) -> bool:
-    """Waits until nothing is queued; False if still deleting after
-    `timeout` seconds. Raises nothing (see `check`)."""
+    """Waits until nothing is queued (the deletes go on first, if a save
+    held them off); False if still deleting after `timeout` seconds.
+    Raises nothing (see `check`)."""
+    self.go_on()
     with self._cond:
       return self._cond.wait_for(lambda: self._worker is None, timeout)
 

@@ -329,10 +329,16 @@ class CheckpointManager:
         pinned_fallback_bytes=leaves.pinned_fallback_bytes)
     self._saves += 1
     del leaves
+    # Retention's deletes wait while this save commits (see `deletions`).
+    self._deletions.hold_off()
     # The commit takes the inputs out of the box, so that the snapshot is
     # freed when the commit returns, before hooks and retention run.
-    self._committer.start(functools.partial(self._commit, [inputs]),
-                          description=f"step {step} in {self.directory}")
+    try:
+      self._committer.start(functools.partial(self._commit, [inputs]),
+                            description=f"step {step} in {self.directory}")
+    except BaseException:
+      self._deletions.go_on()
+      raise
 
   def read_step(self, step: int, fn: Callable[[interface.Backend], T]) -> T:
     """`fn(storage)`: `fn` reads `step`'s files through `storage` (the
@@ -383,6 +389,8 @@ class CheckpointManager:
     except BaseException as e:
       e.add_note(commit_lib.step_state(self.directory, step))
       raise
+    finally:
+      self._deletions.go_on()
     if written.file is not None and self._staging.arena is None:
       # (An arena's snapshot is the file's own pages in memory already.)
       self._held.hold(step, self.directory / str(step), written.file,

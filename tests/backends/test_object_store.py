@@ -602,6 +602,30 @@ def test_retention_deletes_from_the_bucket(bucket):
   assert restored["w"].tolist() == [3] * 4
 
 
+def test_a_step_of_many_objects_is_deleted_in_parts_marker_first(bucket):
+  """Retention's deletes go a part at a time (so that a save's requests
+  can go between them): the marker first, then every object, in parts of
+  `DELETE_PART`, until nothing of the step is left."""
+  with CheckpointManager(bucket.url) as manager:
+    for step in (1, 2):
+      manager.save(step, {"w": jnp.arange(3)})
+      manager.wait_until_finished()
+  for n in range(250):  # As a step of 250 processes holds.
+    bucket.put(f"run/1/data/extra_{n:05d}.bin", b"x")
+  directory = object_store.as_path(bucket.url)
+  backend = backend_lib.ObjectStoreBackend()
+  parts = backend.delete_step_in_parts(directory, 1)
+  next(parts)  # The marker: no longer a step, its objects still there.
+  assert "run/1/_COMMITTED" not in bucket.keys()
+  assert directory_lib.finalized_steps(directory) == [2]
+  assert len([k for k in bucket.keys() if k.startswith("run/1/")]) > 250
+  left = []
+  for _ in parts:
+    left.append(len([k for k in bucket.keys() if k.startswith("run/1/")]))
+  assert len(left) >= 3 and left == sorted(left, reverse=True)
+  assert bucket.keys() == _expected_keys(2)
+
+
 def _copy_step_without_marker(b: Bucket, src: int, dst: int) -> None:
   """Step `dst` as a crash before its marker leaves it: data, no marker."""
   for key in b.keys(f"run/{src}/"):

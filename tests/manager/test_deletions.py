@@ -245,3 +245,63 @@ def test_a_file_system_in_memory_deletes_before_the_next_save(tmp_path):
   assert len(threads) == 2
   assert all(t.startswith("flax_ckpt_plugin-commit-") for t in threads)
   assert _entries(tmp_path) == ["3", "_WRITER", "_spare.bin"]
+
+
+class PartedDeletes(backend_lib.LocalBackend):
+  """A store that deletes a step in parts (as object stores do, 100 objects
+  a request), recording each part and each step write in order. After its
+  first part, step 1's delete waits for `parts` (a slow request,
+  injected); step 3's write waits for `writing` (a slow upload), so that
+  the test sees which parts run while step 3 commits."""
+
+  def __init__(self):
+    super().__init__()
+    self.events: list[tuple[str, int]] = []
+    self.parts, self.writing = threading.Event(), threading.Event()
+    self.write_started, self.second_part = (threading.Event(),
+                                            threading.Event())
+
+  def delete_step_in_parts(self, directory, step):
+    for part in range(3):
+      self.events.append((f"part {part}", step))
+      if part == 0:
+        super().delete_step(directory, step)
+        if step == 1:
+          assert self.parts.wait(GATE_TIMEOUT), "the test never let it go on"
+      if part == 1:
+        self.second_part.set()
+      yield
+
+  def step_writer(self, step_dir, identity, data_dir):
+    step = int(step_dir.name.split(".")[0])
+    if step == 3:
+      self.write_started.set()
+      assert self.writing.wait(GATE_TIMEOUT), "the test never let it write"
+    self.events.append(("write", step))
+    return super().step_writer(step_dir, identity, data_dir)
+
+
+def test_deletes_hold_off_between_parts_while_a_save_commits(tmp_path):
+  """The save's own requests go first: a delete under way when a save
+  begins sends no further part until that save is final."""
+  backend = PartedDeletes()
+  hook, wait_final = _finalized_hook()
+  with CheckpointManager(tmp_path, max_to_keep=1, hooks=[hook],
+                         storage=Storage(backend=backend)) as mgr:
+    mgr.save(1, _state(1))
+    mgr.wait_until_finished()
+    mgr.save(2, _state(2))  # Its retention queues the delete of step 1.
+    wait_final(2)
+    mgr.save(3, _state(3))
+    assert backend.write_started.wait(GATE_TIMEOUT)
+    backend.parts.set()  # Step 1's first part is done: the next may go...
+    # ...but not while step 3 commits. (Bounded: a wrong library would
+    # send it within milliseconds.)
+    assert not backend.second_part.wait(1.0)
+    backend.writing.set()
+    wait_final(3)
+  parts = [e for e in backend.events if e[0].startswith("part")]
+  assert parts == [(f"part {p}", s) for s in (1, 2) for p in range(3)]
+  written = backend.events.index(("write", 3))
+  assert backend.events.index(("part 1", 1)) > written
+  assert _entries(tmp_path) == ["3", "_WRITER"]
