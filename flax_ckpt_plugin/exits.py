@@ -33,3 +33,17 @@ def before_exit(fn: Callable[[], None]) -> bool:
   except RuntimeError:  # "can't register atexit after shutdown"
     atexit.register(fn)
     return False
+
+
+_once: set[Callable[[], None]] = set()
+_once_lock = threading.Lock()
+
+
+def once_before_exit(fn: Callable[[], None]) -> None:
+  """`before_exit(fn)`, the first time it is asked for `fn` only (a module's
+  hook that every new object of it asks for)."""
+  with _once_lock:
+    if fn in _once:
+      return
+    _once.add(fn)
+  before_exit(fn)

@@ -44,8 +44,6 @@ from flax_ckpt_plugin.logs import log
 
 
 _live: "weakref.WeakSet[Deletions]" = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_installed = False
 
 
 def _finish_at_exit() -> None:
@@ -53,14 +51,6 @@ def _finish_at_exit() -> None:
   for deletions in list(_live):
     deletions.finish_at_exit()
 
-
-def _install_exit_hook() -> None:
-  global _hook_installed
-  with _hook_lock:
-    if _hook_installed:
-      return
-    _hook_installed = True
-  exits.before_exit(_finish_at_exit)
 
 
 class Deletions:
@@ -89,7 +79,7 @@ class Deletions:
     self._stopping = False
     self._error: BaseException | None = None
     _live.add(self)
-    _install_exit_hook()
+    exits.once_before_exit(_finish_at_exit)
 
   @property
   def pending(self) -> set[int]:

@@ -29,8 +29,6 @@ from flax_ckpt_plugin.logs import log
 UNSEEN_FAILURE_EXIT_CODE = 1
 
 _live: "weakref.WeakSet[AsyncCommitter]" = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_installed = False
 
 
 def _finish_at_exit() -> None:
@@ -64,14 +62,6 @@ def _finish_at_exit() -> None:
   sys.stderr.flush()
   os._exit(UNSEEN_FAILURE_EXIT_CODE)  # pylint: disable=protected-access
 
-
-def _install_exit_hook() -> None:
-  global _hook_installed
-  with _hook_lock:
-    if _hook_installed:
-      return
-    _hook_installed = True
-  exits.before_exit(_finish_at_exit)
 
 
 def _lower_priority() -> None:
@@ -133,7 +123,7 @@ class AsyncCommitter:
     self._error: BaseException | None = None
     self.description = ""  # Of the running or last commit.
     _live.add(self)
-    _install_exit_hook()
+    exits.once_before_exit(_finish_at_exit)
 
   def prepare(self) -> None:
     """Starts the commit thread now if it is not running, so that `start`
