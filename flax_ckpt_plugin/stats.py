@@ -21,10 +21,15 @@ class SaveStats:
   total_bytes: int = 0  # Bytes of array data of the whole checkpoint.
   path: epath.Path | None = None  # The finalized step directory.
   finalized_at: float = 0.0  # time.time() when it became durable.
-  # Bytes of this process's accelerator shards that went through pageable
-  # memory (which the save call waited for) because the runtime refused
-  # pinned host memory, at this save or lately (see `pinned`); 0 otherwise.
+  # Bytes of this process's accelerator shards copied on their devices
+  # (the commit moved them to the host) because the runtime refused pinned
+  # host memory, at this save or lately (see `pinned`); 0 otherwise.
   pinned_fallback_bytes: int = 0
+  # Bytes of this process's accelerator shards copied on their devices
+  # (the commit moved them to the host) because their pinned host memory
+  # was not pinned yet: a save before the reservation was done (see
+  # `pinned_staging`; the first save of a process without a warm-up).
+  unpinned_bytes: int = 0
 
   @property
   def gbytes_per_sec(self) -> float:

@@ -17,6 +17,9 @@ from a numpy array. So:
 * A restore reads file bytes into pinned buffers and moves them to the
   device from there (`RestoreWindow`), the next reads overlapping the
   transfers; a buffer is read into again for the next region of its shape.
+  A restore of the step this process saved last, whose snapshot it still
+  holds (`backends.held`), sends the snapshot's pinned buffers to the
+  devices as they are, their bytes checked first: no window, no host copy.
 
 Pinned memory is slow to get, scarce, and on TPU reported never to be given
 back, so it is used with care:
@@ -26,18 +29,20 @@ back, so it is used with care:
   took 1.6 s (the memory is pinned then, about 0.5 s per GB), later ones
   0.4 ms, with RSS flat. A snapshot's buffers go back to the pool when its
   commit ends, and the next save waits for that commit anyway.
-* `PinnedStaging.reserve` takes as much pinned memory as the next save
-  will use and gives it back to the pool, so that the first save blocks no
-  longer than later ones. It blocks: pinning holds up the process's other
-  device work anyway (measured on the H100: train steps took 50 times
-  longer while 3.2 GB were pinned on a background thread), so the callback
-  does it where the loop has not started, in `restore_or_initialize` (or
-  at its first call). The cost: about 0.5 s per GB then, and that much
-  host memory pinned by the runtime for the life of the process.
+* `PinnedStaging.reserve` has a thread pin one buffer per piece the saves
+  copy, while the train loop runs, and a save gives the ready ones back to
+  the pool right before its copies take them; a piece whose memory is not
+  pinned yet is copied on its device instead, so no save call waits for
+  pinning, the first included. Pinning holds up the process's other
+  device work (measured on the H100: train steps took 50 times longer
+  while 3.2 GB were pinned at once on a background thread), so the thread
+  pins one piece at a time and rests as long after each. The callback
+  starts it in `restore_or_initialize` (or at its first call). The cost:
+  that much host memory pinned by the runtime for the life of the process.
 * A save pins at most `budget` bytes (default: all it writes); shards past
   it take the plain transfer, which the save call waits for.
 * When the runtime cannot give pinned memory (a copy raises), that save
-  takes the plain transfers, and so do the next few (1, then 2, 4, up to
+  copies on the devices, and so do the next few (1, then 2, 4, up to
   `MAX_BACK_OFF` saves after refusals in a row) before a save asks again:
   memory that was short at one moment (another allocation, a restore's
   window) is often there later. Each such save logs a warning with the

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from typing import Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 from etils import epath
 import numpy as np
@@ -37,10 +37,13 @@ T = TypeVar("T")
 
 class Span(NamedTuple):
   """`nbytes` bytes of the file from `offset`, as `view()` gives them: a
-  uint8 array, valid while the step is held."""
+  uint8 array, valid while the step is held. `array`: the snapshot's
+  buffer itself where it is a `jax.Array` in pinned host memory of exactly
+  these bytes (see `HeldFile.pinned_array`), else None."""
   offset: int
   nbytes: int
   view: Callable[[], np.ndarray]
+  array: Any = None
 
 
 class HeldFile(RangedFile):
@@ -119,6 +122,12 @@ class HeldFile(RangedFile):
       del src
     self._count(offset, end)
     return len(out)
+
+  def pinned_array(self, offset: int, size: int) -> Any:
+    span = self._span(offset, size)
+    if span is None or (span.offset, span.nbytes) != (offset, size):
+      return None
+    return span.array
 
   @contextlib.contextmanager
   def mapped(self, offset: int, size: int) -> Iterator[memoryview | None]:

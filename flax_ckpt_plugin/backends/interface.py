@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from etils import epath
 
@@ -47,6 +47,15 @@ class RangedFile(abc.ABC):
     nothing (then `read_into`)."""
     del offset, size
     yield None
+
+  def pinned_array(self, offset: int, size: int) -> Any:
+    """The `jax.Array` in pinned host memory whose bytes are exactly
+    [offset, offset + size) of the file, where the storage holds one (the
+    snapshot a save wrote the file from: `held`); else None. A restore
+    sends it to the device as it is, with the bytes checked through
+    `mapped`."""
+    del offset, size
+    return None
 
   @abc.abstractmethod
   def close(self) -> None:

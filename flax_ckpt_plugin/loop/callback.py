@@ -107,11 +107,12 @@ class CheckpointCallback:
     tolerance: what to do when a process or its machine goes away
       (`FaultTolerance`: preemption, lost processes, the local tier).
     storage: where and how the bytes are written (`Storage`: the storage
-      backend, atomicity, pinned host memory). On accelerators the
-      callback pins the host memory of `Storage.pinned_host_bytes` (for
-      each tier) in `restore_or_initialize` (or at its first call), about
-      0.5 s per GB, so that the first save blocks no longer than later
-      ones; it stays pinned for the life of the process (see
+      backend, atomicity, pinned host memory). On accelerators
+      `restore_or_initialize` (or the first call) starts a thread that
+      pins the host memory of `Storage.pinned_host_bytes` (for each tier)
+      while the loop runs, about 0.5 s per GB; a save that comes before
+      it is done copies the rest on the devices, so no save call waits
+      for it. It stays pinned for the life of the process (see
       docs/performance.md).
     processes: how the processes agree on a save (`Processes`: the primary
       host, the barriers' timeout and keys, the coordinator).

@@ -210,10 +210,9 @@ class Tiers:
     """The newest good step like `state`, from the fastest tier that has
     it whole (`tier_restore.restore_for_callback`), or None; a relaunched
     process instead waits until the survivors take it back (see
-    `CheckpointCallback.restore_or_initialize`). Pins host memory first,
-    from `state` if it holds arrays, so that the restore takes its buffers
-    from the same pool."""
-    self.warm_up(state)
+    `CheckpointCallback.restore_or_initialize`). Then starts pinning the
+    saves' host memory (`warm_up`), after the restore, which it would
+    otherwise compete with."""
     if self.peers is not None:
       self.peers.first_state(state)
     if self.peers is not None and self.peers.rejoining:
@@ -227,6 +226,7 @@ class Tiers:
       if found is None:
         log.info("no checkpoint in %s; starting from the given state",
                  self.manager.directory)
+        self.warm_up(state)
         return None
       step, tier, (restored, extra) = found
       # A warning, so that a plain script shows it: a resume should never

@@ -326,7 +326,8 @@ class CheckpointManager:
                            partner_shards=partner_shards)
     inputs = inputs._replace(
         leaves=leaves, blocking_secs=time.perf_counter() - t0,
-        pinned_fallback_bytes=leaves.pinned_fallback_bytes)
+        pinned_fallback_bytes=leaves.pinned_fallback_bytes,
+        unpinned_bytes=leaves.unpinned_bytes)
     self._saves += 1
     del leaves
     # Retention's deletes wait while this save commits (see `deletions`).
@@ -353,14 +354,20 @@ class CheckpointManager:
                                 f"reading step {step} of {self.directory}")
     return result
 
-  def warm_up(self, state: Any) -> bool:
+  def warm_up(self, state: Any, *, wait: bool = False) -> bool:
     """Sets up what saving `state` needs that the first save would
-    otherwise wait for: on accelerators, the pinned host memory its shards
-    are copied into (see `pinned`; about 0.5 s per GB, once per process),
-    which blocks; on the CPU, the compiles of its copy programs, queued
-    (see `copies`). Optional: without it, the first save pins that memory
-    itself, or has the runtime copy CPU shards while the programs compile.
-    The callback calls it from `restore_or_initialize`.
+    otherwise do without: on accelerators, the pinned host memory its
+    shards are copied into (see `pinned_staging`: pinned by a thread,
+    about 0.5 s per GB, once per process, while the loop runs); on the
+    CPU, the compiles of its copy programs, queued (see `copies`).
+    Optional: without it, the first save asks for that memory itself,
+    copying its shards on their devices meanwhile, or has the runtime copy
+    CPU shards while the programs compile. The callback calls it from
+    `restore_or_initialize`.
+
+    Args:
+      state: the state that will be saved (its arrays are not read).
+      wait: block until the pinned memory is pinned.
 
     Returns:
       Whether `state` holds arrays to take the measure of (False for an
@@ -369,14 +376,14 @@ class CheckpointManager:
     if self.read_only:
       return True
     try:
-      pieces = prepare(
+      sizes = prepare(
           state, process_count=self.coordinator.process_count,
           is_primary=self.is_primary, staging=self._staging,
           own_copy=self.scope is not None, pinned_staging=self._pinned)
     except (TypeError, ValueError) as e:  # The save will say it better.
       log.info("no warm-up for saving %s: %s", self.directory, e)
       return True
-    self._pinned.reserve(pieces)
+    self._pinned.reserve(sizes, wait=wait)
     return not any(isinstance(leaf, jax.ShapeDtypeStruct)
                    for leaf in jax.tree.leaves(state))
 
@@ -620,6 +627,7 @@ class CheckpointManager:
       self._committer.wait()
     finally:
       self._committer.close()
+      self._pinned.close()
       self._held.release()
       if leaving:
         self._deletions.stop()

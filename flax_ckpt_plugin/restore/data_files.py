@@ -93,6 +93,9 @@ class OpenFile(Protocol):
              ) -> ContextManager[memoryview | None]:
     ...
 
+  def pinned_array(self, offset: int, size: int) -> Any:
+    ...
+
   def close(self) -> None:
     ...
 
@@ -204,6 +207,13 @@ class ByteReader:
         with self._lock:
           self.bytes_read += fresh
       yield view
+
+  def pinned_array(self, name: str, offset: int, size: int) -> Any:
+    """The pinned host array holding exactly [offset, offset + size) of
+    `name`, where the storage has one (see
+    `backends.interface.RangedFile.pinned_array`); else None. Counts
+    nothing: its bytes are counted when checked through `mapped`."""
+    return self._open(name).pinned_array(offset, size)
 
   @contextlib.contextmanager
   def coalesced(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[None]:

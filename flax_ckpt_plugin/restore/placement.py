@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax import lax
@@ -210,6 +210,25 @@ def _assemble(shape: tuple[int, ...], dtype: np.dtype,
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _sent_as_held(held: Callable[[Index], Any], region: Index,
+                  devices: list[Any], sharding: jax.sharding.Sharding,
+                  placed: dict[Any, jax.Array]) -> bool:
+  """Sends `region` to `devices` from the pinned snapshot buffer that holds
+  it (`LeafReader.pinned`), if one does, and waits for the transfers (the
+  buffer is the next save's to reuse once the read ends); whether it
+  did."""
+  with held(region) as arr:
+    if arr is None:
+      return False
+    sent = copies.copies_onto([arr] * len(devices), [
+        pinned.sharding_on(d, sharding.memory_kind
+                           or d.default_memory().kind) for d in devices])
+    pinned.wait_ready(sent, lambda: f"sending {arr.nbytes} bytes held in"
+                      " pinned host memory to the devices")
+  placed.update(zip(devices, sent))
+  return True
+
+
 def _through_pinned(lr: LeafReader | casting.CastReader,
                     shape: tuple[int, ...], sharding: jax.sharding.Sharding,
                     window: window_lib.RestoreWindow) -> jax.Array | None:
@@ -219,7 +238,11 @@ def _through_pinned(lr: LeafReader | casting.CastReader,
   caller reads it the plain way). A buffer whose read fails is given back
   to the window."""
   placed = {}
+  held = getattr(lr, "pinned", None)  # Not through a cast.
   for region, devices in _regions(shape, sharding).items():
+    if held is not None and _sent_as_held(held, region, devices, sharding,
+                                          placed):
+      continue
     taken = window.take(tuple(hi - lo for lo, hi in region), lr.dtype,
                         devices[0])
     if taken is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -202,6 +202,28 @@ class LeafReader:
             self.dtype).reshape(shape)
     if damage is not None:
       raise CheckpointCorruptedError(damage)
+
+  @contextlib.contextmanager
+  def pinned(self, region: Index) -> Iterator[Any]:
+    """`region`'s values as the `jax.Array` in pinned host memory that
+    holds exactly them (the snapshot of the step this process saved:
+    `backends.held`), its blocks checked as `mapped` checks them, valid
+    inside the context; None where there is none: the region is not one
+    whole saved shard, or no such array holds it. A restore sends it to
+    the device as it is: no host buffer, no copy on the host."""
+    shape = tuple(hi - lo for lo, hi in region)
+    nbytes = math.prod(shape) * self.dtype.itemsize
+    # The shard `mapped` checks the bytes of: the first that holds them.
+    shard = next((s for s in self._shards
+                  if intersect(s.index, region) == region), None)
+    arr = None if shard is None or shard.nbytes != nbytes else (
+        self._reader.pinned_array(shard.file, shard.offset, shard.nbytes))
+    if (arr is None or arr.dtype != self.dtype
+        or tuple(arr.shape) != shape):
+      yield None
+      return
+    with self.mapped(region) as view:
+      yield None if view is None else arr
 
   def _check_spread(self, shard: ShardRecord, first_block: int,
                     data: memoryview) -> None:

@@ -73,6 +73,7 @@ class CommitInputs(NamedTuple):
   data_state: datastate.Encoded | None = None  # This process's, if any.
   retention: dict[str, Any] | None = None  # The policy, for the manifest.
   pinned_fallback_bytes: int = 0  # See `SaveStats`.
+  unpinned_bytes: int = 0  # See `SaveStats`.
   # The primary's wait before the step is made (the deletes of earlier
   # retention, when disk use is bounded); None: none.
   before_write: Callable[[], Any] | None = None
@@ -226,8 +227,8 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
                    total_bytes=total_bytes,
                    path=inputs.directory / str(step),
                    finalized_at=time.time(),
-                   pinned_fallback_bytes=inputs.pinned_fallback_bytes
-                   ), written
+                   pinned_fallback_bytes=inputs.pinned_fallback_bytes,
+                   unpinned_bytes=inputs.unpinned_bytes), written
 
 
 def step_state(directory: epath.Path, step: int) -> str:

@@ -48,6 +48,8 @@ class ShardData:
     flight; None if the runtime does not say."""
     if isinstance(self.data, np.ndarray):
       return self.data.ctypes.data
+    if not self.holdable:  # An accelerator's own memory: not the host's.
+      return None
     try:
       if isinstance(self.data, Packed):
         return self.data.pack.unsafe_buffer_pointer() + self.data.offset
@@ -72,6 +74,20 @@ class ShardData:
               or next(iter(data.devices())).platform == "cpu")
     except Exception:  # pylint: disable=broad-except
       return False
+
+  @property
+  def pinned_array(self) -> jax.Array | None:
+    """The copy itself where it is a `jax.Array` in pinned host memory of
+    the values' dtype (what a restore sends to a device as it is: see
+    `backends.held`); else None."""
+    data = self.data
+    try:
+      if (isinstance(data, jax.Array) and data.dtype == self.dtype
+          and data.sharding.memory_kind == PINNED):
+        return data
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return None
 
   def host(self) -> np.ndarray:
     """The values as a host array (a zero-copy view of a staging or pinned

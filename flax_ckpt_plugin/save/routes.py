@@ -3,7 +3,9 @@ and each save's arrays along those routes (`Routes.arrays`).
 
 A save's pieces (see `pieces`) go one of five ways, by their device, dtype
 and the staging memory of the manager (see `snapshot.take_snapshot`):
-onto pinned host memory (accelerators, within the pinned budget); the
+onto pinned host memory (accelerators, within the pinned budget; or
+copied on their devices at a save that finds their pinned memory not
+ready, `PinnedStaging.choose`); the
 plain transfer (other accelerator shards); a slice on the device (rows of
 a CPU shard); threads (CPU shards whose dtype cannot travel as unsigned
 bits, or every CPU shard where staging is an arena); or a compiled copy
@@ -90,7 +92,8 @@ class Routes(NamedTuple):
   first: tuple[int, ...]  # Per leaf: the number of its first piece.
   count: int  # Pieces in all.
   pinned: tuple[_Where, ...]  # Onto pinned host memory,
-  pinned_bytes: int  # that many bytes.
+  pinned_bytes: int  # that many bytes,
+  pinned_sizes: tuple[tuple[Any, int], ...]  # each's device and bytes.
   transfers: tuple[_Where, ...]  # Off the CPU, the plain transfer.
   cuts: tuple[_Where, ...]  # Rows of a CPU shard, cut by a slice.
   threads: tuple[_Where, ...]  # CPU shards copied by threads (`copy`).
@@ -148,8 +151,10 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
     rest += pinned_todo[fit:]
     pinned_todo = pinned_todo[:fit]
     pinned_bytes = sum(nbytes[:fit])
+    pinned_sizes = tuple((layout.leaves[i].specs[j][2], n)
+                         for (i, j, _, _), n in zip(pinned_todo, nbytes))
   else:
-    pinned_bytes = 0
+    pinned_bytes, pinned_sizes = 0, ()
   transfers, cuts, threads, programs = [], [], [], []
   for where in rest:
     i, j, _, rows = where
@@ -167,7 +172,7 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
              layout.leaves[i].weak_type) for i, j, _, _ in programs),
       tuple(layout.leaves[i].specs[j][2] for i, j, _, _ in programs))
   return Routes(tuple(first), count, tuple(pinned_todo), pinned_bytes,
-                tuple(transfers), tuple(cuts), tuple(threads),
+                pinned_sizes, tuple(transfers), tuple(cuts), tuple(threads),
                 tuple(programs), groups)
 
 

@@ -13,7 +13,10 @@ buffers, because it never refers to them once the runtime has run what
 
 * On accelerators with pinned host memory every shard is copied there in
   one batched call that is not awaited (see `pinned`); the writer waits
-  for each shard before writing it. Elsewhere off the CPU, every shard's
+  for each shard before writing it. A shard whose pinned memory is not
+  pinned yet (`PinnedStaging.choose`) is copied on its device instead,
+  not awaited either, and the commit moves the copy to the host. Elsewhere
+  off the CPU, every shard's
   `copy_to_host_async()` is started before the first one is awaited.
 * On the CPU backend every shard is copied into reused staging buffers by
   a program the runtime runs before the next step that donates the state
@@ -54,23 +57,24 @@ from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
 from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.format.records import CHECKSUM_BLOCK
+from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.save.staging import HostStaging
 
 
 def prepare(tree: Any, *, process_count: int, is_primary: bool,
             staging: HostStaging, own_copy: bool = False,
             pinned_staging: PinnedStaging | None = None
-            ) -> list[jax.Array]:
+            ) -> list[tuple[Any, int]]:
   """Queues the compiles of the programs that a save of `tree` copies its
   CPU shards with (see `copies.groups`: its first save then finds them
   ready, instead of having the runtime copy every shard), and returns the
-  arrays that it copies onto pinned host memory (see
-  `PinnedStaging.reserve`). Does not wait."""
+  device and bytes of each piece that it copies onto pinned host memory
+  (see `PinnedStaging.reserve`). Does not wait."""
   plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
   routes = routes_lib.of(plan, staging, pinned_staging)
   for key, _ in routes.groups:
     copies.programs_of(key)
-  return routes.pinned_arrays(plan)
+  return list(routes.pinned_sizes)
 
 
 class Snapshot(collections.abc.Sequence):
@@ -86,14 +90,16 @@ class Snapshot(collections.abc.Sequence):
   def __init__(self, layout: pieces_lib.Layout, routes: routes_lib.Routes,
                made: list[Any], copied: list[Any],
                host: dict[int, LeafSnapshot], *,
-               pinned_fallback_bytes: int = 0,
+               pinned_fallback_bytes: int = 0, unpinned_bytes: int = 0,
                partner_shards: dict[str, list[ShardData]] | None = None):
     """`made[n]`: (data, dtype, checksums) of piece n, or None for those
     `routes.programs` copied, in that order, into `copied`.
     `pinned_fallback_bytes`: what went the plain way, pinned memory
-    refused (`SaveStats.pinned_fallback_bytes`). `partner_shards`: see
-    `take_snapshot`."""
+    refused (`SaveStats.pinned_fallback_bytes`); `unpinned_bytes`, what
+    went that way, its pinned memory not ready (`SaveStats.unpinned_bytes`).
+    `partner_shards`: see `take_snapshot`."""
     self.pinned_fallback_bytes = pinned_fallback_bytes
+    self.unpinned_bytes = unpinned_bytes
     self._layout, self._routes = layout, routes
     self._made, self._copied, self._host = made, copied, host
     self._partner_shards = partner_shards or {}
@@ -175,16 +181,26 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   # What each piece's ShardData is made of: (data, dtype, checksums).
   made: list[Any] = [None] * routes.count
 
-  # Onto pinned host memory: one batched call, not awaited (see `pinned`).
-  fallback_bytes = 0
+  # Onto pinned host memory: one batched call, not awaited (see `pinned`);
+  # the pieces whose pinned memory is not ready, copied on their devices.
+  fallback_bytes = unpinned_bytes = 0
   if routes.pinned:
-    copied = pinned_staging.copy(routes.pinned_arrays(plan))
-    if copied is None:  # Refused, now or lately: this save goes plainly.
-      fallback_bytes = routes.pinned_bytes
-      routes = routes_lib.of(plan, staging, None)
-    else:
-      for (i, j, _, _), copy in zip(routes.pinned, copied):
-        made[routes.first[i] + j] = (copy, layout.leaves[i].dtype, None)
+    srcs = routes.pinned_arrays(plan)
+    now = pinned_staging.choose(routes.pinned_sizes)
+    go = [k for k, ok in enumerate(now or ()) if ok]
+    copied = pinned_staging.copy([srcs[k] for k in go]) if go else []
+    if now is None or copied is None:  # Refused, now or lately.
+      fallback_bytes = sum(srcs[k].nbytes for k in (
+          go if now is not None else range(len(srcs))))
+      go, copied = [], []
+    rest = sorted(set(range(len(srcs))) - set(go))
+    unpinned_bytes = sum(srcs[k].nbytes for k in rest) - fallback_bytes
+    rest_copies = _on_devices([srcs[k] for k in rest],
+                              [routes.pinned[k][3] is not None for k in rest])
+    for k, copy in [*zip(go, copied), *zip(rest, rest_copies)]:
+      i, j, _, _ = routes.pinned[k]
+      made[routes.first[i] + j] = (copy, layout.leaves[i].dtype, None)
+    del srcs, copied, rest_copies
   arrays = routes.arrays(plan)
 
   # Off the CPU, the rest: every device-to-host transfer is started before
@@ -228,7 +244,61 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       arrays.programs, groups=routes.groups) if routes.programs else []
   return Snapshot(layout, routes, made, copied, host,
                   pinned_fallback_bytes=fallback_bytes,
+                  unpinned_bytes=unpinned_bytes,
                   partner_shards=partner_shards and partner_shards())
+
+
+def _on_devices(srcs: list[jax.Array], cut: list[bool]) -> list[Any]:
+  """A copy of each single-device array in new memory on its device (the
+  runtime's copy, not awaited: the commit moves it to the host), except
+  those `cut` (a slice made them in memory of their own already). A copy
+  lives until the commit ends, so a device takes only as many as fit
+  beside the most it has held so far (`_room`: the train step's peak);
+  the rest, and all of them where the copies fail, the call copies to the
+  host itself and waits for (logged at warning)."""
+  whole = [k for k, c in enumerate(cut) if not c]
+  out: list[Any] = list(srcs)
+  room: dict[Any, int | None] = {}
+  there, host = [], []
+  for k in whole:
+    device = next(iter(srcs[k].devices()))
+    if device not in room:
+      room[device] = _room(device)
+    if room[device] is None or room[device] >= srcs[k].nbytes:
+      if room[device] is not None:
+        room[device] -= srcs[k].nbytes
+      there.append(k)
+    else:
+      host.append(k)
+  try:
+    for k, c in zip(there, copies.fresh_copies([srcs[k] for k in there])):
+      out[k] = c
+  except Exception as e:  # pylint: disable=broad-except
+    log.warning("copying %d bytes on their devices failed (%r)",
+                sum(srcs[k].nbytes for k in there), e)
+    host = sorted(host + there)
+  if host:
+    log.warning("the save call copies %d bytes to the host itself and waits"
+                " for it: neither pinned memory nor room on their devices"
+                " was there for them", sum(srcs[k].nbytes for k in host))
+  for k in host:
+    out[k] = _c_order(np.asarray(jax.make_array_from_single_device_arrays(
+        srcs[k].shape, srcs[k].sharding, [srcs[k]])))
+  return out
+
+
+def _room(device: Any) -> int | None:
+  """Bytes that copies may take on `device` while a train step runs: its
+  limit less the most it has held (the step's peak so far); None where
+  the runtime does not say (the CPU's memory is the host's)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return stats["bytes_limit"] - max(stats.get("peak_bytes_in_use", 0),
+                                    stats.get("bytes_in_use", 0))
 
 
 @functools.lru_cache(maxsize=None)

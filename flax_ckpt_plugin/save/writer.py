@@ -124,7 +124,7 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
   finally:
     out.close()
   return Written(sum(e["nbytes"] for e in entries), name if shards else None,
-                 offset, [Span(e["offset"], e["nbytes"], s.host_bytes)
+                 offset, [Span(e["offset"], e["nbytes"], s.host_bytes, s.pinned_array)
                           for e, (_, s) in zip(entries, shards)
                           if s.holdable])
 

@@ -67,6 +67,7 @@ def main(directory: str, layout: str) -> dict:
   pinned = _setup.count_pinned()
   with flax_ckpt_plugin.CheckpointManager(
       directory, processes=Processes(barrier_timeout_secs=60)) as mgr:
+    mgr.warm_up(state, wait=True)  # As the callback's start does.
     mgr.save(1, state)
     mgr.wait_until_finished()
     written = mgr.last_save_stats.process_bytes

@@ -30,6 +30,7 @@ def main(directory: str, mesh_shape: str) -> dict:
     state = train_step(state)
   mgr = flax_ckpt_plugin.CheckpointManager(
       directory, processes=Processes(barrier_timeout_secs=60))
+  mgr.warm_up(state, wait=True)  # As the callback's start does.
   mgr.save(STEP, state)
   mgr.wait_until_finished()
   target = topo.abstract_state(mesh, topo.SPECS)

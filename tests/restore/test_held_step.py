@@ -21,11 +21,13 @@ import pytest
 
 from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.arrays import pinned
 from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.format import manifest as manifest_lib
+from flax_ckpt_plugin.restore import window as window_lib
 from helpers import adam_train_state
 from helpers import two_device_mesh
 
@@ -217,12 +219,50 @@ def test_newest_step_from_memory_with_pinned_snapshots(ckpt_dir, monkeypatch,
   if pinned_path:
     monkeypatch.setenv(pinned.CPU_SWITCH, "1")
   with CheckpointManager(ckpt_dir) as manager:
+    manager.warm_up(_state(0), wait=True)  # Every save pinned, the first too.
     for step in (1, 2):
       state = _state(step)
       manager.save(step, state)
       manager.wait_until_finished()
       _same(manager.restore(_state(0)), state)
       assert _from_memory(manager, step)
+
+
+def test_pinned_snapshots_go_to_the_devices_as_they_are_checked_first(
+    ckpt_dir, monkeypatch, caplog):
+  """On the accelerator path (the suite's switch), a restore of the newest
+  step sends the snapshot's pinned buffers to the devices as they are,
+  without the restore window's buffers, each checked first: one byte
+  flipped in a held pinned buffer (written through a view of it: memory
+  going bad is not produced on demand) fails the check, and the step is
+  read from its files instead."""
+  monkeypatch.setenv(pinned.CPU_SWITCH, "1")
+  taken = []
+  real_take = window_lib.RestoreWindow.take
+  monkeypatch.setattr(window_lib.RestoreWindow, "take",
+                      lambda self, *a: taken.append(a) or real_take(self, *a))
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.warm_up(_state(0), wait=True)
+    manager.save(1, _state(1))
+    manager.wait_until_finished()
+    _same(manager.restore(_state(0)), _state(1))
+    assert _from_memory(manager, 1) and not taken
+    manager.save(2, _state(2))
+    manager.wait_until_finished()
+    _, spans = manager._held._files[files.data_file(0)]  # pylint: disable=protected-access
+    largest = max((s for s in spans if s.array is not None),
+                  key=lambda s: s.nbytes)
+    copies_lib.writable_view(largest.array).reshape(-1).view(np.uint8)[
+        777] ^= 0xFF
+    sources = []
+    real_copies = copies_lib.copies_onto
+    monkeypatch.setattr(copies_lib, "copies_onto", lambda srcs, shardings: (
+        sources.extend(srcs), real_copies(srcs, shardings))[1])
+    with caplog.at_level("WARNING", logger="flax_ckpt_plugin"):
+      _same(manager.restore(_state(0)), _state(2))
+    assert not any(src is largest.array for src in sources)  # Never sent.
+    assert "held in memory failed its checks" in caplog.text
+    assert manager.last_restore_stats.nbytes_from_memory == 0
 
 
 def test_the_tolerance_layer_reads_the_held_step_through_read_step(ckpt_dir):
