@@ -7,13 +7,32 @@ writer (`save.writer`) decides what goes into the file and records where.
 
 from __future__ import annotations
 
+from concurrent import futures
 import errno
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
 CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
+
+# Direct writes of one process in flight at once, `CHUNK` bytes each: one
+# at a time leaves a disk's queue idle between them (measured on this VM's
+# virtio disk: 1.41-1.56 GB/s from one thread, 1.61-1.70 GB/s from 2 to
+# 8; an NVMe drive gains more).
+WRITE_THREADS = 4
+_pool: futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _writers() -> futures.ThreadPoolExecutor:
+  global _pool
+  with _pool_lock:
+    if _pool is None:
+      _pool = futures.ThreadPoolExecutor(
+          WRITE_THREADS, thread_name_prefix="flax_ckpt_plugin-write")
+    return _pool
 
 # Direct I/O (O_DIRECT) moves data from the snapshot to the disk without
 # copying it into the page cache first: on a 2-core machine that copy is
@@ -58,13 +77,15 @@ class DataFile:
     self._positional = out.positional
     self._direct = (out.open_direct(name) if O_DIRECT and self._positional
                     else None)
+    self._direct_ok = self._direct is not None  # Writes are taken.
+    self._pending: list[futures.Future] = []  # Direct writes started.
     self._view: memoryview | None | bool = False  # False: not asked yet.
     self.end = 0
     self._streamed = 0  # A stream's bytes written so far.
 
   @property
   def direct(self) -> bool:
-    return self._direct is not None
+    return self._direct_ok
 
   def place(self, nbytes: int, address: int | None) -> int:
     """The file offset for a buffer of `nbytes` at memory `address` (None:
@@ -100,23 +121,46 @@ class DataFile:
       head = -buf.ctypes.data % ALIGN
       tail = head + (len(view) - head) // ALIGN * ALIGN
     pwrite_all(self.f.fileno(), view[:head], offset)
-    pos = head
-    while pos < tail and self._direct is not None:
-      n = min(tail - pos, CHUNK)
+    # The aligned middle in chunks, several at once (see `WRITE_THREADS`);
+    # `sync` waits for them.
+    for pos in range(head, tail, CHUNK):
+      end = min(tail, pos + CHUNK)
+      self._pending.append(_writers().submit(
+          self._write_direct, view[pos:end], offset + pos))
+    pwrite_all(self.f.fileno(), view[tail:], offset + tail)
+
+  def _write_direct(self, view: memoryview, offset: int) -> None:
+    """Writes `view` (aligned, at an aligned offset) with direct I/O, what
+    the file system refuses of it through the page cache."""
+    pos = 0
+    while pos < len(view) and self._direct_ok:
       try:
-        written = os.pwrite(self._direct, view[pos:pos + n], offset + pos)
+        written = os.pwrite(self._direct, view[pos:], offset + pos)
       except OSError as e:
         if e.errno != errno.EINVAL:
           raise
         # The file system took the O_DIRECT open but not the write.
-        self._close_direct()
+        self._direct_ok = False
         break
       if not written:
         raise OSError(errno.EIO, "direct write wrote nothing")
       pos += written - written % ALIGN  # Stay aligned after a short write.
     pwrite_all(self.f.fileno(), view[pos:], offset + pos)
 
+  def _drain(self) -> None:
+    """Waits for every write started; raises the first one's error."""
+    pending, self._pending = self._pending, []
+    error = None
+    for f in pending:
+      try:
+        f.result()
+      except BaseException as e:  # pylint: disable=broad-except
+        error = error or e
+    if error is not None:
+      raise error
+
   def sync(self) -> None:
+    self._drain()
     self._out.sync(self.f)
 
   def _mapped(self) -> memoryview | None:
@@ -130,7 +174,13 @@ class DataFile:
       self._direct = None
 
   def close(self) -> None:
-    """Closes the file, cut to what was placed (it may reuse a longer one)."""
+    """Closes the file, cut to what was placed (it may reuse a longer one),
+    once the writes started have ended (their errors were `sync`'s to
+    raise)."""
+    try:
+      self._drain()
+    except BaseException:  # pylint: disable=broad-except
+      pass
     self._close_direct()
     if self._view:
       self._view.release()

@@ -189,8 +189,10 @@ def test_direct_write_refused_falls_back_to_the_page_cache(direct_dir,
           rng.integers(0, 256, 3 * MIB, dtype=np.uint8)]
   table = _write(direct_dir / "1", bufs, RecordingDirect())
   assert direct_fds and None not in direct_fds
-  # The first shard met the refusal; the second went to the page cache.
-  assert [d for _, d in calls] == [True, False]
+  # The first shard met the refusal (its direct writes run on the writing
+  # threads, so the second may have been started before it was met): every
+  # byte went through the page cache, and the file holds them all.
+  assert calls[0][1] is True
   _assert_file_holds(direct_dir / "1", table, bufs)
 
 
