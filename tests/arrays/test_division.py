@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import math
 import pathlib
-import sys
 
 import numpy as np
 import pytest

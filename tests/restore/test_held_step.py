@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from flax_ckpt_plugin import CheckpointCorruptedError
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.arrays import pinned
