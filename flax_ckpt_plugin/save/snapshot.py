@@ -273,6 +273,8 @@ def _on_devices(srcs: list[jax.Array], cut: list[bool]) -> list[Any]:
   try:
     for k, c in zip(there, copies.fresh_copies([srcs[k] for k in there])):
       out[k] = c
+    for k in there:  # Each to the host now, once (the writer and the
+      out[k].copy_to_host_async()  # checksums then wait for the same one).
   except Exception as e:  # pylint: disable=broad-except
     log.warning("copying %d bytes on their devices failed (%r)",
                 sum(srcs[k].nbytes for k in there), e)
