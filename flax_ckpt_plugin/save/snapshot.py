@@ -258,6 +258,8 @@ def _on_devices(srcs: list[jax.Array], cut: list[bool]) -> list[Any]:
   host itself and waits for (logged at warning)."""
   whole = [k for k, c in enumerate(cut) if not c]
   out: list[Any] = list(srcs)
+  if not srcs:
+    return out
   room: dict[Any, int | None] = {}
   there, host = [], []
   for k in whole:
@@ -273,8 +275,10 @@ def _on_devices(srcs: list[jax.Array], cut: list[bool]) -> list[Any]:
   try:
     for k, c in zip(there, copies.fresh_copies([srcs[k] for k in there])):
       out[k] = c
-    for k in there:  # Each to the host now, once (the writer and the
-      out[k].copy_to_host_async()  # checksums then wait for the same one).
+    # Each to the host now, once: the writer and the checksums then wait
+    # for the same transfer.
+    for k in there + [k for k, c in enumerate(cut) if c]:
+      out[k].copy_to_host_async()
   except Exception as e:  # pylint: disable=broad-except
     log.warning("copying %d bytes on their devices failed (%r)",
                 sum(srcs[k].nbytes for k in there), e)
