@@ -22,6 +22,14 @@ READ_FAILED = tuple(getattr(errno, name) for name in
                     ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name))
 
 
+class StorageTimeoutError(TimeoutError):
+  """A read or write of storage did not return within its deadline
+  (`Storage(io_timeout_secs=)`). The message names the file (or object),
+  the bytes and the step. The call that was waited for may still be stuck
+  in the kernel: its thread is left behind, never waited for again.
+  """
+
+
 class CheckpointNotFoundError(FileNotFoundError):
   """No finalized checkpoint exists where one was asked for."""
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import registry as backend_lib
 
 # The writer's claim on a checkpoint directory (docs/format.md); not a step.
@@ -226,3 +227,75 @@ def pinned_counter(real: Callable[..., Any]
     return real(srcs, shardings)
 
   return seen, counting
+
+
+class HangingDisk(backend_lib.LocalBackend):
+  """A local disk on which some reads or syncs never return, as on a
+  network or FUSE mount that stops answering, until `unblock` is set.
+
+  A fake: no real mount here can be made to stop answering on demand.
+  Reads of data files whose path matches `reads`, and syncs of files
+  written under a name matching `syncs`, block; `hung` is set once one
+  does. Passed to a manager as `backend=`.
+  """
+
+  def __init__(self, *, reads: str | None = None, syncs: str | None = None):
+    self.reads, self.syncs = reads, syncs
+    self.unblock = threading.Event()
+    self.hung = threading.Event()
+
+  def block(self) -> None:
+    self.hung.set()
+    self.unblock.wait()
+
+  def open_ranged(self, path, within):
+    f = super().open_ranged(path, within)
+    if self.reads is not None and re.search(self.reads, os.fspath(path)):
+      return _HangingFile(f, self)
+    return f
+
+  def step_writer(self, step_dir, identity, data_dir):
+    out = super().step_writer(step_dir, identity, data_dir)
+    return out if self.syncs is None else _HangingWriter(out, self)
+
+
+class _HangingFile(interface.RangedFile):
+  """`HangingDisk`'s data file: every read blocks; maps nothing."""
+
+  def __init__(self, f, disk: HangingDisk):
+    self._f, self._disk, self.size = f, disk, f.size
+
+  def read_into(self, offset, out):
+    self._disk.block()
+    return self._f.read_into(offset, out)
+
+  def close(self):
+    self._f.close()
+
+
+class _HangingWriter(interface.StepWriter):
+  """`HangingDisk`'s step writer: syncs of files named like `syncs` block."""
+
+  def __init__(self, out, disk: HangingDisk):
+    self._out, self._disk = out, disk
+    self.positional = out.positional
+    self._names: dict[int, str] = {}
+
+  def open(self, name):
+    f = self._out.open(name)
+    self._names[id(f)] = name
+    return f
+
+  def open_direct(self, name):
+    return self._out.open_direct(name)
+
+  def mapping(self, f, size):
+    return self._out.mapping(f, size)
+
+  def sync(self, f):
+    if re.search(self._disk.syncs, self._names.get(id(f), "")):
+      self._disk.block()
+    self._out.sync(f)
+
+  def close(self):
+    self._out.close()

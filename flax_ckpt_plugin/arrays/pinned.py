@@ -68,8 +68,8 @@ import jax
 import numpy as np
 
 from flax_ckpt_plugin.arrays.copies import bits_dtype
-from flax_ckpt_plugin.multihost.deadlines import DEADLINES
-from flax_ckpt_plugin.multihost.deadlines import NoAnswer
+from flax_ckpt_plugin.deadlines import DEADLINES
+from flax_ckpt_plugin.deadlines import NoAnswer
 
 PINNED = "pinned_host"
 CPU_SWITCH = "FLAX_CKPT_PLUGIN_PINNED_CPU"

@@ -7,13 +7,13 @@ writer (`save.writer`) decides what goes into the file and records where.
 
 from __future__ import annotations
 
-from concurrent import futures
 import errno
 import os
-import threading
 from typing import Any
 
 import numpy as np
+
+from flax_ckpt_plugin import deadlines
 
 CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
 
@@ -22,17 +22,8 @@ CHUNK = 64 << 20  # Bytes per write call; one call may write less than asked.
 # virtio disk: 1.41-1.56 GB/s from one thread, 1.61-1.70 GB/s from 2 to
 # 8; an NVMe drive gains more).
 WRITE_THREADS = 4
-_pool: futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _writers() -> futures.ThreadPoolExecutor:
-  global _pool
-  with _pool_lock:
-    if _pool is None:
-      _pool = futures.ThreadPoolExecutor(
-          WRITE_THREADS, thread_name_prefix="flax_ckpt_plugin-write")
-    return _pool
+# Daemon threads: a write stuck in the kernel never holds up the exit.
+_WRITERS = deadlines.Pool(WRITE_THREADS, "flax_ckpt_plugin-write")
 
 # Direct I/O (O_DIRECT) moves data from the snapshot to the disk without
 # copying it into the page cache first: on a 2-core machine that copy is
@@ -69,14 +60,24 @@ class DataFile:
   file system that refuses it (tmpfs, some FUSE mounts) gets every byte
   through the page cache instead, with no error. On an object store it is
   a stream: the buffers are written in the order they were placed.
+
+  Every write, sync and close is recorded in `in_flight`, with its
+  deadline: whoever waits for the writing thread (the commit's waiters)
+  raises `StorageTimeoutError` naming the file and the bytes when one
+  does not return in time. `shown` names the file in messages.
   """
 
-  def __init__(self, out: Any, name: str):
+  def __init__(self, out: Any, name: str,
+               in_flight: deadlines.InFlight | None = None,
+               shown: str | None = None):
     self._out = out
-    self.f = out.open(name)
-    self._positional = out.positional
-    self._direct = (out.open_direct(name) if O_DIRECT and self._positional
-                    else None)
+    self._io = in_flight or deadlines.InFlight()
+    self._shown = shown or name
+    with self._io.doing(f"opening {self._shown}"):
+      self.f = out.open(name)
+      self._positional = out.positional
+      self._direct = (out.open_direct(name) if O_DIRECT and self._positional
+                      else None)
     self._direct_ok = self._direct is not None  # Writes are taken.
     self._pending: list[futures.Future] = []  # Direct writes started.
     self._view: memoryview | None | bool = False  # False: not asked yet.
@@ -101,18 +102,22 @@ class DataFile:
     every buffer is placed before the first is written. Where `buf` is not
     where `place` was told, it goes through the page cache. A stream takes
     the buffers in the order they were placed."""
+    what = (f"writing bytes [{offset}, {offset + buf.nbytes}) of"
+            f" {self._shown}")
     if not self._positional:
       if offset != self._streamed:
         raise ValueError(f"a stream is written front to back: offset"
                          f" {offset}, {self._streamed} bytes written")
-      write_all(self.f, memoryview(buf))
+      with self._io.doing(what):
+        write_all(self.f, memoryview(buf))
       self._streamed += buf.nbytes
       return
     if not self.direct and self._mapped() is not None:
       dst = np.frombuffer(self._view, np.uint8, buf.nbytes, offset)
       if buf.nbytes and dst.ctypes.data == buf.ctypes.data:
         return  # The snapshot was taken into these pages (`memfile`).
-      np.copyto(dst, buf)  # Into the file's pages; numpy releases the GIL.
+      with self._io.doing(what):
+        np.copyto(dst, buf)  # Into the file's pages; releases the GIL.
       return
     view = memoryview(buf)
     head = tail = len(view)
@@ -120,18 +125,25 @@ class DataFile:
         and (buf.ctypes.data - offset) % ALIGN == 0):
       head = -buf.ctypes.data % ALIGN
       tail = head + (len(view) - head) // ALIGN * ALIGN
-    pwrite_all(self.f.fileno(), view[:head], offset)
+    with self._io.doing(what):
+      pwrite_all(self.f.fileno(), view[:head], offset)
     # The aligned middle in chunks, several at once (see `WRITE_THREADS`);
     # `sync` waits for them.
     for pos in range(head, tail, CHUNK):
       end = min(tail, pos + CHUNK)
-      self._pending.append(_writers().submit(
+      self._pending.append(_WRITERS.submit(
           self._write_direct, view[pos:end], offset + pos))
-    pwrite_all(self.f.fileno(), view[tail:], offset + tail)
+    with self._io.doing(what):
+      pwrite_all(self.f.fileno(), view[tail:], offset + tail)
 
   def _write_direct(self, view: memoryview, offset: int) -> None:
     """Writes `view` (aligned, at an aligned offset) with direct I/O, what
     the file system refuses of it through the page cache."""
+    with self._io.doing(f"writing bytes [{offset}, {offset + len(view)}) of"
+                        f" {self._shown}"):
+      self._write_direct_unrecorded(view, offset)
+
+  def _write_direct_unrecorded(self, view: memoryview, offset: int) -> None:
     pos = 0
     while pos < len(view) and self._direct_ok:
       try:
@@ -148,20 +160,15 @@ class DataFile:
     pwrite_all(self.f.fileno(), view[pos:], offset + pos)
 
   def _drain(self) -> None:
-    """Waits for every write started; raises the first one's error."""
+    """Waits for every write started; raises the first one's error, or
+    `StorageTimeoutError` for one that took longer than its deadline."""
     pending, self._pending = self._pending, []
-    error = None
-    for f in pending:
-      try:
-        f.result()
-      except BaseException as e:  # pylint: disable=broad-except
-        error = error or e
-    if error is not None:
-      raise error
+    deadlines.wait_all(pending, in_flight=self._io, pool=_WRITERS)
 
   def sync(self) -> None:
     self._drain()
-    self._out.sync(self.f)
+    with self._io.doing(f"syncing {self._shown}"):
+      self._out.sync(self.f)
 
   def _mapped(self) -> memoryview | None:
     if self._view is False:
@@ -186,7 +193,8 @@ class DataFile:
       self._view.release()
     self._view = None
     if not self._positional:
-      self.f.close()  # (An object store uploads it here.)
+      with self._io.doing(f"closing (uploading) {self._shown}"):
+        self.f.close()  # (An object store uploads it here.)
       return
     try:
       if os.fstat(self.f.fileno()).st_size > self.end:

@@ -226,13 +226,17 @@ class HeldStep:
       self._step, self._step_dir = step, step_dir
       self._files = {name: (size, spans)}
 
-  def drop(self) -> None:
+  def drop(self, timeout_secs: float) -> None:
     """Forgets the held step once no other thread reads it (a save, whose
-    snapshot reuses the memory, calls it first).
+    snapshot reuses the memory, calls it first), waiting at most
+    `timeout_secs` for the readers to end.
 
     Raises:
       RuntimeError: this thread reads the held step (a save made inside
         `reading` would overwrite what it reads).
+      TimeoutError: another thread still reads it after `timeout_secs`;
+        nothing is forgotten, so the caller must not reuse the memory (a
+        save fails, and the next one waits again).
     """
     me = threading.get_ident()
     with self._cond:
@@ -240,8 +244,12 @@ class HeldStep:
         raise RuntimeError(
             f"a save while this thread reads the held snapshot of step"
             f" {self._step}: its memory would be reused under the read")
-      while self._readers:
-        self._cond.wait()
+      if not self._cond.wait_for(lambda: not self._readers, timeout_secs):
+        raise TimeoutError(
+            f"a save waited {timeout_secs:g} s for the restore that reads the"
+            f" snapshot of step {self._step} held in memory (on threads"
+            f" {sorted(self._readers)}) to end: the save would reuse that"
+            " memory under the read, so it was not taken")
       self._forget()
 
   def release(self) -> None:

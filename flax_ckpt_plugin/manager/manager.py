@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from etils import epath
 import jax
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.backends import held as held_lib
@@ -175,7 +176,8 @@ class CheckpointManager:
         barrier_timeout_ms=self.barrier_timeout_ms, base=self._base,
         check_commit=self._committer.check,
         free_staging=self._staging.clear, held=self._held,
-        check_open=self._check_open)
+        check_open=self._check_open,
+        io_timeout_secs=storage.io_timeout_secs)
     self.name = self._base
     # Accelerator shards' pinned host memory (see `arrays.pinned`).
     self._pinned = pinned_staging.PinnedStaging(storage.pinned_host_bytes)
@@ -314,10 +316,12 @@ class CheckpointManager:
         data_state=encoded, writers=self._writers,
         retention=self.retention.to_json() if self.retention.deletes else None,
         before_write=(self._deletions.wait if self.retention.wait_for_deletes
-                      else None))
+                      else None),
+        in_flight=deadlines.InFlight(self.storage.io_timeout_secs,
+                                     f"step {step} in {self.directory}"))
     self._committer.prepare()
     # The snapshot reuses the memory that the newest step is held in.
-    self._held.drop()
+    self._held.drop(self.storage.io_timeout_secs)
     # The snapshot last: what follows it should cost the call nothing.
     leaves = take_snapshot(state, process_count=coord.process_count,
                            is_primary=self.is_primary, staging=self._staging,
@@ -336,7 +340,8 @@ class CheckpointManager:
     # freed when the commit returns, before hooks and retention run.
     try:
       self._committer.start(functools.partial(self._commit, [inputs]),
-                            description=f"step {step} in {self.directory}")
+                            description=f"step {step} in {self.directory}",
+                            in_flight=inputs.in_flight)
     except BaseException:
       self._deletions.go_on()
       raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
@@ -43,10 +44,17 @@ class Storage:
       (see `pinned`); None (default): all this process writes; 0: none
       (every shard then takes the plain transfer, which it waits for).
       That much host memory stays pinned for the life of the process.
+    io_timeout_secs: how long one read or write of storage may take (a
+      call moves at most 64 MB): one that takes longer raises
+      `StorageTimeoutError` naming the file, the bytes and the step (a
+      restore then fails, or `restore_newest_valid` tries the previous
+      step; a save is not finalized, and the next call raises). The
+      thread stuck in it is left behind, never waited for.
   """
   backend: interface.Backend | None = None
   atomicity: atomicity_lib.Atomicity = "auto"
   pinned_host_bytes: int | None = None
+  io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
 
   def __post_init__(self):
     if self.pinned_host_bytes is not None and (
@@ -55,6 +63,11 @@ class Storage:
         or self.pinned_host_bytes < 0):
       raise ValueError("pinned_host_bytes must be an int >= 0 or None, got"
                        f" {self.pinned_host_bytes!r}")
+    if (isinstance(self.io_timeout_secs, bool)
+        or not isinstance(self.io_timeout_secs, (int, float))
+        or not self.io_timeout_secs > 0):
+      raise ValueError("io_timeout_secs must be a number of seconds > 0, got"
+                       f" {self.io_timeout_secs!r}")
 
 
 @dataclasses.dataclass(frozen=True)

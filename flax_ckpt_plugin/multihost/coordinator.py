@@ -28,8 +28,8 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 from typing import TypeVar
 
-from flax_ckpt_plugin.multihost.deadlines import DEADLINES
-from flax_ckpt_plugin.multihost.deadlines import NoAnswer
+from flax_ckpt_plugin.deadlines import DEADLINES
+from flax_ckpt_plugin.deadlines import NoAnswer
 
 T = TypeVar("T")
 

@@ -3,13 +3,14 @@
 `ByteReader` reads byte ranges of the data files that a manifest names,
 refusing files that are missing, short, not regular or outside the step
 directory; small shards that lie side by side are read together
-(`coalesced`). `host_buffer` makes the aligned host memory that restores
+(`coalesced`). Every read has a deadline (`deadlines.InFlight`): one that
+storage does not answer in time raises `StorageTimeoutError` naming the
+file and the bytes, and its thread is left behind. `host_buffer` makes the aligned host memory that restores
 read into. Needs no JAX.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
 import os
@@ -20,6 +21,7 @@ from typing import (Any, Callable, ContextManager, Iterable, Iterator,
 from etils import epath
 import numpy as np
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import NOT_A_FILE
 from flax_ckpt_plugin.errors import READ_FAILED
@@ -38,28 +40,24 @@ _SPAN = 16 << 20
 # the process: they only read and check, and never wait for each other.
 PIECE_BYTES = 16 << 20
 READ_THREADS = min(8, os.cpu_count() or 1)
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+# Daemon threads: a read stuck in the kernel never holds up the exit.
+READ_POOL = deadlines.Pool(READ_THREADS, "flax_ckpt_plugin-read")
 
 
-def read_pool() -> concurrent.futures.ThreadPoolExecutor:
-  global _POOL
-  with _POOL_LOCK:
-    if _POOL is None:
-      _POOL = concurrent.futures.ThreadPoolExecutor(
-          READ_THREADS, thread_name_prefix="flax_ckpt_plugin-read")
-    return _POOL
-
-
-def on_read_threads(fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+def on_read_threads(fn: Callable[[Any], None], items: Iterable[Any],
+                    in_flight: deadlines.InFlight) -> None:
   """`fn(item)` for each item, on the read threads at once; returns once
   every call returned, then raises the first error. Not before: a call
   still running writes into its caller's buffer, which the caller may
-  hand on (a pinned buffer to the next region) once this raises."""
-  futures = [read_pool().submit(fn, item) for item in items]
-  concurrent.futures.wait(futures)
-  for f in futures:
-    f.result()
+  hand on (a pinned buffer to the next region) once this raises.
+
+  Raises:
+    StorageTimeoutError: a read of `in_flight` took longer than its
+      deadline. Its thread may still write into the caller's buffer if
+      the read ever returns: a restore that failed so drops its buffers.
+  """
+  deadlines.wait_all([READ_POOL.submit(fn, item) for item in items],
+                     in_flight=in_flight, pool=READ_POOL)
 
 
 def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
@@ -116,12 +114,16 @@ class ByteReader:
 
   Safe to use from several threads: each file is an `OpenFile`
   (positional reads of one descriptor on local disks, one ranged GET per
-  range on object stores).
+  range on object stores). Each open and read is recorded in `in_flight`
+  (its deadline: `Storage(io_timeout_secs=)`), and runs on a helper thread
+  where no waiter watches the calling thread (see `InFlight.call`).
   """
 
   def __init__(self, step_dir: epath.Path, files: dict[str, int],
-               backend: Storage, within: epath.Path | None = None):
+               backend: Storage, within: epath.Path | None = None,
+               in_flight: deadlines.InFlight | None = None):
     self._dir = step_dir
+    self.in_flight = in_flight or deadlines.InFlight(where=str(step_dir))
     # No file may lead outside this folder (by default the step's).
     self._within = step_dir if within is None else within
     self._sizes = files
@@ -143,7 +145,9 @@ class ByteReader:
     if f is None:
       path = self._dir / name
       try:
-        f = self._backend.open_ranged(path, within=self._within)
+        f = self.in_flight.call(
+            lambda: self._backend.open_ranged(path, within=self._within),
+            f"opening data file {path}")
       except FileNotFoundError as e:
         raise CheckpointCorruptedError(
             f"data file {path} named by the manifest is missing") from e
@@ -180,8 +184,12 @@ class ByteReader:
       if lo <= offset and offset + len(out) <= lo + len(data):
         out[:] = data[offset - lo:offset - lo + len(out)]
         return
+    f = self._open(name)
     try:
-      done = self._open(name).read_into(offset, out)
+      done = self.in_flight.call(
+          lambda: f.read_into(offset, out),
+          f"reading bytes [{offset}, {offset + len(out)}) of data file"
+          f" {self._dir / name}")
     except OSError as e:
       if e.errno not in READ_FAILED:
         raise
@@ -201,8 +209,13 @@ class ByteReader:
     """The bytes at [offset, offset + size) of `name` as a read-only view of
     the file's pages, valid inside the context; None where the storage
     maps nothing (see `backend.RangedFile.mapped`). `fresh` of them count
-    as read: the others were mapped before, for the caller's last region."""
-    with self._open(name).mapped(offset, size) as view:
+    as read: the others were mapped before, for the caller's last region.
+    The caller's reads of the view are recorded in `in_flight` (a page
+    that storage does not serve stalls the thread that touches it)."""
+    f = self._open(name)
+    with self.in_flight.doing(
+        f"reading (mapped) bytes [{offset}, {offset + size}) of data file"
+        f" {self._dir / name}"), f.mapped(offset, size) as view:
       if view is not None:
         with self._lock:
           self.bytes_read += fresh

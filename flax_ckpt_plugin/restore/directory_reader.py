@@ -26,6 +26,7 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
@@ -93,7 +94,8 @@ class DirectoryReader:
                check_commit: Callable[[], None],
                free_staging: Callable[[], None],
                held: held_lib.HeldStep,
-               check_open: Callable[[], None]):
+               check_open: Callable[[], None],
+               io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS):
     self.directory, self.backend = directory, backend
     self.coordinator, self.is_primary = coordinator, is_primary
     self.read_only, self.share_reads = read_only, share_reads
@@ -102,6 +104,7 @@ class DirectoryReader:
     self._check_commit, self._free_staging = check_commit, free_staging
     self._held = held
     self._check_open = check_open
+    self.io_timeout_secs = io_timeout_secs
     self._lock = threading.Lock()
     self._steps: list[int] = []  # A writer's finalized steps.
     # The newest step known to restore (-1: none); retention keeps it.
@@ -292,7 +295,8 @@ class DirectoryReader:
     (tree, nbytes), from_memory = self._read_step(
         step, step_dir, lambda storage: restore_tree(
             step_dir, manifest, target, verify=verify, backend=storage,
-            partial=partial, missing=missing, cast=cast, rename=rename))
+            partial=partial, missing=missing, cast=cast, rename=rename,
+            io_timeout_secs=self.io_timeout_secs))
     self.last_restore_stats = RestoreStats(
         step, time.perf_counter() - t0, nbytes, from_memory)
     if hand_over is not None:
@@ -347,7 +351,8 @@ class DirectoryReader:
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
         step_dir, read_manifest, target, step=step,
         reads_manifest=self.is_primary, backend=self.backend, verify=verify,
-        before=before, cast=cast, rename=rename)
+        before=before, cast=cast, rename=rename,
+        io_timeout_secs=self.io_timeout_secs)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
     if hand_over is not None:

@@ -2,8 +2,9 @@
 
 A step that is damaged (a checksum mismatch, a missing or truncated file) on
 any process is skipped and the next older one is tried; so is one whose
-bytes the storage failed to read (`errors.READ_FAILED`: an I/O error), but
-that one is kept, not set aside. Any other error on
+bytes the storage failed to read (`errors.READ_FAILED`: an I/O error; or
+did not answer in time: `StorageTimeoutError`), but that one is kept, not
+set aside. Any other error on
 any process (a permission error, a target that does not fit the saved tree,
 a mesh error) ends the search on every process at once: each try is a
 `meetings.agree`, so all processes learn together how it went on each of
@@ -23,6 +24,7 @@ from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import READ_FAILED
 from flax_ckpt_plugin.errors import RestoreFailedError
+from flax_ckpt_plugin.errors import StorageTimeoutError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
 
@@ -45,6 +47,8 @@ def _restore_or_mark(restore: Callable[[int], Any], step: int) -> Any:
     raise _Unsuitable(str(e)) from e
   except (CheckpointCorruptedError, FileNotFoundError) as e:
     raise _Damaged(str(e)) from e
+  except StorageTimeoutError as e:
+    raise _Unsuitable(str(e)) from e  # Unanswered here, now: kept.
   except OSError as e:
     if e.errno not in READ_FAILED:
       raise

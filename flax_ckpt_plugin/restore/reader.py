@@ -227,14 +227,18 @@ class LeafReader:
 
   def _check_spread(self, shard: ShardRecord, first_block: int,
                     data: memoryview) -> None:
-    """`_check` of `data`, large ones split over the read threads."""
+    """`_check` of `data` (a mapped view: the check is where its pages are
+    first touched, so it runs with the reads' deadline), large ones split
+    over the read threads."""
     spans = self._spans(len(data))
     if len(spans) == 1:
-      self._check(shard, first_block, data)
+      self._reader.in_flight.call(
+          lambda: self._check(shard, first_block, data),
+          f"{self._where}: checking mapped bytes of {shard.file}")
       return
     on_read_threads(lambda span: self._check(
         shard, first_block + span[0] // self._block, data[span[0]:span[1]]),
-                    spans)
+                    spans, self._reader.in_flight)
 
   def _spans(self, nbytes: int) -> list[tuple[int, int]]:
     """[lo, hi) byte spans of whole blocks that split `nbytes` over the read
@@ -266,7 +270,7 @@ class LeafReader:
     if len(spans) == 1:
       read(spans[0])
       return
-    on_read_threads(read, spans)
+    on_read_threads(read, spans, self._reader.in_flight)
 
   def _check(self, shard: ShardRecord, first_block: int,
              data: memoryview) -> None:

@@ -34,7 +34,6 @@ host copy of them meanwhile.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import gc
 import time
@@ -51,6 +50,7 @@ from flax_ckpt_plugin.restore import placement
 from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import share_program
 from flax_ckpt_plugin.restore import slots as slots_lib
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import Unsuitable
@@ -62,7 +62,8 @@ from flax_ckpt_plugin.format.treepaths import leaf_paths
 def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
             target: Any, *, step: int, reads_manifest: bool, backend: Any,
             verify: bool, before: Any = None, cast: bool = False,
-            rename: renaming.Renaming | None = None
+            rename: renaming.Renaming | None = None,
+            io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
             ) -> tuple[Any, int, Any]:
   """Restores `step` from `step_dir` like `target`; see the module doc.
 
@@ -75,13 +76,15 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
   Both run inside agreed phases, so that an error on one process is known
   to all. With `cast`, leaves of another dtype than the target's are
   converted (`casting`), each read by every process that needs it. With
-  `rename`, the checkpoint's leaves take their target paths first.
+  `rename`, the checkpoint's leaves take their target paths first. Each
+  read of storage has the deadline `io_timeout_secs`.
 
   Returns:
     The tree, the bytes this process read, and what `before` returned.
 
   Raises:
     CheckpointCorruptedError, FileNotFoundError: this process's files.
+    StorageTimeoutError: a read of this process's did not return in time.
     CheckpointNotFoundError: the step is not finalized (raised by all).
     errors.Unsuitable: another process found the step damaged, or not
       for it (skip it).
@@ -91,7 +94,8 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
   with _no_collection():
     return _restore(meeting, step_dir, read_manifest, target, step=step,
                     reads_manifest=reads_manifest, backend=backend,
-                    verify=verify, before=before, cast=cast, rename=rename)
+                    verify=verify, before=before, cast=cast, rename=rename,
+                    io_timeout_secs=io_timeout_secs)
 
 
 @contextlib.contextmanager
@@ -109,7 +113,8 @@ def _no_collection():
 
 
 def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
-             step, reads_manifest, backend, verify, before, cast, rename):
+             step, reads_manifest, backend, verify, before, cast, rename,
+             io_timeout_secs):
   coord = meeting.coordinator
   key = meeting.key
   timeout_ms = meeting.timeout_ms
@@ -147,7 +152,8 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
   manifest, treedef, leaves, batches, packs = outcome.result
   outcome = meetings.agree(meeting.under("read"), lambda: _read(
       step_dir, manifest, backend, verify, where, leaves, batches, packs,
-      before, cast))
+      before, cast, deadlines.InFlight(io_timeout_secs, where),
+      timeout_ms / 1000))
   _check(outcome, where)
   return _run(treedef, *outcome.result)
 
@@ -166,10 +172,13 @@ def _check(outcome: meetings.Outcome, where: str,
   if primary_reads and kinds == {"CheckpointNotFoundError"}:
     raise CheckpointNotFoundError(
         "; ".join(m for _, m in outcome.failures.values()))
+  # A read that storage did not answer in time: not damage, but that
+  # step cannot be had there now (`fallback` keeps it and tries older).
   if kinds & {"CheckpointCorruptedError", "FileNotFoundError",
-              "CheckpointNotFoundError", "Unsuitable"}:
-    raise Unsuitable(f"{where} is damaged on other processes:"
-                              f" {text}")
+              "CheckpointNotFoundError", "Unsuitable",
+              "StorageTimeoutError"}:
+    raise Unsuitable(f"{where} cannot be read on other processes (damaged,"
+                     f" or not answered in time): {text}")
   raise RestoreFailedError(f"restoring {where} failed on other processes:"
                            f" {text}")
 
@@ -212,13 +221,16 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
 
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
           verify: bool, where: str, leaves: list, batches: list[list[int]],
-          packs: list[read_plan.Pack | None], before: Any, cast: bool
+          packs: list[read_plan.Pack | None], before: Any, cast: bool,
+          in_flight: deadlines.InFlight, compile_secs: float
           ) -> tuple[list, list, int, Any]:
   """Runs `before(manifest)`, reads this process's leaves and its parts
   of the shared ones, and starts each batch's program once its parts are
   read, while the next batch is read. The programs are traced and
   compiled on a thread meanwhile, with the caller's `jax_enable_x64` (a
-  per-thread setting, as under `jax.enable_x64`).
+  per-thread setting, as under `jax.enable_x64`), each waited for at most
+  `compile_secs` (the others wait as long for this process at the next
+  agreement). The reads are recorded in `in_flight`, with its deadline.
 
   Every process starts every program, whatever happens here: a process
   that fails (a damaged file) goes on with zeros in its slots and raises
@@ -233,13 +245,11 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
     the programs' outputs; the bytes read; what `before` returned.
   """
   x64 = jax.config.jax_enable_x64
-  pool = concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix="flax_ckpt_plugin-compile")
+  pool = deadlines.Pool(1, "flax_ckpt_plugin-compile")
   compiling = [pool.submit(share_program.compile_batch, leaves, batch, pack,
                              x64)  # In order.
                for batch, pack in zip(batches, packs)]
-  pool.shutdown(wait=False)
-  reader = ByteReader(step_dir, manifest.files, backend)
+  reader = ByteReader(step_dir, manifest.files, backend, in_flight=in_flight)
   lr_args = {"reader": reader, "verify": verify,
              "block": manifest.checksum_block_bytes, "where": where}
   batch_of = {i: (b, k) for b, batch in enumerate(batches)
@@ -288,7 +298,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
         plans.append(("shared", (b, own_outputs.get(b, 0))))
         own_outputs[b] = own_outputs.get(b, 0) + 1
       if k == len(batches[b]) - 1:  # The batch is read: share it.
-        program = compiling[b].result()
+        program = compiling[b].result(timeout=compile_secs)
         try:
           inputs = slots_lib.inputs(leaves, batches[b], pack,
                                     flats.pop(b, None), slots, lr_args,

@@ -14,7 +14,6 @@ converts the dtype), and `placement` puts them on the devices.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -25,6 +24,7 @@ from etils import epath
 import jax
 import numpy as np
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.restore import window as window_lib
 from flax_ckpt_plugin.restore import placement
@@ -188,7 +188,9 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
                  backend: interface.Backend | None = None,
                  partial: bool = False, missing: str = "error",
                  cast: bool = False,
-                 rename: renaming.Renaming | None = None) -> tuple[Any, int]:
+                 rename: renaming.Renaming | None = None,
+                 io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
+                 ) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
 
   Args:
@@ -205,6 +207,7 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
       `casting` allows, while they are read (one log line counts them).
     rename: the checkpoint's leaves take these target paths before they
       are matched (`renaming`).
+    io_timeout_secs: the deadline of each read of storage.
 
   Returns:
     The pytree, and the number of bytes this process read from data files.
@@ -218,6 +221,8 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
     CheckpointNotFoundError: a step of one process's shards does not hold
       what this process restores (raised before any data is read).
     renaming.RenameError: the rename gives two leaves one name.
+    StorageTimeoutError: a read did not return within `io_timeout_secs`;
+      names the file and the bytes.
   """
   return restore_records(
       Source(directory=step_dir, files=manifest.files,
@@ -225,14 +230,16 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
              where=f"step {manifest.step} in {step_dir}", shown=step_dir,
              scope=manifest.scope),
       target, verify=verify, backend=backend, partial=partial,
-      missing=missing, cast=cast, rename=rename)
+      missing=missing, cast=cast, rename=rename,
+      io_timeout_secs=io_timeout_secs)
 
 
 def restore_records(source: Source, target: Any, *, verify: bool,
                     backend: interface.Backend | None,
                     partial: bool = False, missing: str = "error",
                     cast: bool = False,
-                    rename: renaming.Renaming | None = None
+                    rename: renaming.Renaming | None = None,
+                    io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
                     ) -> tuple[Any, int]:
   """`restore_tree` of any `Source`: the same matching, casting, reading
   and placing. `verify` only where its shards carry checksums."""
@@ -258,24 +265,20 @@ def restore_records(source: Source, target: Any, *, verify: bool,
   batches = _batches(targets, saved)
   if source.scope is not None:
     _check_held(saved, targets, where)
+  in_flight = deadlines.InFlight(io_timeout_secs, where)
   reader = ByteReader(source.directory, source.files, backend,
-                      within=source.within)
+                      within=source.within, in_flight=in_flight)
   lr_args = {"reader": reader, "verify": verify, "block": source.block,
              "where": where}
   window = window_lib.RestoreWindow()
   try:
-    with concurrent.futures.ThreadPoolExecutor(
-        _THREADS, thread_name_prefix="flax_ckpt_plugin-restore") as pool:
-      futures = [pool.submit(_restore_batch, [(saved[p], leaf)
-                                               for p, leaf in batch], lr_args,
-                             cast, window)
-                 for batch in batches]
-      try:
-        leaves = [leaf for f in futures for leaf in f.result()]
-      except BaseException:
-        for f in futures:
-          f.cancel()
-        raise
+    # A pool of this restore's own, of daemon threads: one stuck in a read
+    # is left behind when the read's deadline passes.
+    pool = deadlines.Pool(_THREADS, "flax_ckpt_plugin-restore")
+    leaves = [leaf for batch in deadlines.wait_all(
+        [pool.submit(_restore_batch, [(saved[p], leaf) for p, leaf in batch],
+                     lr_args, cast, window) for batch in batches],
+        in_flight=in_flight, pool=pool, first_error=True) for leaf in batch]
     # The transfers out of pinned buffers: their error is the restore's,
     # and their buffers go back to the pool.
     window.wait()

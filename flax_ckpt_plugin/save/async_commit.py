@@ -10,6 +10,12 @@ A program that returns from its main thread without `close()` does not lose
 its last save: before the interpreter shuts down, every running commit is
 waited for. If one failed and nobody saw its error, the process prints it
 and exits with status 1 instead of 0.
+
+No wait for a commit outlasts its storage's deadline: a commit's reads and
+writes are recorded (`deadlines.InFlight`), and a waiter that finds one
+overdue gives up on the commit (`StorageTimeoutError`, naming the file):
+its step is never finalized, and its thread, stuck in the kernel, is left
+behind.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ import os
 import sys
 import threading
 import traceback
+import time
 from typing import Callable
 import weakref
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.logs import log
 
@@ -118,6 +126,8 @@ class AsyncCommitter:
     self._cond = threading.Condition()
     self._job: tuple[Callable[[], None], str] | None = None
     self._busy = False  # A job is queued or running.
+    # The storage operations of the job queued or running.
+    self._in_flight: deadlines.InFlight | None = None
     self._closing = False
     self._worker: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -140,11 +150,15 @@ class AsyncCommitter:
                                       daemon=True)
       self._worker.start()
 
-  def start(self, fn: Callable[[], None], *, description: str) -> None:
-    """Waits for the previous commit (raising its error), then runs `fn`."""
+  def start(self, fn: Callable[[], None], *, description: str,
+            in_flight: deadlines.InFlight | None = None) -> None:
+    """Waits for the previous commit (raising its error), then runs `fn`,
+    whose storage operations are recorded in `in_flight` (their deadline
+    bounds every wait for it)."""
     self.wait()
     with self._cond:
       self._job = (fn, description)
+      self._in_flight = in_flight
       self.description = description
       self._busy = True
       self._closing = False
@@ -155,23 +169,31 @@ class AsyncCommitter:
 
   def _loop(self) -> None:
     _lower_priority()
+    me = threading.current_thread()
     while True:
       with self._cond:
         while self._job is None:
           if self._closing or (
               not self._cond.wait(self.IDLE_EXIT_SECS)
               and self._job is None):
-            self._worker = None
+            if self._worker is me:
+              self._worker = None
             return
         fn, description = self._job
         self._job = None
-      self._run(fn, description)
+      error = self._run(fn, description)
       del fn  # Nothing of a finished commit stays referenced.
       with self._cond:
+        if self._worker is not me:
+          return  # Given up on (`_give_up_if_late`): its place is taken.
+        if error is not None:
+          self._error = error
         self._busy = False
+        self._in_flight = None
         self._cond.notify_all()
 
-  def _run(self, fn: Callable[[], None], description: str) -> None:
+  @staticmethod
+  def _run(fn: Callable[[], None], description: str) -> BaseException | None:
     try:
       fn()
     except BaseException as e:  # pylint: disable=broad-except
@@ -182,16 +204,41 @@ class AsyncCommitter:
           f" {description}; it is raised on the next call into"
           " flax_ckpt_plugin.")
       log.error("background commit of %s failed: %r", description, e)
-      with self._cond:
-        self._error = e
+      return e
+    return None
+
+  def _give_up_if_late(self) -> None:
+    """Gives up on the running commit if one of its storage operations is
+    overdue: its error (naming the operation) is kept for the caller, its
+    later operations are refused (so its step is never finalized), and a
+    new thread takes the next commit. Called with the lock held."""
+    io = self._in_flight
+    op = None if not self._busy or io is None else io.overdue()
+    if op is None:
+      return
+    io.give_up()
+    error = io.error(op)
+    error.add_note(
+        f"This error occurred ASYNCHRONOUSLY in the background commit of"
+        f" {self.description}, which was not finalized; it is raised on the"
+        " next call into flax_ckpt_plugin.")
+    log.error("background commit of %s given up: %s", self.description,
+              error)
+    self._error = error
+    self._busy = False
+    self._in_flight = None
+    self._worker = None  # The stuck thread exits if its call returns.
+    self._cond.notify_all()
 
   @property
   def is_running(self) -> bool:
     return self._busy
 
   def check(self) -> None:
-    """Raises the error of a finished background commit, once."""
+    """Raises the error of a finished background commit, or of one given
+    up on (a storage operation overdue), once."""
     with self._cond:
+      self._give_up_if_late()
       error, self._error = self._error, None
     if error is not None:
       raise error
@@ -219,10 +266,25 @@ class AsyncCommitter:
           " hook runs after its step is finalized).")
 
   def join(self, timeout: float | None = None) -> bool:
-    """Waits until no commit runs, without raising; False on timeout."""
+    """Waits until no commit runs, without raising; False on timeout.
+
+    Never longer than the running commit's storage deadline: a commit with
+    an overdue operation is given up on (see `_give_up_if_late`; `check`
+    raises its error).
+    """
     self.refuse_on_commit_thread()
+    end = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      return self._cond.wait_for(lambda: not self._busy, timeout)
+      while self._busy:
+        self._give_up_if_late()
+        left = deadlines.POLL_SECS if end is None else min(
+            deadlines.POLL_SECS, end - time.monotonic())
+        if not self._busy:
+          break
+        if left <= 0:
+          return False
+        self._cond.wait(left)
+      return True
 
   def wait(self) -> None:
     """Blocks until the running commit is done, then raises its error."""

@@ -34,6 +34,7 @@ import numpy as np
 
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.format import datastate
@@ -77,6 +78,9 @@ class CommitInputs(NamedTuple):
   # The primary's wait before the step is made (the deletes of earlier
   # retention, when disk use is bounded); None: none.
   before_write: Callable[[], Any] | None = None
+  # Where the commit's storage operations are recorded, with their
+  # deadline (the committer's waiters watch it); None: the default's.
+  in_flight: deadlines.InFlight | None = None
 
 
 def open_for_writing(coord: coordinator_lib.Coordinator,
@@ -168,6 +172,8 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
   """
   coord, tmp, step, key = (inputs.coordinator, inputs.tmp, inputs.step,
                            inputs.key)
+  io = inputs.in_flight or deadlines.InFlight(
+      where=f"step {step} in {inputs.directory}")
   t0 = time.perf_counter()
   pid, count = coord.process_index, coord.process_count
   total_bytes = checkpoint_bytes(inputs.leaves)
@@ -180,7 +186,8 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
     if inputs.is_primary:
       if inputs.before_write is not None:  # Every process waits with it.
         inputs.before_write()
-      tmp.prepare()
+      with io.doing(f"making the step's directory {tmp.path}"):
+        tmp.prepare()
       if count > 1:  # Others check that they write where it made.
         coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
 
@@ -194,21 +201,27 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
       lambda: writer.write_process_files(tmp.path, inputs.leaves, pid,
                                           identity=identity,
                                           backend=inputs.backend,
-                                          data_state=inputs.data_state))
+                                          data_state=inputs.data_state,
+                                          in_flight=io))
 
   def finalize():
     if inputs.is_primary:
       inputs.check_still_writer(f"step {step} was not finalized")
-      merged, origins = writer.merge_tables(
-          tmp.path, step=step, leaves=inputs.leaves, process_count=count,
-          primary=pid, extra=inputs.extra, metrics=inputs.metrics,
-          backend=inputs.backend, scope=inputs.scope, writers=inputs.writers,
-          retention=inputs.retention)
+      with io.doing(f"reading the shard tables in {tmp.path}"):
+        merged, origins = writer.merge_tables(
+            tmp.path, step=step, leaves=inputs.leaves, process_count=count,
+            primary=pid, extra=inputs.extra, metrics=inputs.metrics,
+            backend=inputs.backend, scope=inputs.scope,
+            writers=inputs.writers, retention=inputs.retention)
       text = manifest_lib.checked_text(
           merged, origins, f"step {step} in {inputs.directory}")
-      writer.write_manifest(tmp.path, text=text, process_count=count,
-                             backend=inputs.backend, writers=inputs.writers)
-      tmp.finalize()
+      with io.doing(f"writing the manifest in {tmp.path}"):
+        writer.write_manifest(tmp.path, text=text, process_count=count,
+                               backend=inputs.backend, writers=inputs.writers)
+      # Its own operation: once a waiter gave up on this commit, it is
+      # never begun, whenever a stuck call above returns.
+      with io.doing(f"finalizing {tmp.path}"):
+        tmp.finalize()
 
   phase("committed", finalize)
   secs = time.perf_counter() - t0

@@ -39,6 +39,7 @@ import crc32c
 import jax
 import numpy as np
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.arrays import copies as copies_lib
 
 _COPY_CHUNK_BYTES = 16 << 20
@@ -190,7 +191,7 @@ class HostStaging:
           run(job)
       else:
         for f in [self._executor().submit(run, job) for job in jobs]:
-          f.result()
+          f.result(timeout=deadlines.IO_TIMEOUT_SECS)  # Copies in memory.
     return out, sums
 
   def _executor(self) -> futures.ThreadPoolExecutor:
@@ -236,5 +237,5 @@ class HostStaging:
         # np.copyto releases the GIL, so the copies run side by side.
         for f in [self._executor().submit(np.copyto, d, s_)
                   for d, s_ in chunks]:
-          f.result()
+          f.result(timeout=deadlines.IO_TIMEOUT_SECS)  # Copies in memory.
       return out

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Sequence
 
 from etils import epath
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import datafile
 from flax_ckpt_plugin.backends.held import Span
@@ -82,7 +83,8 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
                         process_index: int, *,
                         identity: interface.Identity | None = None,
                         backend: interface.Backend | None = None,
-                        data_state: datastate.Encoded | None = None
+                        data_state: datastate.Encoded | None = None,
+                        in_flight: deadlines.InFlight | None = None
                         ) -> Written:
   """Writes this process's shards and shard table; says what it wrote.
 
@@ -98,8 +100,11 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
       `ConcurrentWriterError`.
     backend: the directory's storage backend (default: by its scheme).
     data_state: this process's data state, if it has one (`datastate`).
+    in_flight: where each write is recorded, with its deadline (the
+      commit's waiters watch it); default: a record of its own.
   """
   backend = backend or interface.for_path(step_dir)
+  io = in_flight or deadlines.InFlight(where=str(step_dir))
   views, digest = _views(leaves)
   out = backend.step_writer(step_dir, identity, DATA_DIR)
   try:
@@ -108,17 +113,21 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
     name = data_file(process_index)
     shards = [(leaf, s) for leaf in leaves for s in leaf.shards]
     if shards:
-      offset = _write_data(out, name, shards, entries)
-    with out.open(views_file(process_index)) as f:  # Read in this save only.
+      offset = _write_data(out, name, shards, entries, io,
+                           f"data file {step_dir / name}")
+    with io.doing(f"writing {step_dir / views_file(process_index)}"), \
+        out.open(views_file(process_index)) as f:  # Read in this save only.
       datafile.write_all(f, memoryview(views.encode()))
     table = {"process_index": process_index, "file": name if shards else None,
              "nbytes": offset, "shards": entries, "views_sha256": digest}
     if data_state is not None:
-      with out.open(datastate.state_file(process_index)) as f:
+      with io.doing(f"writing {step_dir / datastate.state_file(process_index)}"
+                    ), out.open(datastate.state_file(process_index)) as f:
         datafile.write_all(f, memoryview(data_state.data))
         out.sync(f)
       table["data_state"] = datastate.table_entry(process_index, data_state)
-    with out.open(index_file(process_index)) as f:
+    with io.doing(f"writing {step_dir / index_file(process_index)}"), \
+        out.open(index_file(process_index)) as f:
       datafile.write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
   finally:
@@ -130,7 +139,8 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
 
 
 def _write_data(out: interface.StepWriter, name: str,
-                shards: list[Any], entries: list[dict]) -> int:
+                shards: list[Any], entries: list[dict],
+                in_flight: deadlines.InFlight, shown: str) -> int:
   """Writes the data file (`datafile.DataFile`); returns its size.
 
   Every shard is placed in the file first (its size and address are known
@@ -155,7 +165,7 @@ def _write_data(out: interface.StepWriter, name: str,
   summer = threading.Thread(target=checksum, name="flax_ckpt_plugin-checksum")
   summer.start()
   try:
-    data = datafile.DataFile(out, name)
+    data = datafile.DataFile(out, name, in_flight, shown)
     try:
       offsets = [data.place(shard.nbytes, shard.address)
                  for _, shard in shards]

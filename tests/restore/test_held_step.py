@@ -201,13 +201,36 @@ def test_a_save_waits_for_a_restore_reading_the_held_step(ckpt_dir):
   backend = interface.for_path(step_dir)
   with held.reading(1, step_dir, backend=backend) as storage:
     assert storage is not None
-    thread = threading.Thread(target=lambda: (held.drop(), dropped.set()))
+    thread = threading.Thread(target=lambda: (held.drop(60), dropped.set()))
     thread.start()
     assert not dropped.wait(0.2)
   thread.join(10)
   assert dropped.is_set() and held.step is None
   with held.reading(1, step_dir, backend=backend) as storage:
     assert storage is None
+
+
+def test_a_save_gives_up_on_a_restore_that_never_ends(ckpt_dir):
+  """A reader of the held step that does not end within the deadline makes
+  the save raise, and the held step stays: its memory is never reused
+  under a read."""
+  step_dir = ckpt_dir / "1"
+  held = held_lib.HeldStep()
+  held.hold(1, step_dir, files.data_file(0), 4,
+            [held_lib.Span(0, 4, lambda: np.arange(4, dtype=np.uint8))])
+  backend = interface.for_path(step_dir)
+  box = {}
+  with held.reading(1, step_dir, backend=backend) as storage:
+    assert storage is not None
+    thread = threading.Thread(target=lambda: box.update(
+        error=pytest.raises(TimeoutError, held.drop, 0.3)))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "snapshot of step 1 held in memory" in str(box["error"].value)
+    assert held.step == 1  # Still held: the reader reads on.
+  held.drop(5)  # The reader gone: at once.
+  assert held.step is None
 
 
 @pytest.mark.parametrize("pinned_path", [False, True])

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from flax_ckpt_plugin import PeerLostError
-from flax_ckpt_plugin.multihost import deadlines
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 
