@@ -16,7 +16,7 @@ disk.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from etils import epath
 import jax
@@ -182,7 +182,8 @@ def match_structure(saved: dict[str, LeafRecord],
                     targets: list[tuple[str, Any]],
                     step_dir: epath.Path | str, *, partial: bool = False,
                     missing: str = "error", cast: bool = False,
-                    call: str = "restore") -> list[str]:
+                    call: str = "restore",
+                    explain: Callable[[], str] | None = None) -> list[str]:
   """Raises StructureMismatchError naming every leaf that does not fit.
 
   Leaves missing on either side, and every leaf whose shape or dtype
@@ -196,7 +197,9 @@ def match_structure(saved: dict[str, LeafRecord],
   that `cast=True` would convert those leaves. `saved` is keyed by target
   path (after a rename, `renaming.Renaming.apply`): a leaf whose record
   has another path is named by both. `step_dir` says where the tree is,
-  `call` which function the hints name.
+  `call` which function the hints name; `explain`, called for a mismatch
+  only, what its message adds at the end (after a rename, the rules that
+  matched no checkpoint path: `renaming.Renaming.explain`).
 
   Returns:
     The target leaves that the checkpoint lacks and that keep the target's
@@ -221,7 +224,8 @@ def match_structure(saved: dict[str, LeafRecord],
       " of these leaves")
   if not missing and not unexpected and len(differ) <= 1:
     if differ:
-      raise StructureMismatchError(differ[0] + cast_hint)
+      raise StructureMismatchError(differ[0] + cast_hint
+                                   + _explained(explain))
     return kept
   parts = []
   if missing:
@@ -240,4 +244,10 @@ def match_structure(saved: dict[str, LeafRecord],
                  + (f"; and {more} more" if more > 0 else "") + cast_hint)
   raise StructureMismatchError(
       f"the tree in {step_dir} does not match the restore target; "
-      + "; ".join(parts))
+      + "; ".join(parts) + _explained(explain))
+
+
+def _explained(explain: Callable[[], str] | None) -> str:
+  """What `explain` adds to a mismatch message, after a '; '."""
+  text = "" if explain is None else explain()
+  return f"; {text}" if text else ""

@@ -19,6 +19,10 @@ A rename is given as
 
 `Renaming.of` checks a rename once; `Renaming.apply` renames a set of
 leaf records, refusing two checkpoint leaves that become one target leaf.
+A rule whose pattern matches no checkpoint path whole renames nothing,
+most often a prefix written as for `re.sub` (`^encoder/`):
+`Renaming.unmatched` finds such rules, with what would have matched,
+and `Renaming.explain` says so at the end of a structure mismatch.
 Used by every restore (`tree.restore_tree`, `shared_read`), by
 `safetensors_load.load_safetensors`, and by `flax-ckpt show --rename`.
 Needs no JAX.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from flax_ckpt_plugin.format.records import LeafRecord
 
@@ -41,6 +45,70 @@ Rename = Union[Mapping[str, Union[str, None]],
 class RenameError(ValueError):
   """A rename that cannot be applied: a pattern that does not compile, a
   result that is not a path, or two checkpoint leaves given one name."""
+
+
+# How a message writes the rule that matches whole paths.
+WHOLE_PATH = ("a rule's pattern matches a whole checkpoint path"
+              " (re.fullmatch), as r'encoder/(.*)' -> r'backbone/\\1' renames"
+              " 'encoder/x' to 'backbone/x'")
+
+
+def _shown(text: str | None) -> str:
+  """A pattern or replacement as a user writes it in Python: a raw string
+  where it holds a backslash, so that a group reads as written, not with
+  the backslash doubled as `repr` shows it."""
+  if (text is not None and "\\" in text and "'" not in text
+      and not text.endswith("\\")):
+    return f"r'{text}'"
+  return repr(text)
+
+
+class UnmatchedRule(NamedTuple):
+  """A rule whose pattern matches no checkpoint path whole.
+
+  Attributes:
+    pattern: the rule's pattern, as given.
+    replacement: its replacement (None: drops).
+    hint: where the pattern matches part of a path (as `re.match` or
+      `re.search` read it), which path and how, with a rule that matches
+      that path whole where one is simple to give; else "".
+  """
+  pattern: str
+  replacement: str | None
+  hint: str
+
+  def describe(self) -> str:
+    """The rule and its hint, as messages show them."""
+    rule = f"{_shown(self.pattern)} -> {_shown(self.replacement)}"
+    return f"{rule} ({self.hint})" if self.hint else rule
+
+
+def _hint(pattern: re.Pattern, replacement: str | None,
+          paths: Sequence[str]) -> str:
+  """What `UnmatchedRule.hint` says of a rule that matches no path whole."""
+  start = next((p for p in paths if pattern.match(p)), None)
+  if start is not None:
+    hint = (f"it matches the start of {start!r}, as re.match reads a"
+            " pattern")
+    # The same rule with the rest of the path as one more group: given
+    # only where it compiles and matches that path whole.
+    head = pattern.pattern if "|" not in pattern.pattern else (
+        f"(?:{pattern.pattern})")
+    try:
+      whole = re.compile(head + "(.*)", pattern.flags)
+    except re.error:
+      return hint
+    if whole.fullmatch(start) is None:
+      return hint
+    n = whole.groups
+    rest = f"\\{n}" if n < 10 else f"\\g<{n}>"
+    new = None if replacement is None else replacement + rest
+    return (f"{hint}; {_shown(whole.pattern)} -> {_shown(new)} matches it"
+            " whole")
+  inside = next((p for p in paths if pattern.search(p)), None)
+  if inside is not None:
+    return f"it matches inside {inside!r}, as re.search reads a pattern"
+  return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +231,28 @@ class Renaming:
               f" {a!r} and {out[b]!r} the path {b!r} inside it: a leaf"
               " cannot also hold leaves")
     return out
+
+  def unmatched(self, paths: Iterable[str]) -> list[UnmatchedRule]:
+    """The rules, in order, whose pattern matches none of the checkpoint
+    paths `paths` whole (a function: none), each with its hint."""
+    if not self.rules:
+      return []
+    paths = sorted(paths)
+    return [UnmatchedRule(pattern.pattern, replacement,
+                          _hint(pattern, replacement, paths))
+            for pattern, replacement in self.rules
+            if not any(pattern.fullmatch(p) for p in paths)]
+
+  def explain(self, paths: Iterable[str]) -> str:
+    """What a structure mismatch under this rename adds to its message:
+    the rules that matched none of the checkpoint paths `paths`, and that
+    a rule matches a whole path; "" where every rule matched one."""
+    unmatched = self.unmatched(paths)
+    if not unmatched:
+      return ""
+    return ("rename rules that matched no checkpoint path: "
+            + "; ".join(u.describe() for u in unmatched)
+            + f"; {WHOLE_PATH}")
 
   def apply(self, leaves: Iterable[LeafRecord]) -> dict[str, LeafRecord]:
     """The records by target path (dropped leaves left out). Each record

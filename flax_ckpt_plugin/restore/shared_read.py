@@ -195,9 +195,12 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     None: read alone); the batches; their packs.
   """
   targets, treedef = leaf_paths(target)
-  saved = (rename or renaming.Renaming()).apply(manifest.leaves)
+  rename = rename or renaming.Renaming()
+  saved = rename.apply(manifest.leaves)
   pairs = [(p, t) for p, _, t in targets]
-  matching.match_structure(saved, pairs, step_dir, cast=cast)
+  matching.match_structure(
+      saved, pairs, step_dir, cast=cast,
+      explain=lambda: rename.explain(leaf.path for leaf in manifest.leaves))
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
   converted = set(placement.log_casts(where, saved, pairs) if cast else ())

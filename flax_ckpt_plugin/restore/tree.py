@@ -247,9 +247,10 @@ def restore_records(source: Source, target: Any, *, verify: bool,
   saved = rename.apply(source.leaves)
   targets, treedef = leaf_paths(target)
   where = source.where
-  kept = set(match_structure(saved, [(p, leaf) for p, _, leaf in targets],
-                             source.shown, partial=partial, missing=missing,
-                             cast=cast, call=source.call))
+  kept = set(match_structure(
+      saved, [(p, leaf) for p, _, leaf in targets], source.shown,
+      partial=partial, missing=missing, cast=cast, call=source.call,
+      explain=lambda: rename.explain(leaf.path for leaf in source.leaves)))
   if kept:
     log.warning("%s: %d target leaves are not in the checkpoint and keep"
                 " the target's values: %s", where, len(kept), sorted(kept))

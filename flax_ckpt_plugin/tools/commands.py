@@ -216,6 +216,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
       raise CliError(str(e), EXIT_USAGE) from e
     for summary in leaves:
       summary["target_path"] = new.get(summary["path"])
+  # Rules that rename nothing: most often a prefix written as for re.sub.
+  unmatched = rename.unmatched(leaf.path for leaf in m.leaves)
   created = m.created_unix
   checksum = {"algorithm": m.checksum_algorithm,
               "block_bytes": m.checksum_block_bytes}
@@ -229,6 +231,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
       "total_bytes": m.total_bytes, "leaves": leaves,
       "extra": m.extra, "metrics": m.metrics,
   }
+  if rename.renames:
+    info["unmatched_rules"] = [u._asdict() for u in unmatched]
   if args.json:
     out.write(json.dumps(info, indent=1) + "\n")
     return EXIT_OK
@@ -262,6 +266,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
               "" if leaf.is_scalar else str(len(leaf.shards))]
              for leaf in m.leaves]
     table(rows, out, indent="  ")
+  if unmatched:
+    out.write("rename rules that matched no path:\n")
+    for rule in unmatched:
+      out.write(f"  {rule.describe()}\n")
+    out.write(f"  ({renaming.WHOLE_PATH})\n")
   for key in ("extra", "metrics"):
     text = _dumps(info[key])
     if len(text) > 70:

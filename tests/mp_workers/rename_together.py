@@ -9,7 +9,8 @@ restores it together into {"params": {"encoder": {"layer_0": ...}}}, the
 head dropped by the rename. Prints {"nbytes": bytes this process read,
 "kernel_bytes": the kernel's bytes, "same": whether the restored leaves
 equal what was saved under the old names, "error": the message of a
-restore_together whose rename gives two leaves one path}.
+restore_together whose rename gives two leaves one path, "unmatched": that
+of one whose rule matches no path whole}.
 """
 
 import sys
@@ -60,10 +61,17 @@ with flax_ckpt_plugin.CheckpointManager(
     error = None
   except ValueError as e:
     error = str(e)
+  try:  # A prefix, as re.sub takes it: renames nothing.
+    m.restore_together(target, rename={r"^params/Dense_0/":
+                                       "params/encoder/layer_0/",
+                                       r"params/head/.*": None})
+    unmatched = None
+  except flax_ckpt_plugin.StructureMismatchError as e:
+    unmatched = str(e)
 
 layer = restored["params"]["encoder"]["layer_0"]
 same = all(np.array_equal(np.asarray(
     jax.experimental.multihost_utils.process_allgather(layer[k], tiled=True)),
                           old[k]) for k in old)
 _setup.emit({"nbytes": nbytes, "kernel_bytes": old["kernel"].nbytes,
-             "same": same, "error": error})
+             "same": same, "error": error, "unmatched": unmatched})

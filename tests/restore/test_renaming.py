@@ -108,6 +108,63 @@ def test_a_mismatch_names_the_target_path_and_the_checkpoint_path(saved):
           " has float32[4,3]") in text
 
 
+def test_a_mismatch_names_the_rules_that_matched_no_path(ckpt_dir):
+  """A prefix written as for `re.sub` renames nothing, since a rule
+  matches whole paths: the mismatch names that rule, says it matched no
+  path and how it would; a rule that matched is not named."""
+  with CheckpointManager(ckpt_dir) as m:
+    m.save(1, {"encoder": {"kernel": np.ones((2, 3), np.float32)},
+               "head": {"w": np.zeros(3, np.float32)}})
+  target = {"backbone": {"kernel": jnp.zeros((2, 3))},
+            "out": {"w": jnp.zeros(3)}}
+  rules = {r"^encoder/": "backbone/", r"head/(.*)": r"out/\1"}
+  with CheckpointManager(ckpt_dir) as m:
+    with pytest.raises(StructureMismatchError) as e:
+      m.restore(target, rename=rules)
+    text = str(e.value)
+    assert ("target leaves not in the checkpoint: ['backbone/kernel']"
+            in text)
+    assert ("rename rules that matched no checkpoint path: '^encoder/' ->"
+            " 'backbone/' (it matches the start of 'encoder/kernel', as"
+            " re.match reads a pattern; '^encoder/(.*)' -> r'backbone/\\1'"
+            " matches it whole)") in text
+    assert ("a rule's pattern matches a whole checkpoint path"
+            " (re.fullmatch), as r'encoder/(.*)' -> r'backbone/\\1'"
+            " renames 'encoder/x' to 'backbone/x'") in text
+    assert "head/" not in text.split("rename rules")[1]
+
+    # The rule the message gives restores.
+    rules = {r"^encoder/(.*)": r"backbone/\1", r"head/(.*)": r"out/\1"}
+    restored = m.restore(target, rename=rules)
+  np.testing.assert_array_equal(restored["backbone"]["kernel"],
+                                np.ones((2, 3)))
+
+
+def test_a_rule_that_matches_inside_paths_says_so(saved):
+  """A rule without `^` that matches within paths only: named with the
+  path it matches inside; the general form follows."""
+  with CheckpointManager(saved) as m:
+    with pytest.raises(StructureMismatchError) as e:
+      m.restore(_new(), rename={"Dense_": "encoder/layer_",
+                                r"params/head/.*": None})
+  text = str(e.value)
+  assert ("rename rules that matched no checkpoint path: 'Dense_' ->"
+          " 'encoder/layer_' (it matches inside 'params/Dense_0/bias', as"
+          " re.search reads a pattern); a rule's pattern matches a whole"
+          " checkpoint path (re.fullmatch)") in text
+  assert "params/head" not in text.split("rename rules")[1]
+
+
+def test_a_mismatch_with_every_rule_matched_names_no_rule(saved):
+  target = _new()
+  target["params"]["encoder"]["layer_1"]["kernel"] = jnp.zeros((4, 3))
+  with CheckpointManager(saved) as m:
+    with pytest.raises(StructureMismatchError) as e:
+      m.restore(target, rename=RULES)
+  assert "rename rule" not in str(e.value)
+  assert "fullmatch" not in str(e.value)
+
+
 def test_with_partial_and_cast(saved):
   """Only the first layer, in bfloat16: renamed, partial and cast at once;
   the other leaves are not read."""
@@ -197,7 +254,8 @@ def test_restore_together_renames_and_reads_each_byte_once(tmp_path):
   """2 processes hold the renamed layer (split within each, replicated
   across them): `restore_together(rename=)` reads the kernel once in all
   (the 256-byte bias, too small to share, on each), and a rename that
-  gives two leaves one path fails on both, naming them."""
+  gives two leaves one path fails on both, naming them, as does a rule
+  that matches no path whole."""
   results = run_workers("rename_together", 2, args=[tmp_path / "ckpt"],
                         timeout=120)
   out = [r.json for r in results]
@@ -205,3 +263,7 @@ def test_restore_together_renames_and_reads_each_byte_once(tmp_path):
   assert sum(o["nbytes"] for o in out) == out[0]["kernel_bytes"] + 2 * 256
   for o in out:
     assert "the same target path 'x'" in o["error"], o
+    assert ("rename rules that matched no checkpoint path:"
+            " '^params/Dense_0/' -> 'params/encoder/layer_0/' (it matches"
+            " the start of 'params/Dense_0/bias'") in o["unmatched"], o
+    assert "params/head" not in o["unmatched"].split("rename rules")[1]

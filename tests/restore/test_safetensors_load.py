@@ -158,6 +158,24 @@ def test_without_a_target_the_tensors_come_back_as_nested_numpy(tmp_path):
   assert set(renamed) == {"x"} and set(renamed["x"]) == {"b", "c"}
 
 
+def test_a_rename_rule_that_matched_no_tensor_is_named(tmp_path):
+  """A prefix rule, as `re.sub` takes it, renames no tensor: the mismatch
+  says so, with the rule that matches whole paths."""
+  save_file({"h.0.w": np.ones(2, np.float32), "h.1.w": np.ones(2, np.float32)},
+            str(tmp_path / "model.safetensors"))
+  target = {"blocks": {"0": {"w": jnp.zeros(2)}, "1": {"w": jnp.zeros(2)}}}
+  with pytest.raises(StructureMismatchError) as e:
+    load_safetensors(tmp_path, target, rename={"^h/": "blocks/"})
+  text = str(e.value)
+  assert ("rename rules that matched no checkpoint path: '^h/' -> 'blocks/'"
+          " (it matches the start of 'h/0/w', as re.match reads a pattern;"
+          " '^h/(.*)' -> r'blocks/\\1' matches it whole); a rule's pattern"
+          " matches a whole checkpoint path (re.fullmatch)") in text
+  loaded = load_safetensors(tmp_path, target,
+                            rename={"^h/(.*)": r"blocks/\1"})
+  np.testing.assert_array_equal(loaded["blocks"]["1"]["w"], np.ones(2))
+
+
 def test_missing_and_unexpected_leaves_are_named_in_one_error(tmp_path):
   _gpt2.write(tmp_path, **SMALL)
   shapes = _gpt2.flax_shapes(**SMALL)

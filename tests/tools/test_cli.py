@@ -363,6 +363,41 @@ def test_show_with_rename_shows_where_a_restore_puts_each_leaf(source, run):
   assert leaves["step"]["target_path"] == "step"
 
 
+def test_show_with_rename_marks_the_rules_that_matched_no_path(source, run):
+  """A prefix written as for `re.sub` matches no path whole: `show` names
+  it under "rename rules that matched no path", with the rule that would
+  match; a rule that matched is not named there."""
+  r = run("show", source, "--rename", "^params/", "weights/",
+          "--rename", "step", "count")
+  assert r.returncode == 0, r.stderr
+  out = r.stdout
+  assert re.search(r"^  count\s+step\s+int = 3$", out, re.M)
+  assert re.search(rf"^  {KERNEL}\s+float32\[8,16\]", out, re.M)
+  marked = out.split("rename rules that matched no path:\n")[1]
+  assert marked.startswith(
+      "  '^params/' -> 'weights/' (it matches the start of"
+      " 'params/params/Dense_0/bias', as re.match reads a pattern;"
+      " '^params/(.*)' -> r'weights/\\1' matches it whole)\n"
+      "  (a rule's pattern matches a whole checkpoint path (re.fullmatch),"
+      " as r'encoder/(.*)' -> r'backbone/\\1' renames 'encoder/x' to"
+      " 'backbone/x')\n"), out
+  assert "'step' -> 'count'" not in out
+
+  r = run("show", source, "--json", "--rename", "^params/", "weights/",
+          "--rename", "step", "count")
+  assert r.returncode == 0, r.stderr
+  [rule] = json.loads(r.stdout)["unmatched_rules"]
+  assert rule["pattern"] == "^params/" and rule["replacement"] == "weights/"
+  assert "the start of 'params/params/Dense_0/bias'" in rule["hint"]
+
+
+def test_show_with_rename_marks_no_rule_where_every_rule_matched(source,
+                                                                 run):
+  r = run("show", source, "--rename", "step", "count")
+  assert r.returncode == 0, r.stderr
+  assert "matched no path" not in r.stdout
+
+
 @pytest.mark.parametrize("rules, message", [
     (["(", "x"], "rename rule '(': not a regular expression"),
     ([r"params/params/Dense_\d/(.*)", r"params/\1"],
