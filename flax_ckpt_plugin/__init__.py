@@ -22,7 +22,7 @@ from flax_ckpt_plugin.errors import DataStateMismatchError
 from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.errors import RestoreFailedError
-from flax_ckpt_plugin.errors import StorageTimeoutError
+from flax_ckpt_plugin.deadlines import StorageTimeoutError
 from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats

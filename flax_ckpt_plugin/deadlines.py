@@ -30,8 +30,6 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, TypeVar
 
-from flax_ckpt_plugin.errors import StorageTimeoutError
-
 T = TypeVar("T")
 
 # How long a read or write of storage may take before it counts as lost
@@ -40,6 +38,14 @@ T = TypeVar("T")
 IO_TIMEOUT_SECS = 300.0
 # How often a waiter looks at the operations in flight.
 POLL_SECS = 0.5
+
+
+class StorageTimeoutError(TimeoutError):
+  """A read or write of storage did not return within its deadline
+  (`Storage(io_timeout_secs=)`). The message names the file (or object),
+  the bytes and the step. The call that was waited for may still be stuck
+  in the kernel: its thread is left behind, never waited for again.
+  """
 
 
 class NoAnswer(Exception):

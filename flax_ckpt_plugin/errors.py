@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import errno
 
+# `deadlines.StorageTimeoutError` (storage did not answer in time) lives
+# with the deadlines it comes from, the lowest module of all.
+
 # The errnos that mean a name cannot be a file of ours (a socket, a loop of
 # links, a directory); others (EACCES, EIO) say nothing of the file itself.
 NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
@@ -20,14 +23,6 @@ NOT_A_FILE = (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP,
 # passing fault), so a restore skips it and keeps it (see `fallback`).
 READ_FAILED = tuple(getattr(errno, name) for name in
                     ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name))
-
-
-class StorageTimeoutError(TimeoutError):
-  """A read or write of storage did not return within its deadline
-  (`Storage(io_timeout_secs=)`). The message names the file (or object),
-  the bytes and the step. The call that was waited for may still be stuck
-  in the kernel: its thread is left behind, never waited for again.
-  """
 
 
 class CheckpointNotFoundError(FileNotFoundError):

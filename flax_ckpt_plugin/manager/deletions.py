@@ -33,17 +33,20 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Callable
 import weakref
 
 from etils import epath
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.logs import log
 
 
 _live: "weakref.WeakSet[Deletions]" = weakref.WeakSet()
+_DONE = object()  # The end of a delete's parts.
 
 
 def _finish_at_exit() -> None:
@@ -59,11 +62,18 @@ class Deletions:
   Used on the primary host only (the others never delete). The thread
   starts with the first `submit` and exits when the queue is empty; at the
   interpreter's exit what is queued is deleted first (see `exits`).
+
+  Each part of a delete has the storage's deadline: a waiter that finds
+  one overdue gives up on the thread (its error, naming the step, is kept
+  for `check`; what was queued stays on disk for a later retention), and
+  the next `submit` starts a new one.
   """
 
   def __init__(self, directory: epath.Path, backend: interface.Backend,
-               name: str):
+               name: str, io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS):
     self.directory, self.backend, self._name = directory, backend, name
+    self._io_timeout_secs = io_timeout_secs
+    self._in_flight = self._new_in_flight()
     self._cond = threading.Condition()
     # Each job: the steps, oldest first, the step whose retention chose
     # them, and the writer's check.
@@ -102,7 +112,9 @@ class Deletions:
     if not steps:
       return
     if not self.backend.deletes_in_background:  # Now, on this thread.
-      self._delete(sorted(steps), after, still_writer)
+      error = self._delete(sorted(steps), after, still_writer)
+      if error is not None:
+        raise error
       self.check()
       return
     with self._cond:
@@ -115,9 +127,16 @@ class Deletions:
         self._worker.start()
       self._cond.notify_all()
 
+  def _new_in_flight(self) -> deadlines.InFlight:
+    return deadlines.InFlight(self._io_timeout_secs,
+                              f"retention's deletes in {self.directory}")
+
   def _loop(self) -> None:
+    me = threading.current_thread()
     while True:
       with self._cond:
+        if self._worker is not me:
+          return  # Given up on (`_give_up_if_late`).
         if self._stopping:  # The rest stay whole steps.
           self._queue.clear()
           self._pending.clear()
@@ -126,22 +145,55 @@ class Deletions:
           self._cond.notify_all()
           return
         steps, after, still_writer = self._queue[0]
-      self._delete(steps, after, still_writer)
+        in_flight = self._in_flight
+      error = self._delete(steps, after, still_writer, in_flight)
       with self._cond:
+        if self._worker is not me:
+          return
+        if error is not None and self._error is None:
+          self._error = error  # The first: later ones follow from it.
         self._queue.popleft()
         self._pending.difference_update(steps)
         self._cond.notify_all()
 
+  def _give_up_if_late(self) -> None:
+    """Gives up on the thread if a part of its delete is overdue: its error
+    is kept, the queue dropped (those steps stay on disk, whole or out of
+    the list, for a later retention or writer). Called with the lock."""
+    op = None if self._worker is None else self._in_flight.overdue()
+    if op is None:
+      return
+    self._in_flight.give_up()
+    error = self._in_flight.error(op)
+    log.error("retention's deletes in %s given up: %s", self.directory, error)
+    if self._error is None:
+      self._error = error
+    self._queue.clear()
+    self._pending.clear()
+    self._worker = None  # The stuck thread exits if its call returns.
+    self._in_flight = self._new_in_flight()
+    self._cond.notify_all()
+
   def _delete(self, steps: list[int], after: int,
-              still_writer: Callable[[str], None] | None) -> None:
+              still_writer: Callable[[str], None] | None,
+              in_flight: deadlines.InFlight | None = None
+              ) -> BaseException | None:
+    """Deletes `steps`; returns the error that ended it, if any (logged,
+    with a note naming the steps left)."""
     done = []
+    in_flight = in_flight or self._new_in_flight()
     try:
       if still_writer is not None:
         still_writer(f"steps {steps} were not deleted")
       for step in steps:
         if self._stopping:  # The rest stay whole steps.
           return
-        for _ in self.backend.delete_step_in_parts(self.directory, step):
+        parts = iter(self.backend.delete_step_in_parts(self.directory, step))
+        while True:
+          with in_flight.doing(f"deleting step {step} of {self.directory}"):
+            more = next(parts, _DONE) is not _DONE
+          if not more:
+            break
           self._wait_for_quiet()
         done.append(step)
         log.info("retention deleted step %d from %s", step, self.directory)
@@ -158,9 +210,8 @@ class Deletions:
       log.error("retention after step %d failed to delete steps %s of %s:"
                 " %r", after, left, self.directory, e, exc_info=True)
       e.__traceback__ = None  # Kept for later: no frames kept alive.
-      with self._cond:
-        if self._error is None:  # The first: later ones follow from it.
-          self._error = e
+      return e
+    return None
 
   def hold_off(self) -> None:
     """A save begins: the deletes wait, between parts of a step's delete
@@ -179,9 +230,10 @@ class Deletions:
         return
 
   def take_error(self) -> BaseException | None:
-    """The error of a finished delete, once (later ones while it was kept
-    were logged only)."""
+    """The error of a finished delete, or of one given up on, once (later
+    ones while it was kept were logged only)."""
     with self._cond:
+      self._give_up_if_late()
       error, self._error = self._error, None
     return error
 
@@ -194,10 +246,21 @@ class Deletions:
   def wait(self, timeout: float | None = None) -> bool:
     """Waits until nothing is queued (the deletes go on first, if a save
     held them off); False if still deleting after `timeout` seconds.
+    Never longer than a part's deadline (the thread is then given up on).
     Raises nothing (see `check`)."""
     self.go_on()
+    end = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      return self._cond.wait_for(lambda: self._worker is None, timeout)
+      while self._worker is not None:
+        self._give_up_if_late()
+        left = deadlines.POLL_SECS if end is None else min(
+            deadlines.POLL_SECS, end - time.monotonic())
+        if self._worker is None:
+          break
+        if left <= 0:
+          return False
+        self._cond.wait(left)
+      return True
 
   def stop(self) -> None:
     """Deletes nothing more than the step being deleted (a process about

@@ -152,7 +152,8 @@ class CheckpointManager:
     # before the committer: at exit, its commit is waited for first, then
     # the deletes that commit queued (see `exits`: last made, first run).
     self._deletions = deletions_lib.Deletions(
-        directory, backend, f"flax_ckpt_plugin-delete-{base}")
+        directory, backend, f"flax_ckpt_plugin-delete-{base}",
+        storage.io_timeout_secs)
     self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
     # Host copies of CPU shards, reused by each save (see staging.py). A
     # directory of this process alone may hold its snapshots (tmpfs).

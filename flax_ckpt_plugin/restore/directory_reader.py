@@ -125,7 +125,9 @@ class DirectoryReader:
     anew at each call, so it sees what a training job finalized since.
     """
     if self.read_only:
-      return directory_lib.finalized_steps(self.directory)
+      return self._bounded(
+          lambda: directory_lib.finalized_steps(self.directory),
+          f"listing {self.directory}")
     with self._lock:
       return list(self._steps)
 
@@ -174,7 +176,8 @@ class DirectoryReader:
             f"no finalized checkpoint in {self.directory}")
     step = operator.index(step)
     step_dir = self.directory / str(step)
-    if not directory_lib.is_finalized(step_dir):
+    if not self._bounded(lambda: directory_lib.is_finalized(step_dir),
+                         f"looking up step {step} in {self.directory}"):
       raise CheckpointNotFoundError(
           f"step {step} is not a finalized checkpoint in {self.directory}"
           f" (finalized steps: {self.all_steps()})")
@@ -183,7 +186,13 @@ class DirectoryReader:
   def _manifest(self, step: int | None
                 ) -> tuple[int, epath.Path, manifest_lib.Manifest]:
     step, step_dir = self._finalized_dir(step)
-    return step, step_dir, manifest_lib.read(step_dir, step)
+    return step, step_dir, self._bounded(
+        lambda: manifest_lib.read(step_dir, step),
+        f"reading the manifest of step {step} in {self.directory}")
+
+  def _bounded(self, fn: Callable[[], T], what: str) -> T:
+    """`fn()` (a look at the directory), with the storage's deadline."""
+    return deadlines.InFlight(self.io_timeout_secs).call(fn, what)
 
   def metadata(self, step: int | None = None) -> StepMetadata:
     """`extra`, metrics and timestamps of `step` (default: the newest).

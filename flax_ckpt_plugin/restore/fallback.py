@@ -24,7 +24,7 @@ from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import READ_FAILED
 from flax_ckpt_plugin.errors import RestoreFailedError
-from flax_ckpt_plugin.errors import StorageTimeoutError
+from flax_ckpt_plugin.deadlines import StorageTimeoutError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
 

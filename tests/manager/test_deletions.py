@@ -305,3 +305,39 @@ def test_deletes_hold_off_between_parts_while_a_save_commits(tmp_path):
   written = backend.events.index(("write", 3))
   assert backend.events.index(("part 1", 1)) > written
   assert _entries(tmp_path) == ["3", "_WRITER"]
+
+
+class HangingDeletes(backend_lib.LocalBackend):
+  """A store whose delete of a step never answers after taking it out of
+  the list (a request that stalls, injected), until `unblock` is set."""
+
+  def __init__(self):
+    super().__init__()
+    self.unblock, self.hung = threading.Event(), threading.Event()
+
+  def delete_step_in_parts(self, directory, step):
+    super().delete_step(directory, step)  # Out of the list, files gone.
+    yield
+    self.hung.set()
+    self.unblock.wait()
+    yield
+
+
+def test_a_delete_that_never_returns_is_given_up_on_and_raised(tmp_path):
+  """A stuck delete holds no wait past its deadline: `wait_until_finished`
+  returns, and the next save whose retention deletes raises its error
+  (naming the step), its own step finalized."""
+  backend = HangingDeletes()
+  with CheckpointManager(tmp_path, max_to_keep=1, storage=Storage(
+      backend=backend, io_timeout_secs=1.0)) as mgr:
+    try:
+      for step in (1, 2):
+        mgr.save(step, {"w": np.full(4, step, np.float32)})
+      assert backend.hung.wait(GATE_TIMEOUT)
+      assert mgr.wait_until_finished(timeout=10)  # The delete given up on.
+      mgr.save(3, {"w": np.full(4, 3, np.float32)})
+      with pytest.raises(TimeoutError, match="deleting step 1 of"):
+        mgr.wait_until_finished(deletes=False)
+      assert mgr.all_steps() == [3]
+    finally:
+      backend.unblock.set()
