@@ -18,6 +18,7 @@ from flax_ckpt_plugin.errors import CommitHookError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
 from flax_ckpt_plugin.errors import ConcurrentWriterError
+from flax_ckpt_plugin.errors import CoordinatorLostError
 from flax_ckpt_plugin.errors import DataStateMismatchError
 from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.errors import SaveFailedError
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
   from flax_ckpt_plugin.manager.retention import Retention
   from flax_ckpt_plugin.tolerance.options import FaultTolerance
   from flax_ckpt_plugin.backends.local import LocalBackend
+  from flax_ckpt_plugin.multihost.runtime import initialize
   from flax_ckpt_plugin.tools.importer import ImportResult
   from flax_ckpt_plugin.tools.importer import OrbaxImportError
 
@@ -56,6 +58,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommitHookError",
     "ConcurrentWriterError",
+    "CoordinatorLostError",
     "DataStateMismatchError",
     "ExportError",
     "ExportResult",
@@ -77,6 +80,7 @@ __all__ = [
     "StructureMismatchError",
     "export",
     "import_orbax",
+    "initialize",
     "load_safetensors",
 ]
 
@@ -97,6 +101,7 @@ _LAZY = {
     "ImportResult": "flax_ckpt_plugin.tools.importer",
     "OrbaxImportError": "flax_ckpt_plugin.tools.importer",
     "LocalBackend": "flax_ckpt_plugin.backends.local",
+    "initialize": "flax_ckpt_plugin.multihost.runtime",
     "CheckpointAction": "flax_ckpt_plugin.clu_hooks",  # Needs clu.
 }
 

@@ -70,6 +70,17 @@ class RestoreFailedError(RuntimeError):
   """
 
 
+class CoordinatorLostError(RuntimeError):
+  """The coordination service of the job (`flax-ckpt coordinator`) is gone.
+
+  No process can meet another any more, so nothing more can be saved or
+  agreed: every process ends with `PREEMPTED_EXIT_CODE`, its finalized
+  steps and local tier intact (a step is finalized whole or not at all).
+  Relaunch the job with a new coordinator; it resumes from the newest step
+  any tier holds. The message names the coordinator's address.
+  """
+
+
 class PeerLostError(RuntimeError):
   """Another process of the job died or restarted (see `liveness`).
 

@@ -110,16 +110,24 @@ class WorkerGroup:
     devices_per_process: CPU devices each process gets (the default 2 makes
       N processes a 2N-device mesh); passed as XLA_FLAGS and as
       `DEVICES_PER_PROCESS`, for workers whose start-up fixes its own flags.
+    coordinator: run the coordination service in a process of its own
+      (`flax-ckpt coordinator`, with this heartbeat timeout in seconds),
+      started first; the workers then join it with
+      `flax_ckpt_plugin.initialize` (`_setup.init` reads `COORDINATOR`).
+      None: process 0 runs it, as `jax.distributed.initialize` does.
   """
 
   def __init__(self, worker: str | os.PathLike, num_processes: int, *,
                args: Sequence[str] = (),
                env: Mapping[str, str] | None = None,
                process_env: Mapping[int, Mapping[str, str]] | None = None,
-               devices_per_process: int = 2):
+               devices_per_process: int = 2,
+               coordinator: int | None = None):
     self.num_processes = num_processes
     self.devices_per_process = devices_per_process
     self.port = free_port()
+    self._coordinator_heartbeat = coordinator
+    self.coordinator: subprocess.Popen | None = None
     self._argv = _command(worker, [str(a) for a in args])
     self._env = dict(env or {})
     self._process_env = {i: dict(e) for i, e in (process_env or {}).items()}
@@ -145,6 +153,12 @@ class WorkerGroup:
         "PORT": str(self.port),
         "NUM_PROCESSES": str(self.num_processes),
         "PROCESS_ID": str(i),
+        "COORDINATOR": ("process 0" if self._coordinator_heartbeat is None
+                        else "external"),
+        # The trainers' heartbeat timeout must not exceed the service's:
+        # a client beats at a pace of its own timeout, and a slower beat
+        # than the service expects reads as a lost process.
+        "COORDINATOR_HEARTBEAT": str(self._coordinator_heartbeat or ""),
         "PYTHONPATH": os.pathsep.join(
             [str(MP_WORKERS), str(MP_WORKERS.parent), str(REPO_ROOT)]
             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
@@ -157,7 +171,40 @@ class WorkerGroup:
     return os.path.join(self._log_dir,
                         f"{self._log_names.get(i, i)}.{stream}")
 
+  def start_coordinator(self) -> None:
+    """Starts `flax-ckpt coordinator` on this group's port; returns once
+    it listens (it says so), failing the test if it does not in 60 s."""
+    path = os.path.join(self._log_dir, "coordinator.out")
+    with open(path, "wb") as out:
+      self.coordinator = subprocess.Popen(
+          [sys.executable, "-m", "flax_ckpt_plugin", "coordinator",
+           "--port", str(self.port), "--num-processes",
+           str(self.num_processes), "--heartbeat-timeout",
+           str(self._coordinator_heartbeat)],
+          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT,
+          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+          start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+      with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+      if "listens on" in text:
+        return
+      if self.coordinator.poll() is not None or time.monotonic() > deadline:
+        self.coordinator.kill()
+        pytest.fail(f"the coordinator did not start:\n{text}",
+                    pytrace=False)
+      time.sleep(0.05)
+
+  def kill_coordinator(self) -> float:
+    """SIGKILLs the coordinator, as a lost node; returns the time."""
+    self.coordinator.kill()
+    self.coordinator.wait()
+    return time.time()
+
   def start(self) -> "WorkerGroup":
+    if self._coordinator_heartbeat is not None:
+      self.start_coordinator()
     for i in range(self.num_processes):
       with open(self._log_path(i, "out"), "wb") as out, \
            open(self._log_path(i, "err"), "wb") as err:
@@ -199,10 +246,11 @@ class WorkerGroup:
     self.send_signal(i, signal.SIGKILL)
 
   def kill_all(self) -> None:
-    for p in self._procs:
+    procs = self._procs + ([self.coordinator] if self.coordinator else [])
+    for p in procs:
       if p.poll() is None:
         p.kill()
-    for p in self._procs:
+    for p in procs:
       p.wait()
 
   def results(self) -> list[WorkerResult]:
@@ -245,6 +293,9 @@ class WorkerGroup:
     for i in range(len(self._procs)):
       self.ended_at.setdefault(i, time.time())
     results = self.results()
+    if self.coordinator is not None and self.coordinator.poll() is None:
+      self.coordinator.terminate()  # The job ended: so does its service.
+      self.coordinator.wait(30)
     self.close()
     if check and any(r.returncode != 0 for r in results):
       bad = [r.process_id for r in results if r.returncode != 0]
@@ -270,7 +321,8 @@ def run_workers(worker: str | os.PathLike, num_processes: int, *,
                 env: Mapping[str, str] | None = None,
                 process_env: Mapping[int, Mapping[str, str]] | None = None,
                 check: bool = True,
-                devices_per_process: int = 2) -> list[WorkerResult]:
+                devices_per_process: int = 2,
+                coordinator: int | None = None) -> list[WorkerResult]:
   """Runs `num_processes` workers to the end; see `WorkerGroup`.
 
   Fails the test (with every worker's output) when they are not done within
@@ -278,7 +330,8 @@ def run_workers(worker: str | os.PathLike, num_processes: int, *,
   """
   with WorkerGroup(worker, num_processes, args=args, env=env,
                    process_env=process_env,
-                   devices_per_process=devices_per_process) as group:
+                   devices_per_process=devices_per_process,
+                   coordinator=coordinator) as group:
     return group.wait(timeout, check=check)
 
 

@@ -8,6 +8,8 @@
                      [--only PREFIX ...] [--max-file-size SIZE] [-q]
     flax-ckpt import-orbax ORBAX_STEP_DIR DEST_DIR [--item NAME] [--step N]
                            [--json]
+    flax-ckpt coordinator --port P --num-processes N [--heartbeat-timeout S]
+                          [--bind ADDRESS]
 
 Also `python -m flax_ckpt_plugin ...`. Every command only reads, except
 `prune`, which deletes through `directory.delete_step` and never claims the
@@ -15,7 +17,8 @@ directory as a writer, so it can run beside a training job; `export`,
 which writes a new directory OUT of safetensors or npz files
 (`exporting`); and `import-orbax`, which saves a step that Orbax wrote as
 a new step of DEST_DIR with a `CheckpointManager` (`importer`,
-`zarr_tree`). Paths go through
+`zarr_tree`); `coordinator` runs a job's coordination service
+(`tools.coordinator`). Paths go through
 `etils.epath`, so `gs://` and `s3://` directories work too. See docs/cli.md.
 This module parses the arguments and maps errors to exit codes; the
 commands themselves are in `commands`.
@@ -28,6 +31,7 @@ import os
 import sys
 from typing import Sequence
 
+from flax_ckpt_plugin.tools import coordinator
 from flax_ckpt_plugin.tools.exporting import cmd_export
 from flax_ckpt_plugin.tools.importer import cmd_import_orbax
 from flax_ckpt_plugin.tools.commands import cmd_list
@@ -53,7 +57,8 @@ exit codes:
      needs: an --only prefix that matches, safetensors, a folder OUT for
      an export that must be split)
   3  directory or step not found, or no finalized step
-  4  could not read or delete (permission denied, I/O error)
+  4  could not read or delete (permission denied, I/O error);
+     coordinator: its port is in use
   5  import-orbax: DEST_DIR already holds that step; export: OUT exists
      (nothing was written)
 """
@@ -178,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                  " e.g. 5 or checkpoint_5)")
   p.add_argument("--json", action="store_true", help="machine-readable output")
   p.set_defaults(func=cmd_import_orbax)
+  coordinator.add_parser(sub, EXIT_CODES_HELP)
   return parser
 
 

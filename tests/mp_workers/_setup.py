@@ -43,10 +43,22 @@ def init(*, recoverable: bool = False,
   # Cross-process device collectives on CPU (the jitted train step and
   # process_allgather) need gloo; the default CPU backend has none.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if recoverable:
-    jax.config.update("jax_enable_recoverability", True)
   extra = {} if heartbeat_timeout_seconds is None else {
       "heartbeat_timeout_seconds": heartbeat_timeout_seconds}
+  if os.environ.get("COORDINATOR") == "external":
+    # The coordination service runs in a process of its own (the launcher
+    # started `flax-ckpt coordinator`): every process is a client only,
+    # recoverable (`flax_ckpt_plugin.initialize`).
+    import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
+    flax_ckpt_plugin.initialize(
+        f"127.0.0.1:{os.environ['PORT']}", NUM_PROCESSES, PROCESS_ID,
+        initialization_timeout=60, heartbeat_timeout_seconds=int(
+            os.environ["COORDINATOR_HEARTBEAT"]))
+    assert jax.process_index() == PROCESS_ID
+    assert jax.process_count() == NUM_PROCESSES
+    return
+  if recoverable:
+    jax.config.update("jax_enable_recoverability", True)
   # Short timeouts: a worker whose peer died should fail, not sit for the
   # 5-minute defaults (the launcher's deadline is the last line of defence).
   jax.distributed.initialize(
