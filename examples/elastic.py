@@ -15,9 +15,18 @@ a machine would: its `restore_or_initialize` waits until the survivors
 take it back (they set `cb.should_rebuild` at a step they agree on, and
 call `cb.recover` again); it receives their state over collectives, and
 all 4 go on on 8 devices and end with code 0. Without `--kill-*`, kill a
-process by hand (`kill -9 PID`, with `--step-secs 0.5`). Losing process 0,
-which hosts JAX's coordination service, still ends the job: run it again
-and it resumes from the tiers.
+process by hand (`kill -9 PID`, with `--step-secs 0.5`).
+
+With `--coordinator-process`, JAX's coordination service runs in a process
+of its own (`flax-ckpt coordinator`), every process joins it with
+`flax_ckpt_plugin.initialize`, and process 0 is a process like the others:
+
+    python examples/elastic.py --launch 4 --coordinator-process \
+        --kill-process 0 --kill-step 12 --relaunch --step-secs 0.3 \
+        --num-steps 60
+
+Without it, process 0 hosts the service, and losing it ends the job: run
+it again and it resumes from the tiers.
 
 The global batch stays the same on any number of devices: it is a function
 of the step, split over the 'data' axis of whatever mesh is live (48 rows
@@ -44,9 +53,14 @@ def train(args: argparse.Namespace) -> None:
                              + " --xla_cpu_collective_timeout_seconds=10")
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.config.update("jax_enable_recoverability", True)
-  jax.distributed.initialize(args.coordinator, args.num_processes,
-                             args.process_id, heartbeat_timeout_seconds=3)
+  if args.coordinator_process:  # Every process a client only.
+    import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
+    flax_ckpt_plugin.initialize(args.coordinator, args.num_processes,
+                                args.process_id, heartbeat_timeout_seconds=3)
+  else:
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(args.coordinator, args.num_processes,
+                               args.process_id, heartbeat_timeout_seconds=3)
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from flax.training import train_state  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -133,7 +147,7 @@ def main() -> None:
   add_launch_arguments(parser)
   args = parser.parse_args()
   if args.launch:
-    sys.exit(launch(args, __file__))
+    sys.exit(launch(args, __file__, heartbeat_timeout=3))
   train(args)
 
 

@@ -31,19 +31,35 @@ import sys
 import time
 
 
-def launch(args: argparse.Namespace, script: str = __file__) -> int:
+def launch(args: argparse.Namespace, script: str = __file__, *,
+           heartbeat_timeout: int = 100) -> int:
   """Starts `args.launch` copies of `script` as one jax.distributed job.
 
   Prints each process's pid, so that one of them can be sent a signal, and
   each one's exit code. A SIGTERM to this launcher is passed on to every
   process, as a scheduler would send it. With `args.relaunch`, a process
-  other than 0 that a signal killed is started again once (without its
-  `--kill-*` arguments), as a scheduler replacing a lost machine would.
+  that a signal killed is started again once (without its `--kill-*`
+  arguments), as a scheduler replacing a lost machine would: any process
+  with `args.coordinator_process` (the coordination service then runs in
+  a process of its own, `flax-ckpt coordinator`, started first with
+  `heartbeat_timeout`), else any but 0 (whose death ends the job).
   Returns the common exit code of the processes, or 1 if they differ.
   """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  service = None
+  if getattr(args, "coordinator_process", False):
+    service = subprocess.Popen(
+        [sys.executable, "-m", "flax_ckpt_plugin", "coordinator", "--port",
+         str(port), "--num-processes", str(args.launch),
+         "--heartbeat-timeout", str(heartbeat_timeout)],
+        stdout=subprocess.PIPE, text=True)
+    for line in service.stdout:  # Its first line says it listens.
+      print(line, end="", flush=True)
+      if "listens on" in line:
+        break
+    print(f"coordinator: pid {service.pid}", flush=True)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count="
              f"{args.devices_per_process}", JAX_PLATFORMS="cpu")
   argv = [a for a in sys.argv[1:]]
@@ -68,7 +84,8 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
 
   signal.signal(signal.SIGTERM, forward)
   codes: dict[int, int] = {}
-  relaunch = {p for p in range(1, args.launch) if args.relaunch}
+  relaunch = {p for p in range(0 if service else 1, args.launch)
+              if args.relaunch}
   while len(codes) < len(procs):
     for p, proc in enumerate(procs):
       code = proc.poll()
@@ -83,6 +100,9 @@ def launch(args: argparse.Namespace, script: str = __file__) -> int:
       else:
         codes[p] = code
     time.sleep(0.05)
+  if service is not None:  # The job ended: so does its service.
+    service.terminate()
+    service.wait()
   return codes[0] if len(set(codes.values())) == 1 else 1
 
 
@@ -96,6 +116,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--process-id", type=int, default=0)
   parser.add_argument("--relaunch", action="store_true",
                       help="with --launch: start a killed process again")
+  parser.add_argument("--coordinator-process", action="store_true",
+                      help="run JAX's coordination service in a process of"
+                      " its own (flax-ckpt coordinator), so that any"
+                      " process, 0 included, may die and the others go on")
 
 
 def train(args: argparse.Namespace) -> None:

@@ -77,7 +77,7 @@ class _Helper:
   def __init__(self):
     self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
     threading.Thread(target=self._loop, daemon=True,
-                     name="flax_ckpt_plugin-coordination").start()
+                     name="flax_ckpt_plugin-deadline").start()
 
   def _loop(self) -> None:
     while (job := self._jobs.get()) is not None:
@@ -158,24 +158,21 @@ class InFlight:
   """The storage operations that threads are in, each with its start time.
 
   Threads doing I/O for one save or one restore record each call
-  (`doing`); whoever waits for them asks for the oldest one (`overdue`)
-  and raises, naming it, once it took longer than the deadline: a thread
-  stuck in the kernel can never say so itself. A record costs a dict
-  insert and delete.
+  (`doing`); whoever waits for them asks for an overdue one and raises,
+  naming it, once it took longer than the deadline (`check`): a thread
+  stuck in the kernel can never say so itself. Giving up is final: every
+  later operation raises at once, so that what a stuck thread would do
+  once its call returns (finalize a step, read on into a buffer handed
+  on) never begins. A record costs a lock and a dict insert and delete.
   """
 
   def __init__(self, timeout_secs: float = IO_TIMEOUT_SECS, where: str = ""):
     self.timeout_secs = timeout_secs
     self.where = where  # "step 7 in /ckpt", for messages.
+    self._lock = threading.Lock()
     self._ops: dict[int, Operation] = {}
     self._ids = itertools.count()
     self.given_up = False
-
-  def give_up(self) -> None:
-    """Every later operation raises at once (`doing`): a waiter raised the
-    error of an overdue one, and what the stuck thread would do once its
-    call returns (finalize a step) must not happen."""
-    self.given_up = True
 
   @contextlib.contextmanager
   def doing(self, what: str) -> Iterator[None]:
@@ -183,27 +180,48 @@ class InFlight:
     ends.
 
     Raises:
-      StorageTimeoutError: after `give_up`, at once (nothing is begun).
+      StorageTimeoutError: once given up on, at once (nothing is begun).
     """
-    if self.given_up:
-      where = f" ({self.where})" if self.where else ""
-      raise StorageTimeoutError(
-          f"{what}{where}: not begun, since an earlier operation missed its"
-          f" deadline of {self.timeout_secs:g} s")
-    key = next(self._ids)  # (`count` is atomic under the GIL.)
-    self._ops[key] = Operation(what, threading.get_ident(), time.monotonic())
+    with self._lock:
+      if self.given_up:
+        where = f" ({self.where})" if self.where else ""
+        raise StorageTimeoutError(
+            f"{what}{where}: not begun, since an earlier operation missed"
+            f" its deadline of {self.timeout_secs:g} s")
+      key = next(self._ids)
+      self._ops[key] = Operation(what, threading.get_ident(),
+                                 time.monotonic())
     try:
       yield
     finally:
-      del self._ops[key]
+      with self._lock:
+        del self._ops[key]
 
-  def overdue(self, now: float | None = None) -> Operation | None:
-    """The oldest operation in flight for longer than the deadline; None
-    if none is."""
+  def overdue(self, now: float | None = None) -> list[Operation]:
+    """The operations in flight for longer than the deadline, oldest
+    first."""
     now = time.monotonic() if now is None else now
-    late = [op for op in list(self._ops.values())
-            if now - op.began > self.timeout_secs]
-    return min(late, key=lambda op: op.began) if late else None
+    with self._lock:
+      late = [op for op in self._ops.values()
+              if now - op.began > self.timeout_secs]
+    return sorted(late, key=lambda op: op.began)
+
+  def give_up_if_overdue(self) -> list[Operation]:
+    """Gives up (see the class doc) if an operation is overdue; returns
+    the overdue ones, oldest first (none: nothing given up)."""
+    now = time.monotonic()
+    with self._lock:
+      late = sorted((op for op in self._ops.values()
+                     if now - op.began > self.timeout_secs),
+                    key=lambda op: op.began)
+      if late:
+        self.given_up = True
+    return late
+
+  def give_up(self) -> None:
+    """Gives up at once (a waiter that raised for another reason)."""
+    with self._lock:
+      self.given_up = True
 
   def error(self, op: Operation) -> StorageTimeoutError:
     """The error that names an overdue `op`."""
@@ -216,46 +234,54 @@ class InFlight:
         " connection to the store.")
 
   def check(self, pool: "Pool | None" = None) -> None:
-    """Raises `StorageTimeoutError` for an overdue operation; its thread's
-    place in `pool` (if given) goes to a new worker first."""
-    op = self.overdue()
-    if op is None:
+    """Raises `StorageTimeoutError` for the oldest overdue operation, once
+    given up; the places of the threads in overdue ones go to new workers
+    of `pool` (if given)."""
+    late = self.give_up_if_overdue()
+    if not late:
       return
     if pool is not None:
-      pool.abandon(op.thread)
-    raise self.error(op)
+      for op in late:
+        pool.abandon(op.thread)
+    raise self.error(late[0])
 
   def call(self, fn: Callable[[], T], what: str) -> T:
-    """`fn()`, recorded as operation `what`, on this thread where a waiter
-    watches it (a `Pool`'s worker), else on a helper thread, waited for
-    with the deadline: the caller is never stuck in it."""
-    if getattr(_watched, "yes", False):
+    """`fn()`, recorded as operation `what`: on this thread where a waiter
+    of this record watches it (a `Pool` job submitted with `watcher=`
+    this), else on a helper thread, waited for with the deadline (the
+    caller is never stuck in it; the record is then given up on)."""
+    if getattr(_watched, "by", None) is self:
       with self.doing(what):
         return fn()
+    with self.doing(what):  # (Refused at once once given up.)
+      pass
     began = time.monotonic()
     try:
       return DEADLINES.call(fn, self.timeout_secs)
     except NoAnswer:
+      self.give_up()
       raise self.error(Operation(what, 0, began)) from None
 
 
-# Set on the threads of `Pool`s: their waiters watch their operations.
+# On a `Pool`'s thread, during a job: the `InFlight` its waiter watches.
 _watched = threading.local()
 
 
 class Pool:
-  """A pool of daemon threads, each started when the work needs it.
+  """A pool of daemon threads, each started when the work needs it, each
+  ending after `IDLE_SECS` without work.
 
   Unlike `concurrent.futures.ThreadPoolExecutor`, nothing waits for its
-  threads: neither the interpreter at exit nor `shutdown`. A worker stuck
+  threads: neither the interpreter at exit nor a shutdown. A worker stuck
   in a call (a read that never returns) is `abandon`ed: a new worker takes
   its place, and the stuck one exits if its call ever returns.
   """
 
+  IDLE_SECS = 60.0
+
   def __init__(self, workers: int, name: str):
     self._max = max(1, workers)
     self._name = name
-    self._lock = threading.Lock()
     self._forget()
     os.register_at_fork(after_in_child=self._forget)
 
@@ -263,45 +289,70 @@ class Pool:
     self._jobs: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._workers: set[int] = set()  # Idents of live, not abandoned ones.
-    self._idle = 0
-    self._starting = 0
+    self._idle = 0  # Workers waiting for a job.
+    self._starting = 0  # Workers started, not yet waiting.
+    self._queued = 0  # Jobs not yet taken.
 
-  def submit(self, fn: Callable[..., T], *args: Any
+  def submit(self, fn: Callable[..., T], *args: Any,
+             watcher: InFlight | None = None
              ) -> "concurrent.futures.Future[T]":
+    """Runs `fn(*args)` on a worker; `watcher`: the record its waiter
+    watches (see `InFlight.call`)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-    self._jobs.put((future, fn, args))
     with self._lock:
-      start = (self._idle + self._starting == 0
+      self._queued += 1
+      start = (self._queued > self._idle + self._starting
                and len(self._workers) + self._starting < self._max)
       if start:
         self._starting += 1
+    self._jobs.put((future, fn, args, watcher))
     if start:
-      threading.Thread(target=self._work, daemon=True,
-                       name=f"{self._name}").start()
+      self._start()
     return future
+
+  def _start(self) -> None:
+    try:
+      threading.Thread(target=self._work, daemon=True,
+                       name=self._name).start()
+    except BaseException:  # No thread to be had: the others take the job.
+      with self._lock:
+        self._starting -= 1
+      raise
 
   def _work(self) -> None:
     me = threading.get_ident()
-    _watched.yes = True
     with self._lock:
       self._starting -= 1
       self._workers.add(me)
+      self._idle += 1
     while True:
-      with self._lock:
-        if me not in self._workers:
-          return  # Abandoned while in its call: replaced already.
-        self._idle += 1
-      job = self._jobs.get()
+      try:
+        job = self._jobs.get(timeout=self.IDLE_SECS)
+      except queue.Empty:
+        with self._lock:
+          if self._queued > 0 and me in self._workers:
+            continue  # A job is being put: take it.
+          self._idle -= 1
+          self._workers.discard(me)
+          return
       with self._lock:
         self._idle -= 1
-      future, fn, args = job
+        self._queued -= 1
+      future, fn, args, watcher = job
       del job
       if future.set_running_or_notify_cancel():
+        _watched.by = watcher
         try:
           future.set_result(fn(*args))
         except BaseException as e:  # pylint: disable=broad-except
           future.set_exception(e)
-      del future, fn, args
+        finally:
+          _watched.by = None
+      del future, fn, args, watcher
+      with self._lock:
+        if me not in self._workers:
+          return  # Abandoned while in its call: replaced already.
+        self._idle += 1
 
   def abandon(self, thread: int) -> None:
     """Gives the place of worker `thread`, stuck in a call, to a new one."""
@@ -310,8 +361,7 @@ class Pool:
         return
       self._workers.discard(thread)
       self._starting += 1
-    threading.Thread(target=self._work, daemon=True,
-                     name=f"{self._name}").start()
+    self._start()
 
 
 def wait_all(futures: Iterable["concurrent.futures.Future[T]"], *,

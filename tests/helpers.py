@@ -6,6 +6,7 @@ is `launcher.py`'s job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -234,13 +235,15 @@ class HangingDisk(backend_lib.LocalBackend):
   network or FUSE mount that stops answering, until `unblock` is set.
 
   A fake: no real mount here can be made to stop answering on demand.
-  Reads of data files whose path matches `reads`, and syncs of files
+  Reads of data files whose path matches `reads` (with `maps`, their
+  mappings, as a mount whose pages never come), and syncs of files
   written under a name matching `syncs`, block; `hung` is set once one
   does. Passed to a manager as `backend=`.
   """
 
-  def __init__(self, *, reads: str | None = None, syncs: str | None = None):
-    self.reads, self.syncs = reads, syncs
+  def __init__(self, *, reads: str | None = None, syncs: str | None = None,
+               maps: bool = False):
+    self.reads, self.syncs, self.maps = reads, syncs, maps
     self.unblock = threading.Event()
     self.hung = threading.Event()
 
@@ -260,7 +263,8 @@ class HangingDisk(backend_lib.LocalBackend):
 
 
 class _HangingFile(interface.RangedFile):
-  """`HangingDisk`'s data file: every read blocks; maps nothing."""
+  """`HangingDisk`'s data file: every read blocks; its mappings block too
+  (`maps`), or it maps nothing."""
 
   def __init__(self, f, disk: HangingDisk):
     self._f, self._disk, self.size = f, disk, f.size
@@ -268,6 +272,15 @@ class _HangingFile(interface.RangedFile):
   def read_into(self, offset, out):
     self._disk.block()
     return self._f.read_into(offset, out)
+
+  @contextlib.contextmanager
+  def mapped(self, offset, size):
+    if not self._disk.maps:
+      yield None
+      return
+    self._disk.block()
+    with self._f.mapped(offset, size) as view:
+      yield view
 
   def close(self):
     self._f.close()

@@ -76,12 +76,15 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
                  for k, v in uninterrupted.items())
 
 
+@pytest.mark.parametrize("victim,coordinator_process", [(2, False),
+                                                       (0, True)])
 def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
-    tmp_path):
+    tmp_path, victim, coordinator_process):
   """examples/elastic.py with 4 local processes, process 2 killed at step
   12 and relaunched at once: the other three recover in place, take the
   new process 2 back, and all four end with code 0 at the last step, on 8
-  devices."""
+  devices. With `--coordinator-process` (the coordination service in a
+  process of its own), the same with process 0."""
   elastic = EXAMPLE.parent / "elastic.py"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
@@ -92,8 +95,9 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
         [sys.executable, os.fspath(elastic), "--launch", "4", "--workdir",
          os.fspath(tmp_path / "ckpt"), "--local-dir",
          os.fspath(tmp_path / "local"), "--num-steps", "60",
-         "--kill-process", "2", "--kill-step", "12", "--relaunch",
-         "--step-secs", "0.3"],
+         "--kill-process", str(victim), "--kill-step", "12", "--relaunch",
+         "--step-secs", "0.3"]
+        + (["--coordinator-process"] if coordinator_process else []),
         capture_output=True, text=True, env=env, timeout=300, check=False)
     out = result.stdout + result.stderr
     # Once in CI (1 run of many), gloo, JAX's CPU collectives, aborted a
@@ -104,7 +108,7 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
     if attempt or "gloo::EnforceNotMet" not in out:
       break
     print("gloo aborted a survivor; running the example again:\n" + out)
-  assert "process 2 exited with code 137" in out, out
+  assert f"process {victim} exited with code 137" in out, out
   for p in range(4):
     assert f"process {p} exited with code 0" in out, out
   assert "recovered in place at step" in out, out

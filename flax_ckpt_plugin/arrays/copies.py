@@ -93,10 +93,13 @@ def copies_onto(srcs: list[jax.Array],
 def writable_view(arr: jax.Array) -> np.ndarray:
   """A writable numpy view of a ready single-device host buffer (a CPU
   device's, or pinned host memory), to fill in place before the array is
-  handed out. The view does not keep `arr` alive: the caller holds both."""
+  handed out. The view keeps `arr` alive: a read left behind by its
+  deadline (`deadlines`) that writes into it later never writes into
+  memory freed and handed to another array."""
   if not arr.nbytes:
     return np.empty(arr.shape, arr.dtype)
   mem = (ctypes.c_char * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
+  mem.owner = arr
   return np.frombuffer(mem, arr.dtype).reshape(arr.shape)
 
 

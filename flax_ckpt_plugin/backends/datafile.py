@@ -108,16 +108,24 @@ class DataFile:
       if offset != self._streamed:
         raise ValueError(f"a stream is written front to back: offset"
                          f" {offset}, {self._streamed} bytes written")
-      with self._io.doing(what):
-        write_all(self.f, memoryview(buf))
+      view = memoryview(buf)
+      for pos in range(0, len(view), CHUNK):  # A deadline per chunk.
+        with self._io.doing(f"writing bytes [{offset + pos},"
+                            f" {offset + min(len(view), pos + CHUNK)}) of"
+                            f" {self._shown}"):
+          write_all(self.f, view[pos:pos + CHUNK])
       self._streamed += buf.nbytes
       return
     if not self.direct and self._mapped() is not None:
       dst = np.frombuffer(self._view, np.uint8, buf.nbytes, offset)
       if buf.nbytes and dst.ctypes.data == buf.ctypes.data:
         return  # The snapshot was taken into these pages (`memfile`).
-      with self._io.doing(what):
-        np.copyto(dst, buf)  # Into the file's pages; releases the GIL.
+      for pos in range(0, buf.nbytes, CHUNK):  # A deadline per chunk.
+        with self._io.doing(f"writing bytes [{offset + pos},"
+                            f" {offset + min(buf.nbytes, pos + CHUNK)}) of"
+                            f" {self._shown}"):
+          # Into the file's pages; numpy releases the GIL.
+          np.copyto(dst[pos:pos + CHUNK], buf[pos:pos + CHUNK])
       return
     view = memoryview(buf)
     head = tail = len(view)
@@ -132,7 +140,8 @@ class DataFile:
     for pos in range(head, tail, CHUNK):
       end = min(tail, pos + CHUNK)
       self._pending.append(_WRITERS.submit(
-          self._write_direct, view[pos:end], offset + pos))
+          self._write_direct, view[pos:end], offset + pos,
+          watcher=self._io))
     with self._io.doing(what):
       pwrite_all(self.f.fileno(), view[tail:], offset + tail)
 
@@ -188,19 +197,23 @@ class DataFile:
       self._drain()
     except BaseException:  # pylint: disable=broad-except
       pass
+    if self._io.given_up:
+      # Writes left behind by their deadline may still use the
+      # descriptors: closed, their numbers could go to another file.
+      return
     self._close_direct()
     if self._view:
       self._view.release()
     self._view = None
-    if not self._positional:
-      with self._io.doing(f"closing (uploading) {self._shown}"):
-        self.f.close()  # (An object store uploads it here.)
-      return
-    try:
-      if os.fstat(self.f.fileno()).st_size > self.end:
-        os.ftruncate(self.f.fileno(), self.end)
-    finally:
-      self.f.close()
+    with self._io.doing(f"closing {self._shown}"):
+      if not self._positional:
+        self.f.close()  # (An object store uploads its last part here.)
+        return
+      try:
+        if os.fstat(self.f.fileno()).st_size > self.end:
+          os.ftruncate(self.f.fileno(), self.end)
+      finally:
+        self.f.close()
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

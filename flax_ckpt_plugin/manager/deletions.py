@@ -65,8 +65,8 @@ class Deletions:
 
   Each part of a delete has the storage's deadline: a waiter that finds
   one overdue gives up on the thread (its error, naming the step, is kept
-  for `check`; what was queued stays on disk for a later retention), and
-  the next `submit` starts a new one.
+  for `check`; the steps still queued stay on disk, whole, and a writer's
+  next open lists them again), and the next `submit` starts a new one.
   """
 
   def __init__(self, directory: epath.Path, backend: interface.Backend,
@@ -160,11 +160,11 @@ class Deletions:
     """Gives up on the thread if a part of its delete is overdue: its error
     is kept, the queue dropped (those steps stay on disk, whole or out of
     the list, for a later retention or writer). Called with the lock."""
-    op = None if self._worker is None else self._in_flight.overdue()
-    if op is None:
+    late = ([] if self._worker is None
+            else self._in_flight.give_up_if_overdue())
+    if not late:
       return
-    self._in_flight.give_up()
-    error = self._in_flight.error(op)
+    error = self._in_flight.error(late[0])
     log.error("retention's deletes in %s given up: %s", self.directory, error)
     if self._error is None:
       self._error = error
@@ -198,6 +198,8 @@ class Deletions:
         done.append(step)
         log.info("retention deleted step %d from %s", step, self.directory)
     except Exception as e:  # pylint: disable=broad-except
+      if in_flight.given_up:  # Given up on: its error was raised already.
+        return None
       left = [s for s in steps if s not in done]
       where = (" (in the background)" if self.backend.deletes_in_background
                else "")

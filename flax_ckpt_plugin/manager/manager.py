@@ -397,13 +397,24 @@ class CheckpointManager:
     """The commit thread's job: commit, record, hooks, retention."""
     inputs = box.pop()
     key, step, metrics = inputs.key, inputs.step, inputs.metrics
+    io = inputs.in_flight
     try:
       stats, written = commit_lib.commit(inputs)
     except BaseException as e:
-      e.add_note(commit_lib.step_state(self.directory, step))
+      if io is None or not io.given_up:  # (Else nobody hears of it.)
+        e.add_note(commit_lib.step_state(self.directory, step))
       raise
     finally:
-      self._deletions.go_on()
+      if io is None or not io.given_up:  # Else the next save's hold-off.
+        self._deletions.go_on()
+    if io is not None and io.given_up:
+      # The committer gave up on this commit while a call of it was stuck:
+      # a newer commit may run now, and this one's thread must touch
+      # nothing (held step, records, hooks, retention). A step it still
+      # finalized is listed at the next open.
+      log.warning("step %d of %s: a commit given up on returned; its step"
+                  " is not recorded by this manager", step, self.directory)
+      return
     if written.file is not None and self._staging.arena is None:
       # (An arena's snapshot is the file's own pages in memory already.)
       self._held.hold(step, self.directory / str(step), written.file,

@@ -39,6 +39,8 @@ _SPAN = 16 << 20
 # (`LeafReader._read_checked`), at most `READ_THREADS`, from one pool of
 # the process: they only read and check, and never wait for each other.
 PIECE_BYTES = 16 << 20
+# The most bytes one read call asks of storage (each call has the deadline).
+READ_CHUNK = 64 << 20
 READ_THREADS = min(8, os.cpu_count() or 1)
 # Daemon threads: a read stuck in the kernel never holds up the exit.
 READ_POOL = deadlines.Pool(READ_THREADS, "flax_ckpt_plugin-read")
@@ -56,8 +58,9 @@ def on_read_threads(fn: Callable[[Any], None], items: Iterable[Any],
       deadline. Its thread may still write into the caller's buffer if
       the read ever returns: a restore that failed so drops its buffers.
   """
-  deadlines.wait_all([READ_POOL.submit(fn, item) for item in items],
-                     in_flight=in_flight, pool=READ_POOL)
+  deadlines.wait_all(
+      [READ_POOL.submit(fn, item, watcher=in_flight) for item in items],
+      in_flight=in_flight, pool=READ_POOL)
 
 
 def host_buffer(shape: Sequence[int], dtype: np.dtype, *,
@@ -137,37 +140,45 @@ class ByteReader:
     self.prefers_few_reads = self._backend.reads_are_requests
 
   def _open(self, name: str) -> OpenFile:
+    """The open file `name`, opened on first use. The open runs outside
+    the lock (an open that storage never answers holds no other reader);
+    of two threads that opened it at once, the first one's is kept."""
     with self._lock:
-      return self._open_locked(name)
+      f = self._files.get(name)
+    if f is not None:
+      return f
+    f = self._open_new(name)
+    with self._lock:
+      kept = self._files.setdefault(name, f)
+    if kept is not f:
+      f.close()
+    return kept
 
-  def _open_locked(self, name: str) -> OpenFile:
-    f = self._files.get(name)
-    if f is None:
-      path = self._dir / name
-      try:
-        f = self.in_flight.call(
-            lambda: self._backend.open_ranged(path, within=self._within),
-            f"opening data file {path}")
-      except FileNotFoundError as e:
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest is missing") from e
-      except OSError as e:
-        if e.errno not in NOT_A_FILE:
-          raise  # EACCES, EIO...: the file may be fine; do not call it bad.
-        raise CheckpointCorruptedError(
-            f"data file {path} named by the manifest cannot be a data file:"
-            f" {e.strerror}") from e
-      except CheckpointCorruptedError:
-        raise  # A ValueError too, but already says what is wrong.
-      except ValueError as e:  # A NUL byte in the name.
-        raise CheckpointCorruptedError(
-            f"data file name {name!r:.100} is not a valid file name") from e
-      if f.size < self._sizes[name]:
-        f.close()  # Not kept: every later open says the same.
-        raise CheckpointCorruptedError(
-            f"data file {path} is truncated: {f.size} bytes, manifest says"
-            f" {self._sizes[name]}")
-      self._files[name] = f
+  def _open_new(self, name: str) -> OpenFile:
+    path = self._dir / name
+    try:
+      f = self.in_flight.call(
+          lambda: self._backend.open_ranged(path, within=self._within),
+          f"opening data file {path}")
+    except FileNotFoundError as e:
+      raise CheckpointCorruptedError(
+          f"data file {path} named by the manifest is missing") from e
+    except OSError as e:
+      if e.errno not in NOT_A_FILE:
+        raise  # EACCES, EIO...: the file may be fine; do not call it bad.
+      raise CheckpointCorruptedError(
+          f"data file {path} named by the manifest cannot be a data file:"
+          f" {e.strerror}") from e
+    except CheckpointCorruptedError:
+      raise  # A ValueError too, but already says what is wrong.
+    except ValueError as e:  # A NUL byte in the name.
+      raise CheckpointCorruptedError(
+          f"data file name {name!r:.100} is not a valid file name") from e
+    if f.size < self._sizes[name]:
+      f.close()  # Not kept: every later open says the same.
+      raise CheckpointCorruptedError(
+          f"data file {path} is truncated: {f.size} bytes, manifest says"
+          f" {self._sizes[name]}")
     return f
 
   def check_file(self, name: str) -> None:
@@ -186,10 +197,17 @@ class ByteReader:
         return
     f = self._open(name)
     try:
-      done = self.in_flight.call(
-          lambda: f.read_into(offset, out),
-          f"reading bytes [{offset}, {offset + len(out)}) of data file"
-          f" {self._dir / name}")
+      done = 0
+      # One call (and deadline) per `READ_CHUNK` bytes at most.
+      for lo in range(0, max(1, len(out)), READ_CHUNK):
+        part = out[lo:lo + READ_CHUNK]
+        got = self.in_flight.call(
+            lambda: f.read_into(offset + lo, part),  # pylint: disable=cell-var-from-loop
+            f"reading bytes [{offset + lo}, {offset + lo + len(part)}) of"
+            f" data file {self._dir / name}")
+        done += got
+        if got < len(part):
+          break
     except OSError as e:
       if e.errno not in READ_FAILED:
         raise
@@ -213,9 +231,15 @@ class ByteReader:
     The caller's reads of the view are recorded in `in_flight` (a page
     that storage does not serve stalls the thread that touches it)."""
     f = self._open(name)
-    with self.in_flight.doing(
-        f"reading (mapped) bytes [{offset}, {offset + size}) of data file"
-        f" {self._dir / name}"), f.mapped(offset, size) as view:
+    what = (f"reading (mapped) bytes [{offset}, {offset + size}) of data"
+            f" file {self._dir / name}")
+    mapping = f.mapped(offset, size)
+    # The mapping is populated as it is made: with the deadline, on a
+    # helper thread where no waiter watches this one.
+    with contextlib.ExitStack() as stack:
+      view = self.in_flight.call(mapping.__enter__, what)
+      stack.push(mapping)
+      stack.enter_context(self.in_flight.doing(what))
       if view is not None:
         with self._lock:
           self.bytes_read += fresh
@@ -250,6 +274,8 @@ class ByteReader:
       data = memoryview(np.empty(hi - lo, np.uint8))
       try:
         self.read_into(name, lo, data)
+      except deadlines.StorageTimeoutError:
+        raise  # Each leaf's own read would wait it out again.
       except (CheckpointCorruptedError, OSError):
         continue  # Each leaf's own read reports it, naming the leaf.
       spans.setdefault(name, []).append((lo, data))

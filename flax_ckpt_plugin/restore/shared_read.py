@@ -59,6 +59,9 @@ from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 
 
+# The programs of shared reads are traced and compiled here, one at a time.
+_COMPILES = deadlines.Pool(1, "flax_ckpt_plugin-compile")
+
 def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
             target: Any, *, step: int, reads_manifest: bool, backend: Any,
             verify: bool, before: Any = None, cast: bool = False,
@@ -248,9 +251,8 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
     the programs' outputs; the bytes read; what `before` returned.
   """
   x64 = jax.config.jax_enable_x64
-  pool = deadlines.Pool(1, "flax_ckpt_plugin-compile")
-  compiling = [pool.submit(share_program.compile_batch, leaves, batch, pack,
-                             x64)  # In order.
+  compiling = [_COMPILES.submit(share_program.compile_batch, leaves, batch,
+                                pack, x64)  # In order, on one thread.
                for batch, pack in zip(batches, packs)]
   reader = ByteReader(step_dir, manifest.files, backend, in_flight=in_flight)
   lr_args = {"reader": reader, "verify": verify,
@@ -313,7 +315,8 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
         outputs.append(program(*inputs))
         del inputs
   finally:
-    reader.close()
+    if not in_flight.given_up:  # Else stuck reads may still use the files.
+      reader.close()
   log.debug("%s: read %d bytes in %.2f s (%d batches shared)", where,
             reader.bytes_read, time.perf_counter() - t0, len(batches))
   if error is not None:

@@ -44,6 +44,9 @@ from flax_ckpt_plugin.format.treepaths import normalize_index
 
 # Leaves restored at once: reads and checksums release the GIL.
 _THREADS = min(8, os.cpu_count() or 1)
+# Daemon threads: one stuck in a read is left behind once the read's
+# deadline passed (`deadlines.Pool`).
+_POOL = deadlines.Pool(_THREADS, "flax_ckpt_plugin-restore")
 
 
 _BATCH_BYTES = 8 << 20  # Small leaves restored per task, in bytes.
@@ -273,18 +276,17 @@ def restore_records(source: Source, target: Any, *, verify: bool,
              "where": where}
   window = window_lib.RestoreWindow()
   try:
-    # A pool of this restore's own, of daemon threads: one stuck in a read
-    # is left behind when the read's deadline passes.
-    pool = deadlines.Pool(_THREADS, "flax_ckpt_plugin-restore")
     leaves = [leaf for batch in deadlines.wait_all(
-        [pool.submit(_restore_batch, [(saved[p], leaf) for p, leaf in batch],
-                     lr_args, cast, window) for batch in batches],
-        in_flight=in_flight, pool=pool, first_error=True) for leaf in batch]
+        [_POOL.submit(_restore_batch, [(saved[p], leaf) for p, leaf in batch],
+                      lr_args, cast, window, watcher=in_flight)
+         for batch in batches],
+        in_flight=in_flight, pool=_POOL, first_error=True) for leaf in batch]
     # The transfers out of pinned buffers: their error is the restore's,
     # and their buffers go back to the pool.
     window.wait()
   finally:
-    reader.close()
+    if not in_flight.given_up:  # Else stuck reads may still use the files.
+      reader.close()
   if given:
     read = iter(leaves)
     leaves = [given[p] if p in given else next(read) for p in order]

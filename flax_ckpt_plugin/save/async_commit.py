@@ -213,15 +213,19 @@ class AsyncCommitter:
     later operations are refused (so its step is never finalized), and a
     new thread takes the next commit. Called with the lock held."""
     io = self._in_flight
-    op = None if not self._busy or io is None else io.overdue()
-    if op is None:
+    late = [] if not self._busy or io is None else io.give_up_if_overdue()
+    if not late:
       return
-    io.give_up()
+    op = late[0]
     error = io.error(op)
+    state = ("its finalization was under way and may have made the step"
+             " visible (the next open lists it if so)"
+             if op.what.startswith("finalizing") else "its step was not"
+             " finalized")
     error.add_note(
         f"This error occurred ASYNCHRONOUSLY in the background commit of"
-        f" {self.description}, which was not finalized; it is raised on the"
-        " next call into flax_ckpt_plugin.")
+        f" {self.description}: {state}. It is raised on the next call into"
+        " flax_ckpt_plugin.")
     log.error("background commit of %s given up: %s", self.description,
               error)
     self._error = error

@@ -178,8 +178,12 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
   pid, count = coord.process_index, coord.process_count
   total_bytes = checkpoint_bytes(inputs.leaves)
   meeting = meetings.Meeting(coord, key, inputs.timeout_ms)
+  def abandon():
+    with io.doing(f"removing the unfinished {tmp.path}"):
+      tmp.abandon()
+
   phase = functools.partial(
-      _phase, meeting, abandon=tmp.abandon if inputs.is_primary else None,
+      _phase, meeting, abandon=abandon if inputs.is_primary else None,
       what=f"save of step {step} to {inputs.directory}")
 
   def prepare():
@@ -206,7 +210,8 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
 
   def finalize():
     if inputs.is_primary:
-      inputs.check_still_writer(f"step {step} was not finalized")
+      with io.doing(f"reading the claim of {inputs.directory}"):
+        inputs.check_still_writer(f"step {step} was not finalized")
       with io.doing(f"reading the shard tables in {tmp.path}"):
         merged, origins = writer.merge_tables(
             tmp.path, step=step, leaves=inputs.leaves, process_count=count,
@@ -228,9 +233,11 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
   nbytes = written.nbytes
   if nbytes:  # A restore on this machine reads it next.
     try:
-      inputs.backend.prefetch(
-          inputs.directory, inputs.directory / str(step) /
-          files.data_file(pid), secs)
+      with io.doing(f"starting to read back step {step} of"
+                    f" {inputs.directory}"):
+        inputs.backend.prefetch(
+            inputs.directory, inputs.directory / str(step) /
+            files.data_file(pid), secs)
     except Exception as e:  # pylint: disable=broad-except
       log.warning("step %d is final; reading it back failed: %r", step, e)
   log.info("step %d committed to %s: %.3fs blocking, %.3fs commit, %d bytes"

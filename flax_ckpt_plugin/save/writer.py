@@ -106,7 +106,8 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
   backend = backend or interface.for_path(step_dir)
   io = in_flight or deadlines.InFlight(where=str(step_dir))
   views, digest = _views(leaves)
-  out = backend.step_writer(step_dir, identity, DATA_DIR)
+  with io.doing(f"opening {step_dir} to write"):
+    out = backend.step_writer(step_dir, identity, DATA_DIR)
   try:
     entries = []
     offset = 0  # The data file's size.
@@ -131,7 +132,8 @@ def write_process_files(step_dir: epath.Path, leaves: list[LeafSnapshot],
       datafile.write_all(f, memoryview(json.dumps(table).encode()))
       out.sync(f)
   finally:
-    out.close()
+    with io.doing(f"closing the files of {step_dir}"):
+      out.close()
   return Written(sum(e["nbytes"] for e in entries), name if shards else None,
                  offset, [Span(e["offset"], e["nbytes"], s.host_bytes, s.pinned_array)
                           for e, (_, s) in zip(entries, shards)

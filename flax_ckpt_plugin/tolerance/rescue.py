@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any, TYPE_CHECKING
 
+from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
@@ -268,7 +269,9 @@ class Rescue:
         tmp=tmp, leaves=leaves, extra=extra, metrics=None,
         blocking_secs=0.0, is_primary=coord.process_index == primary,
         timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,
-        writers=members, data_state=data_state))
+        writers=members, data_state=data_state,
+        in_flight=deadlines.InFlight(manager.storage.io_timeout_secs,
+                                     f"step {step} in {manager.directory}")))
     self.saved_step = step
     log.warning("survivors %s saved step %d from their local tiers to %s"
                 " (%d bytes written here)", members, step,

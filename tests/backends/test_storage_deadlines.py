@@ -112,7 +112,7 @@ def test_a_write_that_never_returns_fails_the_save_at_the_next_call(
     message = str(e.value)
     assert f"syncing data file {ckpt_dir}" in message
     assert files.data_file(0) in message and "step 1" in message
-    assert "was not finalized" in "".join(e.value.__notes__)
+    assert "its step was not finalized" in "".join(e.value.__notes__)
     # The stuck call returns at last: its commit must still never finalize.
     stuck = _commit_threads()
     disk.unblock.set()
@@ -236,3 +236,86 @@ def test_restore_newest_valid_on_two_processes_skips_the_unanswered_step(
     assert o["step"] == 1 and o["a0"] == 1.0, o
     assert o["secs"] < deadline + barrier + 5, o
   assert results[1].json["hung"]
+
+
+def test_a_hung_read_of_a_large_shard_split_over_the_read_threads(
+    ckpt_dir, hanging):
+  """A shard of 48 MB is read by several threads at once; their reads
+  never return: the restore raises in time, and the read threads that
+  took their places serve the next restore."""
+  big = {"w": np.arange(12 << 20, dtype=np.float32)}  # 48 MiB.
+  with CheckpointManager(ckpt_dir) as manager:
+    manager.save(1, big)
+    manager.save(2, {"w": big["w"] + 1})
+  disk = hanging(reads=r"/2/")
+  with CheckpointManager(ckpt_dir, read_only=True, storage=Storage(
+      backend=disk, io_timeout_secs=DEADLINE)) as manager:
+    t0 = time.monotonic()
+    with pytest.raises(StorageTimeoutError, match="reading bytes"):
+      manager.restore({"w": np.zeros_like(big["w"])}, step=2)
+    assert time.monotonic() - t0 < DEADLINE + 5
+    restored = manager.restore({"w": np.zeros_like(big["w"])}, step=1)
+  np.testing.assert_array_equal(restored["w"], big["w"])
+
+
+def test_a_mapping_whose_pages_never_come(ckpt_dir, hanging):
+  """A local disk maps what it restores; a mount that never serves the
+  pages: the restore raises naming the mapped bytes."""
+  _save_steps(ckpt_dir)
+  disk = hanging(reads=r"/2/", maps=True)
+  with CheckpointManager(ckpt_dir, read_only=True, storage=Storage(
+      backend=disk, io_timeout_secs=DEADLINE)) as manager:
+    t0 = time.monotonic()
+    with pytest.raises(StorageTimeoutError, match="bytes"):
+      manager.restore(_state(0), step=2)
+    assert time.monotonic() - t0 < DEADLINE + 5
+    assert disk.hung.is_set()
+
+
+class _StuckFinalize(HangingDisk):
+  """A disk whose sync of the checkpoint directory, after the step's
+  rename, never returns (a fake, as `HangingDisk`)."""
+
+  def __init__(self, directory):
+    super().__init__()
+    self.directory = directory
+    self.armed = False  # (The manager's open syncs it too.)
+
+  def fsync(self, path):
+    if self.armed and str(path) == str(self.directory):
+      self.block()
+    super().fsync(path)
+
+
+def test_a_commit_stuck_in_its_finalization_is_told_and_left_alone(ckpt_dir):
+  """The rename went through, its directory's sync never returns: the
+  error says the step may be visible; once the call returns, the given-up
+  commit runs no hook and records nothing, and the next open lists the
+  step (it is whole)."""
+  ckpt_dir.mkdir()
+  disk = _StuckFinalize(ckpt_dir)
+  hooked = []
+  manager = CheckpointManager(ckpt_dir, storage=Storage(
+      backend=disk, io_timeout_secs=DEADLINE),
+                              hooks=[lambda stats: hooked.append(stats.step)])
+  try:
+    disk.armed = True
+    manager.save(1, _state(1))
+    assert disk.hung.wait(60)
+    with pytest.raises(StorageTimeoutError, match="finalizing") as e:
+      manager.wait_until_finished()
+    assert "may have made the step visible" in "".join(e.value.__notes__)
+    stuck = _commit_threads()
+    disk.unblock.set()
+    for thread in stuck:
+      thread.join(30)
+      assert not thread.is_alive()
+    assert hooked == [] and manager.all_steps() == []
+    assert manager.last_save_stats is None
+  finally:
+    disk.unblock.set()
+    manager.close()
+  with CheckpointManager(ckpt_dir, read_only=True) as reader:
+    assert reader.all_steps() == [1]
+    np.testing.assert_array_equal(reader.restore(_state(0))["w"],
+                                  _state(1)["w"])

@@ -41,11 +41,14 @@ ENV = {"WORKER_XLA_FLAGS":
        f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT}"}
 
 
-def _trial(run, victim: int, kill_step: int, env=None) -> list[dict]:
-  """One run with a kill; the survivors' reports (asserted on)."""
+def _trial(run, victim: int, kill_step: int, env=None,
+           coordinator: int | None = None) -> list[dict]:
+  """One run with a kill; the survivors' reports (asserted on).
+  `coordinator`: the coordination service in a process of its own, with
+  this heartbeat timeout (see `launcher.WorkerGroup`)."""
   with WorkerGroup("elastic", N, env=dict(ENV, **(env or {})), args=[
       run, END, PERSISTENT_EVERY, LOCAL_EVERY, victim, kill_step,
-      HEARTBEAT]) as g:
+      HEARTBEAT], coordinator=coordinator) as g:
     results = g.wait(TIMEOUT, check=False)
   logs = "\n".join(r.log() for r in results)
   assert results[victim].returncode == -9, logs
@@ -234,12 +237,17 @@ REJOIN_END = 60
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-@pytest.mark.parametrize("when,primary,mesh", [
-    ("at_once", 2, "model_in"), ("after_recovery", 0, "model_across"),
-    ("after_recovery", 0, "fsdp")])
+@pytest.mark.parametrize("when,primary,mesh,victim,coordinator", [
+    ("at_once", 2, "model_in", 2, None),
+    ("after_recovery", 0, "model_across", 2, None),
+    ("after_recovery", 0, "fsdp", 2, None),
+    # Process 0 itself, with the coordination service in a process of its
+    # own (`flax-ckpt coordinator`): it rejoins like any other.
+    ("after_recovery", 0, "model_in", 0, HEARTBEAT)])
 def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
-                                                     primary, mesh):
-  """Process 2 dies at step 9; the test relaunches it, as a launcher
+                                                     primary, mesh, victim,
+                                                     coordinator):
+  """Process 2 (or 0) dies at step 9; the test relaunches it, as a launcher
   replacing a machine would: at once (it connects before the survivors
   noticed the loss, and their watcher must see its new incarnation), or
   once they recovered in place. In the first case process 2 is the
@@ -253,7 +261,7 @@ def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
   partner copies (`replicas=1`): the survivors recover from the copies on
   6 devices, and the newcomer gets the state split over 8 again from
   what the survivors hold, own shards and partner copies."""
-  victim, kill_step = 2, 9
+  kill_step = 9
   layout = dict(ELASTIC_LAYOUT="fsdp", ELASTIC_REPLICAS="1",
                 DIE_DELAY_SECS="1") if mesh == "fsdp" else dict(
                     ELASTIC_MESH=mesh)
@@ -261,7 +269,7 @@ def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
       ENV, ELASTIC_REJOIN="1", ELASTIC_PRIMARY=str(primary),
       **layout), args=[
       tmp_path, REJOIN_END, PERSISTENT_EVERY, LOCAL_EVERY, victim,
-      kill_step, HEARTBEAT]) as g:
+      kill_step, HEARTBEAT], coordinator=coordinator) as g:
     end = time.monotonic() + TIMEOUT
     while g.running(victim) and time.monotonic() < end:
       time.sleep(0.05)
