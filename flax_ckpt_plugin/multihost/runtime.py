@@ -180,7 +180,7 @@ def _forget_topology(client: Any) -> None:
   for platform in _TOPOLOGY_PLATFORMS:
     key = f"{platform}:global_topology"
     try:
-      found = client.key_value_dir_get(key)
+      found = client.key_value_dir_get_bytes(key)  # (A serialized proto.)
     except Exception:  # pylint: disable=broad-except
       found = None
     if found:  # (No log line yet: see `initialize`.)
