@@ -7,7 +7,9 @@ N simulated processes run as threads of this one: each makes a real
 `CheckpointManager` (its commit protocol, its barriers and key-value
 records, on a directory in memory) over a `SimCoordinator` of an in-memory
 coordination service (`Service`: JAX's operations, barriers over subsets,
-key-value set/get/dir/delete and live processes with incarnations), which
+key-value set/get/dir/delete and live processes with incarnations) that no
+simulated process hosts, as `flax-ckpt coordinator` runs it (so `--lost 0`
+can stop process 0 like any other), which
 counts every call, its caller and its key-value bytes, and can answer each
 call after a latency. No arrays move between devices: each process saves a
 small host state, so only the protocol runs. `--watchers` runs N liveness
@@ -909,6 +911,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       choices=("stop", "restart", "close"),
                       help="with --watchers: what happens after the"
                       " steady polls (see _watch)")
+  parser.add_argument("--lost", type=int, default=1,
+                      help="with --watchers: the process that stops or"
+                      " restarts (0 too: the service is a process of its"
+                      " own, as with flax-ckpt coordinator)")
   parser.add_argument("--shares", action="store_true",
                       help="simulate the survivors' choice of who writes"
                       " what instead")
@@ -991,7 +997,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         continue
       if args.watchers:
         for fault in args.faults:
-          row = simulate_watchers(n, latency_ms=latency, fault=fault)
+          row = simulate_watchers(n, latency_ms=latency, fault=fault,
+                                  lost=args.lost)
           print(_watch_line(row, latency), flush=True)
           rows.append(row)
         continue

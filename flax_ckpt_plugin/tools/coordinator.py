@@ -20,7 +20,6 @@ import signal
 import threading
 from typing import TextIO
 
-from flax_ckpt_plugin.multihost import runtime
 from flax_ckpt_plugin.tools.commands import CliError
 from flax_ckpt_plugin.tools.commands import EXIT_IO
 from flax_ckpt_plugin.tools.commands import EXIT_OK
@@ -48,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction, epilog: str) -> None:  # pylint:
 
 def cmd_coordinator(args: argparse.Namespace, out: TextIO) -> int:
   """Serves until SIGTERM or SIGINT; `EXIT_IO` if the port is in use."""
+  # JAX is imported here alone: the other commands start without it.
+  from flax_ckpt_plugin.multihost import runtime  # pylint: disable=g-import-not-at-top
   if args.num_processes < 1:
     raise CliError("--num-processes must be at least 1", code=2)
   stop = threading.Event()
