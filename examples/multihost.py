@@ -102,7 +102,10 @@ def launch(args: argparse.Namespace, script: str = __file__, *,
     time.sleep(0.05)
   if service is not None:  # The job ended: so does its service.
     service.terminate()
-    service.wait()
+    try:
+      service.wait(30)
+    except subprocess.TimeoutExpired:
+      service.kill()
   return codes[0] if len(set(codes.values())) == 1 else 1
 
 

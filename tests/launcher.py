@@ -295,7 +295,12 @@ class WorkerGroup:
     results = self.results()
     if self.coordinator is not None and self.coordinator.poll() is None:
       self.coordinator.terminate()  # The job ended: so does its service.
-      self.coordinator.wait(30)
+      try:
+        self.coordinator.wait(30)
+      except subprocess.TimeoutExpired:
+        self.coordinator.kill()
+        pytest.fail("the coordinator did not end within 30 s of SIGTERM",
+                    pytrace=False)
     self.close()
     if check and any(r.returncode != 0 for r in results):
       bad = [r.process_id for r in results if r.returncode != 0]

@@ -45,7 +45,7 @@ from flax_ckpt_plugin.errors import CoordinatorLostError
 from flax_ckpt_plugin.logs import log
 
 # The JAX versions (major, minor) this module was tested with.
-TESTED_JAX = ((0, 10), (0, 11), (0, 12))
+TESTED_JAX = ((0, 10), (0, 12))
 # Platforms whose device topology process 0 publishes in the service.
 _TOPOLOGY_PLATFORMS = ("cpu", "cuda", "rocm", "gpu", "tpu")
 # The status a process ends with when the service is lost (os.EX_TEMPFAIL,

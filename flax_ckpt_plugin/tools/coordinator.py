@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import threading
 from typing import TextIO
@@ -24,6 +25,8 @@ from flax_ckpt_plugin.tools.commands import CliError
 from flax_ckpt_plugin.tools.commands import EXIT_IO
 from flax_ckpt_plugin.tools.commands import EXIT_OK
 from flax_ckpt_plugin.tools.commands import PROG
+
+SHUTDOWN_SECS = 5.0  # The most the service's shutdown is waited for.
 
 
 def add_parser(sub: argparse._SubParsersAction, epilog: str) -> None:  # pylint: disable=protected-access
@@ -68,7 +71,15 @@ def cmd_coordinator(args: argparse.Namespace, out: TextIO) -> int:
         " rejoins). SIGTERM ends it.", file=out, flush=True)
   while not stop.wait(1.0):
     pass
-  service.shutdown()
+  # The service's shutdown may wait for clients that never said goodbye
+  # (a process killed): at most SHUTDOWN_SECS, then the process ends
+  # anyway (nothing of the service outlives it).
+  ending = threading.Thread(target=service.shutdown, daemon=True)
+  ending.start()
+  ending.join(SHUTDOWN_SECS)
   print(f"{PROG} coordinator: stopped", file=out, flush=True)
+  if ending.is_alive():
+    out.flush()
+    os._exit(EXIT_OK)  # pylint: disable=protected-access
   return EXIT_OK
 

@@ -120,7 +120,7 @@ def test_when_the_coordinator_dies_every_process_exits_75_and_the_job_resumes(
       "tiers", N, args=_args(tmp_path / "reference"), timeout=TIMEOUT,
       coordinator=HEARTBEAT)]
   run = tmp_path / "run"
-  kill_step = PERSISTENT_EVERY + 4
+  kill_step = random.Random(4).randrange(LOCAL_EVERY + 1, END - LOCAL_EVERY)
   with WorkerGroup("tiers", N, args=_args(run), coordinator=HEARTBEAT) as g:
     deadline = time.monotonic() + TIMEOUT
     while max(_local_steps(run, 0), default=0) < kill_step:
