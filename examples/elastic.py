@@ -71,12 +71,16 @@ def train(args: argparse.Namespace) -> None:
   from flax_ckpt_plugin import CheckpointCallback  # pylint: disable=g-import-not-at-top
   from flax_ckpt_plugin import PREEMPTED_EXIT_CODE  # pylint: disable=g-import-not-at-top
 
+  # Made once: a TrainState's apply_fn and tx are its pytree metadata, and
+  # JAX pairs two trees (out_shardings and the state, a target and the
+  # state) only when those are the same objects.
   model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
+  tx = optax.adam(1e-3)
 
   def create():
     params = model.init(jax.random.key(0), jnp.ones((1, 32)))
     return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(1e-3))
+                                         tx=tx)
 
   def make_target(devices):
     """The state's shapes on a data-parallel mesh of `devices`."""

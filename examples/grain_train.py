@@ -90,12 +90,15 @@ def train(args: argparse.Namespace) -> None:
     def __call__(self, x):
       return nn.Dense(8)(nn.relu(nn.Dense(64)(x)))
 
-  model = MLP()
+  # Made once: a TrainState's apply_fn and tx are its pytree metadata, and
+  # JAX pairs two trees (out_shardings and the state) only when those are
+  # the same objects.
+  model, tx = MLP(), optax.adam(1e-3)
 
   def create():
     params = model.init(jax.random.key(0), jnp.ones((1, FEATURES)))
     return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(1e-3))
+                                         tx=tx)
 
   shardings = jax.tree.map(lambda x: NamedSharding(mesh, P()),
                            jax.eval_shape(create))

@@ -153,12 +153,15 @@ def train(args: argparse.Namespace) -> None:
       x = nn.relu(nn.Dense(256)(x))
       return nn.Dense(8)(x)
 
-  model = MLP()
+  # Made once: a TrainState's apply_fn and tx are its pytree metadata, and
+  # JAX pairs two trees (out_shardings and the state) only when those are
+  # the same objects.
+  model, tx = MLP(), optax.adam(1e-3)
 
   def create():
     params = model.init(jax.random.key(0), jnp.ones((1, 32)))
     return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(1e-3))
+                                         tx=tx)
 
   def spec(x):  # Matrices: rows over 'data', columns over 'model'.
     return P("data", "model") if x.ndim == 2 else P()

@@ -60,6 +60,16 @@ def tiny(step: int) -> dict[str, jax.Array]:
   return {"w": jnp.full((3,), step, jnp.int32)}
 
 
+def has_key_impl(name: str) -> bool:
+  """Whether this JAX has the PRNG implementation `name` (philox4x32 came
+  with JAX 0.10.2; older releases raise ValueError for it)."""
+  try:
+    jax.random.key(0, impl=name)
+  except ValueError:
+    return False
+  return True
+
+
 def two_device_mesh() -> Mesh:
   """A 1-D mesh ('x') over the two CPU devices that conftest sets up."""
   return Mesh(np.array(jax.devices()[:2]), ("x",))

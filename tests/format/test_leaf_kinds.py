@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
+from helpers import has_key_impl
 
 # Every numeric dtype a numpy leaf may have; JAX arrays take those JAX
 # holds without 64-bit mode.
@@ -32,7 +33,8 @@ _NUMPY_DTYPES = [np.dtype(d) for d in (
     ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz)]
 _JAX_DTYPES = [d for d in _NUMPY_DTYPES
                if jax.dtypes.canonicalize_dtype(d) == d]
-_KEY_IMPLS = ["threefry2x32", "rbg", "philox4x32"]
+_KEY_IMPLS = [impl for impl in ("threefry2x32", "rbg", "philox4x32")
+              if has_key_impl(impl)]
 
 
 @st.composite

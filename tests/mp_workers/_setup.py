@@ -9,6 +9,7 @@ mesh. A worker reports its results by printing one JSON line last (`emit`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -103,16 +104,12 @@ def count_pinned() -> dict[str, int]:
   return seen
 
 
-def mlp_train_state(rng, sizes: tuple[int, int, int]):
-  """The TrainState (Adam) of a 2-layer MLP of (in, hidden, out) sizes.
-
-  Flax names its layers in the order they are made: "Dense_0" is the
-  output layer (hidden x out), "Dense_1" the hidden one (in x hidden).
-  """
+@functools.lru_cache(maxsize=None)
+def _mlp_and_adam(sizes: tuple[int, int, int]) -> tuple[Any, Any]:
+  """The model and the optimizer of `mlp_train_state`, made once."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from flax.training import train_state  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  n_in, hidden, out = sizes
+  _, hidden, out = sizes
 
   class MLP(nn.Module):
 
@@ -120,10 +117,24 @@ def mlp_train_state(rng, sizes: tuple[int, int, int]):
     def __call__(self, x):
       return nn.Dense(out)(nn.relu(nn.Dense(hidden)(x)))
 
-  model = MLP()
-  params = model.init(rng, jax.numpy.zeros((1, n_in)))["params"]
+  return MLP(), optax.adam(1e-2)
+
+
+def mlp_train_state(rng, sizes: tuple[int, int, int]):
+  """The TrainState (Adam) of a 2-layer MLP of (in, hidden, out) sizes.
+
+  Flax names its layers in the order they are made: "Dense_0" is the
+  output layer (hidden x out), "Dense_1" the hidden one (in x hidden).
+  Every call with the same sizes shares one model and one optimizer: a
+  TrainState's `apply_fn` and `tx` are its pytree metadata, and JAX pairs
+  two trees (a jit's `out_shardings` with its output, a restore target
+  with the state) only when those are the same objects.
+  """
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  model, tx = _mlp_and_adam(tuple(sizes))
+  params = model.init(rng, jax.numpy.zeros((1, sizes[0])))["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adam(1e-2))
+                                       tx=tx)
 
 
 def die_at(step: int, victim: int, kill_step: int, directory: Any,

@@ -98,11 +98,18 @@ class MLP3(nn.Module):
     return nn.Dense(OUT)(x)
 
 
+# One model and one optimizer for every state: `apply_fn` and `tx` are a
+# TrainState's pytree metadata, and JAX pairs two trees (a jit's
+# `out_shardings` with its output, a restore target with the state) only
+# when those are the same objects.
+_MODEL = MLP3()
+_TX = optax.adam(1e-2)
+
+
 def _create(rng) -> train_state.TrainState:
-  model = MLP3()
-  params = model.init(rng, jnp.zeros((1, IN)))["params"]
+  params = _MODEL.init(rng, jnp.zeros((1, IN)))["params"]
   return train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+      apply_fn=_MODEL.apply, params=params, tx=_TX)
 
 
 def _key_name(k: Any) -> str:
