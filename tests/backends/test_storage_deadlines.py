@@ -97,6 +97,16 @@ def _commit_threads() -> list[threading.Thread]:
           if t.name.startswith("flax_ckpt_plugin-commit")]
 
 
+def _let_the_stuck_commit_end(disk: HangingDisk) -> None:
+  """Lets the blocked call return and waits for the given-up commit's
+  thread to end."""
+  stuck = _commit_threads()
+  disk.unblock.set()
+  for thread in stuck:
+    thread.join(30)
+    assert not thread.is_alive()
+
+
 def test_a_write_that_never_returns_fails_the_save_at_the_next_call(
     ckpt_dir, hanging):
   disk = hanging(syncs=r"^data/")  # The data file's fsync never returns.
@@ -114,11 +124,7 @@ def test_a_write_that_never_returns_fails_the_save_at_the_next_call(
     assert files.data_file(0) in message and "step 1" in message
     assert "its step was not finalized" in "".join(e.value.__notes__)
     # The stuck call returns at last: its commit must still never finalize.
-    stuck = _commit_threads()
-    disk.unblock.set()
-    for thread in stuck:
-      thread.join(30)
-      assert not thread.is_alive()
+    _let_the_stuck_commit_end(disk)
     assert manager.all_steps() == []
     assert not (ckpt_dir / "1").exists()
     # The manager goes on: the next save commits.
@@ -305,11 +311,7 @@ def test_a_commit_stuck_in_its_finalization_is_told_and_left_alone(ckpt_dir):
     with pytest.raises(StorageTimeoutError, match="finalizing") as e:
       manager.wait_until_finished()
     assert "may have made the step visible" in "".join(e.value.__notes__)
-    stuck = _commit_threads()
-    disk.unblock.set()
-    for thread in stuck:
-      thread.join(30)
-      assert not thread.is_alive()
+    _let_the_stuck_commit_end(disk)
     assert hooked == [] and manager.all_steps() == []
     assert manager.last_save_stats is None
   finally:
