@@ -1,5 +1,6 @@
 """Every python block of the pages a user reads first runs: README.md,
-docs/quickstart.md, usage.md, integrations.md, cli.md, troubleshooting.md.
+docs/quickstart.md, loop.md, auto_interval.md, retention.md, restoring.md,
+integrations.md, cli.md, troubleshooting.md.
 
 A block that a test of its subject runs already (with what it prints) is
 listed in `RUN_ELSEWHERE` with that test file, which must name the page.
@@ -21,21 +22,22 @@ import textwrap
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/quickstart.md", "docs/usage.md",
+PAGES = ("README.md", "docs/quickstart.md", "docs/loop.md",
+         "docs/auto_interval.md", "docs/retention.md", "docs/restoring.md",
          "docs/integrations.md", "docs/cli.md", "docs/troubleshooting.md")
 
 # (page, the block's first line) -> the test file that runs it.
 RUN_ELSEWHERE = {
     ("docs/quickstart.md", "import sys"): "test_docs.py",
-    ("docs/usage.md", "from flax_ckpt_plugin import CheckpointManager, Retention"):
-        "test_retention.py",
-    ("docs/usage.md", "import jax.numpy as jnp", "import optax"):
+    ("docs/retention.md", "from flax_ckpt_plugin import CheckpointManager, "
+     "Retention"): "test_retention.py",
+    ("docs/restoring.md", "import jax.numpy as jnp", "import optax"):
         "test_partial_restore.py",
-    ("docs/usage.md", "import jax", "import jax.numpy as jnp",
+    ("docs/restoring.md", "import jax", "import jax.numpy as jnp",
      "import numpy as np", "from flax_ckpt_plugin import CheckpointManager, "
      "StructureMismatchError"): "test_exporting.py",
-    ("docs/usage.md", "import flax_ckpt_plugin"): "test_exporting.py",
-    ("docs/usage.md", "import functools"): "test_pmap.py",
+    ("docs/restoring.md", "import flax_ckpt_plugin"): "test_exporting.py",
+    ("docs/loop.md", "import functools"): "test_pmap.py",
     ("docs/integrations.md", "import collections"): "test_data_prefetch.py",
     ("docs/integrations.md", "from flax_ckpt_plugin import CheckpointManager"):
         "test_orbax_import.py",
@@ -127,12 +129,19 @@ loader, writer = _Loader(), _Writer()
 SETUP = {
     # The loop that unpacks (state, loss) from its step.
     "README.md": "train_step = lambda s, batch: _update(s)",
-    "docs/usage.md:from flax_ckpt_plugin import CheckpointCallback":
+    "docs/loop.md:from flax_ckpt_plugin import CheckpointCallback":
         "train_step = lambda s, batch: _update(s)",
-    "docs/usage.md:raw = mngr.restore(None)": (
+    "docs/restoring.md:raw = mngr.restore(None)": (
         "mngr = CheckpointManager(workdir)\n"
         "mngr.save(1, state)\nmngr.wait_until_finished()"),
-    "docs/usage.md:import jax":
+    # Three steps, one saved without a loss.
+    "docs/retention.md:import math": (
+        "mngr = CheckpointManager(workdir)\n"
+        "for s, loss in ((1, 0.5), (2, 0.25), (3, None)):\n"
+        "  mngr.save(s, state, metrics=None if loss is None else"
+        " {'loss': loss})\n"
+        "mngr.wait_until_finished()"),
+    "docs/restoring.md:import jax":
         "with CheckpointManager(workdir) as m:\n  m.save(1, create_state())",
     "docs/integrations.md:import grain": (
         "num_records = 256\n"
@@ -148,31 +157,33 @@ SETUP = {
 _SAVE_AND_CLOSE = ("assert cb(1000, train_step(create_train_state()))\n"
                    "cb.wait_until_finished()\ncb.close()")
 EPILOGUE = {
-    "docs/usage.md:raw = mngr.restore(None)": "mngr.close()",
+    "docs/restoring.md:raw = mngr.restore(None)": "mngr.close()",
+    "docs/retention.md:import math": "mngr.close()",
     "docs/troubleshooting.md:state = train_step(state)  # consumes the old"
     " state": "cb.close()",
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
     " metric_writer=writer)": _SAVE_AND_CLOSE,
     "docs/integrations.md:import subprocess": _SAVE_AND_CLOSE,
-    "docs/usage.md:import signal": _SAVE_AND_CLOSE,
+    "docs/loop.md:import signal": _SAVE_AND_CLOSE,
 }
 # What a block prints, where the page shows it.
 PRINTS = {
     # The save at `last_step` reports the interval `every_steps="auto"`
     # chose and why, with its own figures.
-    "docs/usage.md:from flax_ckpt_plugin import CheckpointCallback,"
+    "docs/auto_interval.md:from flax_ckpt_plugin import CheckpointCallback,"
     " FaultTolerance": ["scalars 3 ['checkpoint/auto_background_secs',"],
-    "docs/usage.md:import jax.numpy as jnp": [
+    "docs/loop.md:import jax.numpy as jnp": [
         "[2, 3]", "3", "{'epoch': 0}", "2 2.0"],
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"
     " metric_writer=writer)": ["scalars 1000 ['checkpoint/blocking_secs',"],
     "docs/integrations.md:import subprocess": ["durable: 1000 "],
-    "docs/usage.md:from flax_ckpt_plugin import CheckpointManager":
+    "docs/restoring.md:from flax_ckpt_plugin import CheckpointManager":
         ["32.0", "128"],
     "docs/integrations.md:import jax": [
         "bfloat16 P('fsdp',) 768.0"],
-    "docs/usage.md:import time": ["[1, 3]"],
-    "docs/usage.md:import os": ["['4', '5', '_WRITER']"],
+    "docs/retention.md:import time": ["[1, 3]"],
+    "docs/retention.md:import os": ["['4', '5', '_WRITER']"],
+    "docs/retention.md:import math": ["2 {'loss': 0.25}"],
 }
 
 

@@ -1,4 +1,4 @@
-"""`jax.pmap`: docs/usage.md's "With `jax.pmap`" block, run on 2 CPU devices.
+"""`jax.pmap`: docs/loop.md's "With `jax.pmap`" block, run on 2 CPU devices.
 
 A replicated TrainState has a leading device axis on every leaf; the block
 saves `unreplicate(state)`, so the checkpoint holds one copy with the
@@ -17,7 +17,7 @@ import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "usage.md"
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "loop.md"
 
 
 def run_doc_block(workdir: pathlib.Path, num_steps: int) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def run_doc_block(workdir: pathlib.Path, num_steps: int) -> dict[str, Any]:
   section = DOC.read_text().split("## With `jax.pmap`", 1)[1]
   code = section.split("```python\n", 1)[1].split("```", 1)[0]
   scope = {"workdir": str(workdir), "num_steps": num_steps}
-  exec(compile(code, "docs/usage.md", "exec"), scope)  # pylint: disable=exec-used
+  exec(compile(code, "docs/loop.md", "exec"), scope)  # pylint: disable=exec-used
   return scope
 
 

@@ -76,7 +76,7 @@ class CheckpointCallback:
       host decides each interval from its own measures, at a save, and
       every process applies it from the next save on, so all save at the
       same steps. Until a save is measured it saves every
-      `min_every_steps` steps (default 100). See docs/usage.md.
+      `min_every_steps` steps (default 100). See docs/auto_interval.md.
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).

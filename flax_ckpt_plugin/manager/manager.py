@@ -117,7 +117,8 @@ class CheckpointManager:
       given consequence) if another job claimed the directory since this
       manager opened it (writers only).
 
-  Every method raises `RuntimeError` after `close`. As a context manager it
+  Saving, restoring and `metadata` raise `RuntimeError` after `close`;
+  `all_steps` and `latest_step` still list. As a context manager it
   closes on exit; an error raised while closing after an exception in the
   block is attached to that exception as a note.
   """

@@ -316,7 +316,7 @@ def test_a_closed_callback_says_so_at_every_call(ckpt_dir):
 
 def test_extra_comes_back_as_json_reads_it(ckpt_dir):
   """numpy scalars come back as numbers, numpy arrays and tuples as lists
-  (docs/usage.md, `extra`); a value JSON cannot hold names the rule."""
+  (docs/loop.md, `extra`); a value JSON cannot hold names the rule."""
   with CheckpointManager(ckpt_dir) as manager:
     manager.save(1, {"w": np.ones(2)}, extra={
         "rng": np.arange(3), "epoch": np.int64(2), "pair": (1, 2)})

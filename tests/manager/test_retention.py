@@ -4,7 +4,7 @@ per interval of time, the steps younger than a time to live.
 The rules themselves (`retention.Policy`), then what a user of the manager
 and the callback sees in the directory, across a restart, with several
 processes whose metrics differ, and what `flax-ckpt list` prints; the
-example of docs/usage.md runs as shown.
+example of docs/retention.md runs as shown.
 """
 
 from __future__ import annotations
@@ -344,11 +344,11 @@ def _comparable(text: str) -> list[list[str]]:
   return lines
 
 
-def test_usage_doc_example_and_the_list_it_shows(tmp_path, capsys,
+def test_retention_doc_example_and_the_list_it_shows(tmp_path, capsys,
                                                   monkeypatch):
-  code, console = _doc_blocks("usage.md", "losses = {100")
+  code, console = _doc_blocks("retention.md", "losses = {100")
   monkeypatch.chdir(tmp_path)
-  exec(compile(code, "docs/usage.md", "exec"), {})  # pylint: disable=exec-used
+  exec(compile(code, "docs/retention.md", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out == "[200, 400, 600, 700]\n"
 
   command, _, expected = console.partition("\n")

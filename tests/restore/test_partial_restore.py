@@ -75,14 +75,14 @@ def test_an_abstract_leaf_the_checkpoint_lacks_has_no_value_to_keep(
       m.restore(target, partial=True, missing="zeros")
 
 
-def test_the_usage_doc_example_runs_as_shown(tmp_path, capsys):
-  """docs/usage.md's block under "Restoring part of a checkpoint"."""
+def test_the_restoring_doc_example_runs_as_shown(tmp_path, capsys):
+  """docs/restoring.md's block under "Restoring part of a checkpoint"."""
   doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" /
-         "usage.md").read_text()
+         "restoring.md").read_text()
   section = doc.split("## Restoring part of a checkpoint", 1)[1]
   code = section.split("```python\n", 1)[1].split("```", 1)[0]
   scope = {"workdir": str(tmp_path / "run")}
-  exec(compile(code, "docs/usage.md", "exec"), scope)  # pylint: disable=exec-used
+  exec(compile(code, "docs/restoring.md", "exec"), scope)  # pylint: disable=exec-used
   assert capsys.readouterr().out.strip() == "64 bytes read"
   assert set(scope["tuned"]["params"]) == {"encoder", "head"}
   np.testing.assert_array_equal(scope["evaluated"]["params"]["encoder"][

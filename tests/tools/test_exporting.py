@@ -381,17 +381,17 @@ def test_the_export_runs_without_jax(ckpt_dir, saved, tmp_path):
 # -- the docs -----------------------------------------------------------------
 
 
-def test_usage_md_cast_and_export_blocks_print_what_the_page_shows(
+def test_restoring_md_cast_and_export_blocks_print_what_the_page_shows(
     tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   workdir = str(tmp_path / "run")
   for heading in ("## Restoring into other dtypes: `cast=True`",
                   "## Exporting to safetensors or npz"):
-    section = doc_section("usage.md", heading)
+    section = doc_section("restoring.md", heading)
     (code,) = doc_blocks(section, "python")
     (printed,) = doc_blocks(section, "text")[:1]
     capsys.readouterr()
-    exec(compile(code, "docs/usage.md", "exec"), {"workdir": workdir})  # pylint: disable=exec-used
+    exec(compile(code, "docs/restoring.md", "exec"), {"workdir": workdir})  # pylint: disable=exec-used
     assert capsys.readouterr().out == printed.replace("WORKDIR", workdir)
 
 
