@@ -1,6 +1,6 @@
 """Every python block of the pages a user reads first runs: README.md,
 docs/quickstart.md, loop.md, auto_interval.md, retention.md, restoring.md,
-integrations.md, cli.md, troubleshooting.md.
+integrations.md, cli.md, converting.md, troubleshooting.md.
 
 A block that a test of its subject runs already (with what it prints) is
 listed in `RUN_ELSEWHERE` with that test file, which must name the page.
@@ -24,7 +24,8 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = ("README.md", "docs/quickstart.md", "docs/loop.md",
          "docs/auto_interval.md", "docs/retention.md", "docs/restoring.md",
-         "docs/integrations.md", "docs/cli.md", "docs/troubleshooting.md")
+         "docs/integrations.md", "docs/cli.md", "docs/converting.md",
+         "docs/troubleshooting.md")
 
 # (page, the block's first line) -> the test file that runs it.
 RUN_ELSEWHERE = {
@@ -45,9 +46,9 @@ RUN_ELSEWHERE = {
      "flax.training import train_state", "import jax", "import jax.numpy as"
      " jnp", "import optax", "", "import flax_ckpt_plugin"):
         "test_exporting.py",
-    ("docs/cli.md", "import os", "", "import flax.linen as nn", "from "
-     "flax.training import train_state", "import jax", "import jax.numpy as"
-     " jnp", "import optax", "import orbax.checkpoint as ocp"):
+    ("docs/converting.md", "import os", "", "import flax.linen as nn",
+     "from flax.training import train_state", "import jax", "import jax.numpy"
+     " as jnp", "import optax", "import orbax.checkpoint as ocp"):
         "test_orbax_import.py",
 }
 

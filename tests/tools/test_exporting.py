@@ -396,7 +396,8 @@ def test_restoring_md_cast_and_export_blocks_print_what_the_page_shows(
 
 
 @pytest.mark.multiprocess
-def test_cli_md_export_commands_print_what_the_page_shows(tmp_path):
+def test_converting_md_export_commands_print_what_the_page_shows(tmp_path):
+  # They run in the directory that cli.md's example makes.
   (script,) = doc_blocks(doc_section("cli.md", "## The example directory"),
                          "python")
   (tmp_path / "make_ckpts.py").write_text(script)
@@ -406,7 +407,9 @@ def test_cli_md_export_commands_print_what_the_page_shows(tmp_path):
                      cwd=work, capture_output=True, text=True, timeout=300,
                      check=False)
   assert r.returncode == 0, r.stderr
-  consoles = doc_blocks(doc_section("cli.md", "## export"), "console")
+  consoles = doc_blocks(doc_section(
+      "converting.md", "## To safetensors or npz: `flax-ckpt export`"),
+      "console")
   assert len(consoles) == 8
   for block in consoles:
     run_console(block, work)

@@ -9,7 +9,8 @@ model and optimizer. The CLI converts them in a subprocess
 device) or in this process (`cli.main`); our `CheckpointManager` restores
 the step into the user's own target, compared bit for bit. The errors, the
 Orbax source left untouched, Orbax imported by this command alone, and the
-commands of docs/cli.md and docs/integrations.md are checked too.
+commands of docs/converting.md and docs/integrations.md, and docs/cli.md's
+`--help`, are checked too.
 """
 
 from __future__ import annotations
@@ -495,12 +496,15 @@ def test_orbax_is_never_imported(orbax_step, tmp_path):
   assert f"imported {orbax_step} (Orbax item 'default') as step 4" in r.stdout
 
 
-# -- docs/cli.md and docs/integrations.md ----------------------------------------
+# -- docs/converting.md, docs/cli.md and docs/integrations.md --------------------
+
+
+_PAGE, _SECTION = "converting.md", "## From Orbax: `flax-ckpt import-orbax`"
 
 
 @pytest.mark.multiprocess
-def test_cli_md_commands_print_what_the_page_shows(tmp_path):
-  section = doc_section("cli.md", "## import-orbax")
+def test_converting_md_commands_print_what_the_page_shows(tmp_path):
+  section = doc_section(_PAGE, _SECTION)
   (script,) = doc_blocks(section, "python")
   (tmp_path / "save_with_orbax.py").write_text(script)
   r = subprocess.run([sys.executable, "save_with_orbax.py"], cwd=tmp_path,
@@ -510,7 +514,7 @@ def test_cli_md_commands_print_what_the_page_shows(tmp_path):
   assert len(consoles) == 6
   for block in consoles:
     run_console(block, tmp_path)
-  # The page's --help block is the real one.
+  # cli.md's --help block is the real one.
   (help_block,) = [b for b in doc_blocks((REPO / "docs" / "cli.md").read_text(),
                                       "console")
                    if b.startswith("$ flax-ckpt --help\n")]
@@ -520,13 +524,13 @@ def test_cli_md_commands_print_what_the_page_shows(tmp_path):
 @pytest.mark.multiprocess
 def test_integrations_md_converts_and_restores(tmp_path, monkeypatch, capsys,
                                                host_copy, assert_trees_equal):
-  (script,) = doc_blocks(doc_section("cli.md", "## import-orbax"), "python")
+  (script,) = doc_blocks(doc_section(_PAGE, _SECTION), "python")
   section = doc_section("integrations.md", "## Coming from Orbax")
   (console,) = doc_blocks(section, "console")
   (restore_code,) = doc_blocks(section, "python")
   monkeypatch.chdir(tmp_path)
   scope = {}
-  exec(compile(script, "docs/cli.md", "exec"), scope)  # pylint: disable=exec-used
+  exec(compile(script, "docs/converting.md", "exec"), scope)  # pylint: disable=exec-used
   expected = host_copy(scope["state"])
   run_console(console, tmp_path)
   capsys.readouterr()
