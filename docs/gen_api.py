@@ -5,7 +5,8 @@
 
 Documents what `flax_ckpt_plugin.__all__` lists: the public API (every
 module inside the package is private; `CheckpointAction` needs the `clu`
-extra installed to be documented). It imports the
+extra installed to be documented), and the `flax-ckpt` command line, read
+from the argparse parser that the console script runs. It imports the
 package from this checkout and reads it with `inspect`, `ast` and `tokenize`
 only, so the output depends on the source alone: no memory addresses, no
 dates, no dependence on the terminal or the Python version.
@@ -45,6 +46,15 @@ MODULE_API: dict[str, tuple[str, ...]] = {}
 # docstring only (a backend's methods are what the manager calls).
 CLASS_API: dict[str, tuple[str, ...]] = {
     "LocalBackend": (),
+}
+# A package's command line: "module:function" of the function that builds
+# the argparse parser its console script runs. Each command links to the
+# page that documents it: CLI_PAGE#command, or CLI_DOCS[command].
+CLI: dict[str, str] = {PACKAGE: "flax_ckpt_plugin.tools.cli:_parser"}
+CLI_PAGE = "cli.md"
+CLI_DOCS = {
+    "export": "converting.md#to-safetensors-or-npz-flax-ckpt-export",
+    "import-orbax": "converting.md#from-orbax-flax-ckpt-import-orbax",
 }
 # The classes a user meets first, in this order; then the rest by kind.
 FIRST = ("CheckpointCallback", "CheckpointManager")
@@ -731,6 +741,59 @@ def import_extra(name: str) -> types.ModuleType | None:
              " with its extras (pip install -e '.[test]') to document it")
 
 
+def _arguments(parser: argparse.ArgumentParser) -> str:
+  """`--keep N DIR [STEP]`: what a command needs, as its usage has it: the
+  required options, then the positional arguments."""
+  options, positionals = [], []
+  for action in parser._actions:  # pylint: disable=protected-access
+    if action.help == argparse.SUPPRESS:
+      continue
+    name = action.metavar or action.dest.upper()
+    if action.option_strings:
+      if action.required:
+        options.append(f"{action.option_strings[0]} {name}")
+      continue
+    positionals.append({"?": f"[{name}]", "*": f"[{name} ...]",
+                        "+": f"{name} [{name} ...]"}.get(action.nargs, name))
+  return " ".join(options + positionals)
+
+
+def cli_commands(spec: str) -> tuple[str, list[tuple[str, str, str]]]:
+  """(the program's name, [(command, what it needs, its help)]) of the
+  parser that `spec` ("module:function") builds, in the parser's order."""
+  module_name, _, function = spec.partition(":")
+  parser = getattr(importlib.import_module(module_name), function)()
+  out = []
+  for action in parser._actions:  # pylint: disable=protected-access
+    if not isinstance(action, argparse._SubParsersAction):  # pylint: disable=protected-access
+      continue
+    for choice in action._get_subactions():  # pylint: disable=protected-access
+      name = choice.dest
+      out.append((name, _arguments(action.choices[name]),
+                  " ".join((choice.help or "").split())))
+  return parser.prog, out
+
+
+def render_cli(page: Page, package_name: str, spec: str) -> str:
+  """The section that lists the command line; returns its TOC line."""
+  prog, commands = cli_commands(spec)
+  anchor = page.heading(2, "The command line")
+  also = (f" (also `python -m {package_name}`)"
+          if importlib.util.find_spec(f"{package_name}.__main__") else "")
+  page.para(f"`{prog}`{also} and its commands, with the help that `{prog}"
+            f" --help` gives each. Their options, outputs and exit codes:"
+            f" [{CLI_PAGE}]({CLI_PAGE}).")
+  rows = ["| command | what it does |", "|---|---|"]
+  for name, arguments, help_text in commands:
+    usage = " ".join(filter(None, (prog, name, arguments)))
+    target = CLI_DOCS.get(name, f"{CLI_PAGE}#{slug(name)}")
+    rows.append(f"| [`{usage}`]({target}) | "
+                f"{_escape(help_text).replace('|', chr(92) + '|')} |")
+  page.para(*rows)
+  names = ", ".join(f"`{name}`" for name, _, _ in commands)
+  return f"- [The command line](#{anchor}): `{prog}` and its commands {names}"
+
+
 def _link(line: str, page: Page, own: str, context: str | None) -> str:
   """Links `Name`, `Name.member` and, in a class's text, `method` to them.
 
@@ -781,7 +844,9 @@ def render(package_name: str = PACKAGE,
     page.para(f"{titles} list what `{package_name}` exports (`from"
               f" {package_name} import {example}`)" + (
                   "; the modules after them are imported by their own name."
-                  if modules else "."))
+                  if modules else ".") + (
+                      " The command line lists the commands of its console"
+                      " script." if package_name in CLI else ""))
   toc_at = len(page.lines)  # The contents go here, once anchors are known.
 
   toc = []
@@ -799,6 +864,8 @@ def render(package_name: str = PACKAGE,
       page.missing.append(module.__name__)
     for item in items:
       page.item(item, 3)
+  cli_toc = ([render_cli(page, package_name, CLI[package_name])]
+             if package_name in CLI else [])
 
   lines, fenced, own = [], False, ""
   for line, context in zip(page.lines, page.contexts):
@@ -812,7 +879,7 @@ def render(package_name: str = PACKAGE,
   contents = [head + ", ".join(
       f"[`{it.name}`](#{page.anchors[f'{it.module}.{it.name}']})"
       for it in items) for head, items in toc]
-  lines[toc_at:toc_at] = [""] + contents
+  lines[toc_at:toc_at] = [""] + contents + cli_toc
   return "\n".join(lines).rstrip("\n") + "\n", page.missing
 
 

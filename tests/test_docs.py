@@ -258,6 +258,73 @@ def test_gen_api_renders_every_kind_of_public_item(tmp_path, monkeypatch):
   assert "apidoc_sample.Writer.write" in missing
 
 
+_SAMPLE_CLI = '''
+import argparse
+
+
+def parser():
+  p = argparse.ArgumentParser(prog="sample-cli")
+  sub = p.add_subparsers(dest="command", required=True)
+  s = sub.add_parser("look", help="Look at   one\\n  thing | or two.")
+  s.add_argument("directory", metavar="DIR")
+  s.add_argument("step", metavar="STEP", nargs="?")
+  s.add_argument("--json", action="store_true")
+  s = sub.add_parser("serve", help="Serve <it>.")
+  s.add_argument("--port", type=int, required=True)
+  s.add_argument("--names", nargs="+", required=True, metavar="NAME")
+  s.add_argument("--hidden", help=argparse.SUPPRESS)
+  return p
+'''
+
+
+def test_gen_api_lists_the_command_line_from_its_parser(tmp_path,
+                                                       monkeypatch):
+  gen_api = _load_gen_api()
+  (tmp_path / "apidoc_cli").mkdir()
+  (tmp_path / "apidoc_cli" / "__init__.py").write_text(
+      '"""A package with a command line."""\n__all__ = []\n')
+  (tmp_path / "apidoc_cli" / "cli.py").write_text(_SAMPLE_CLI)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(gen_api, "CLI", {"apidoc_cli": "apidoc_cli.cli:parser"})
+  monkeypatch.setattr(gen_api, "CLI_DOCS", {"serve": "serving.md#serve"})
+  text, _ = gen_api.render("apidoc_cli", extra_modules=())
+  assert ("- [The command line](#the-command-line): `sample-cli` and its"
+          " commands `look`, `serve`\n") in text
+  section = text[text.index("\n## The command line\n"):]
+  assert "python -m" not in section  # The package has no __main__.
+  assert textwrap.dedent("""\
+      | command | what it does |
+      |---|---|
+      | [`sample-cli look DIR [STEP]`](cli.md#look) | Look at one thing \\| or two. |
+      | [`sample-cli serve --port PORT --names NAME`](serving.md#serve) | Serve &lt;it>. |
+      """) in section
+  # A package without a command line gets no such section.
+  monkeypatch.setattr(gen_api, "CLI", {})
+  assert "The command line" not in gen_api.render(
+      "apidoc_cli", extra_modules=())[0]
+
+
+def test_api_md_lists_every_command_of_flax_ckpt():
+  """docs/api.md's table of the command line has a row for each command of
+  the parser that `flax-ckpt` runs, in its order, with its help."""
+  from flax_ckpt_plugin.tools import cli  # pylint: disable=g-import-not-at-top
+  gen_api = _load_gen_api()
+  prog, commands = gen_api.cli_commands(gen_api.CLI["flax_ckpt_plugin"])
+  assert prog == "flax-ckpt" and prog == cli._parser().prog
+  text = (REPO / "docs" / "api.md").read_text()
+  section = text[text.index("\n## The command line\n"):]
+  rows = re.findall(r"^\| \[`flax-ckpt (\S+)[^`]*`\]\(([^)]+)\) \| (.+) \|$",
+                    section, re.M)
+  assert [(name, help_text) for name, _, help_text in rows] == [
+      (name, help_text) for name, _, help_text in commands]
+  assert [name for name, _, _ in rows] == [
+      "list", "show", "verify", "prune", "export", "import-orbax",
+      "coordinator"]
+  for _, target, _ in rows:
+    page, _, anchor = target.partition("#")
+    assert page in ("cli.md", "converting.md") and anchor, target
+
+
 # -- docs/quickstart.md: its script runs as shown -----------------------------
 
 
