@@ -243,7 +243,8 @@ REJOIN_END = 60
     ("after_recovery", 0, "fsdp", 2, None),
     # Process 0 itself, with the coordination service in a process of its
     # own (`flax-ckpt coordinator`): it rejoins like any other.
-    ("after_recovery", 0, "model_in", 0, HEARTBEAT)])
+    ("after_recovery", 0, "model_in", 0, HEARTBEAT),
+    ("after_recovery", 0, "fsdp", 0, HEARTBEAT)])
 def test_a_relaunched_process_rejoins_from_its_peers(tmp_path, when,
                                                      primary, mesh, victim,
                                                      coordinator):
