@@ -293,11 +293,17 @@ def test_every_figure_quoted_stands_in_performance_md(page):
 # Changelog language: what a page would say of an older version of the
 # package. Whole words, any case, in prose and inline code alike. Plain
 # "before" and "after" are left alone: they order events ("a save after a
-# step", and the library's own messages, "timed out after 300.0s").
+# step", and the library's own messages, "timed out after 300.0s"). They
+# count where they label a version: followed by a parenthesis ("before
+# (main)", "after (this code)"), after one ("(before: a short write"), or as
+# a table cell of their own ("| before |", "| after, wait_for_deletes |").
+# "no longer than" compares ("blocks no longer than later ones").
 CHANGELOG = re.compile(
-    r"\b(earlier versions?|used to|as before|before \(main\)|"
-    r"before these changes|no device (was )?lent|came after the figures|"
-    r"\(\d[\d.]* before\b|predates?)\b", re.I)
+    r"\b(?:earlier versions?|used to|as before|before these changes|"
+    r"no device (?:was )?lent|came after the figures|predates?|previously|"
+    r"no longer(?! than)|(?:on )?the old code|main's code)\b"
+    r"|\b(?:before|after) \(|\((?:before|after):|\(\d[\d.]* before\b"
+    r"|\|\s*(?:before|after)\s*[|,(]", re.I)
 
 
 def _private_modules() -> tuple[set[str], set[str]]:
