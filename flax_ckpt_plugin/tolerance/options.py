@@ -32,7 +32,7 @@ class FaultTolerance:
     watch_poll_secs: the period of those polls; in a job of more than 200
       processes it grows so that the job's watchers call the coordination
       service at most 800 times a second in all (7.68 s at 4,096
-      processes, see docs/performance.md).
+      processes, see docs/control_plane.md).
     elastic: after a lost process, the loop goes on without it: it catches
       the loss and calls `recover` (see `elastic`), instead of the
       survivors saving and exiting for a relaunch. Needs a local tier.
