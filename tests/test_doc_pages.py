@@ -411,6 +411,11 @@ def _module_names(text: str) -> list[str]:
           and m.group(2) not in _FILE_SUFFIXES):
         found.append(m.group())
   found += re.findall(r"flax_ckpt_plugin/[\w/]+\.py", prose)
+  # A module's path inside the package (`tolerance/exchange.py`); not a
+  # test's or a benchmark's (`tests/save/test_crash.py`).
+  paths = {f"{d.replace('.', '/')}.py" for d in dotted}
+  found += [p for p in re.findall(r"(?<![\w/.])(\w+/[\w/]+\.py)", prose)
+            if p in paths]
   return found
 
 
