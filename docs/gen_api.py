@@ -139,13 +139,45 @@ def format_value(value: Any) -> str:
   return _ADDRESS_RE.sub("", repr(value))
 
 
+# The names by which the documented package's modules import its other
+# modules (`datastate`, `options`, `coordinator_lib`): set by `render`. An
+# annotation's `datastate.DataIterator` is shown as `DataIterator`, since
+# those modules are private and the page names none of them.
+_PRIVATE_MODULE_NAMES: frozenset[str] = frozenset()
+
+
+def private_module_names(package_name: str) -> frozenset[str]:
+  """The global names, in the package's loaded modules, of modules of the
+  package below its top level."""
+  prefix = package_name + "."
+  names = set()
+  for module_name, module in list(sys.modules.items()):
+    if module is None or not (module_name == package_name
+                              or module_name.startswith(prefix)):
+      continue
+    for name, value in list(vars(module).items()):
+      if isinstance(value, types.ModuleType) and value.__name__.startswith(
+          prefix):
+        names.add(name)
+  return frozenset(names)
+
+
+def _unqualify(text: str) -> str:
+  """`text` with each `module.` prefix of a private module dropped."""
+  if not _PRIVATE_MODULE_NAMES:
+    return text
+  return re.sub(r"(?<![\w.])((?:[A-Za-z_]\w*\.)+)(?=[A-Za-z_]\w*)",
+                lambda m: "" if m.group(1).split(".")[0] in
+                _PRIVATE_MODULE_NAMES else m.group(1), text)
+
+
 def format_annotation(annotation: Any) -> str:
   if isinstance(annotation, str):  # `from __future__ import annotations`.
     quote = annotation[:1]
     if quote in ("'", '"') and annotation.endswith(quote) and len(
         annotation) > 1 and quote not in annotation[1:-1]:
       return annotation[1:-1]  # A forward reference: -> "CheckpointManager".
-    return annotation
+    return _unqualify(annotation)
   return _ADDRESS_RE.sub("", inspect.formatannotation(annotation))
 
 
@@ -825,9 +857,11 @@ def render(package_name: str = PACKAGE,
            extra_modules: Iterable[str] = EXTRA_MODULES
            ) -> tuple[str, list[str]]:
   """(the page, the public items that lack a docstring or comment)."""
+  global _PRIVATE_MODULE_NAMES
   package = importlib.import_module(package_name)
   page = Page(package_name)
-  groups = _by_group(package_items(package))
+  groups = _by_group(package_items(package))  # Imports the lazy names too.
+  _PRIVATE_MODULE_NAMES = private_module_names(package_name)
   modules = [(m, module_items(m)) for m in
              filter(None, map(import_extra, extra_modules))]
 

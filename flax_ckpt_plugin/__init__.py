@@ -1,8 +1,8 @@
 """Asynchronous, atomic, multi-host checkpointing for Flax/Optax train loops.
 
 The names this package exports, and the `flax-ckpt` command, are its whole
-public API. Every module inside it (`flax_ckpt_plugin.save.commit` and the
-like) is private: its names may change in any release.
+public API. Every module inside it is private: its names may change in any
+release.
 """
 
 # The names below that need JAX (and the export, which needs none but whose

@@ -82,7 +82,8 @@ class CoordinatorLostError(RuntimeError):
 
 
 class PeerLostError(RuntimeError):
-  """Another process of the job died or restarted (see `liveness`).
+  """Another process of the job died or restarted (see
+  docs/fault_tolerance.md).
 
   Raised on the survivors by the callback and by every coordination call
   that would otherwise wait for the lost process. The job cannot go on as

@@ -23,12 +23,13 @@ class SaveStats:
   finalized_at: float = 0.0  # time.time() when it became durable.
   # Bytes of this process's accelerator shards copied on their devices
   # (the commit moved them to the host) because the runtime refused pinned
-  # host memory, at this save or lately (see `pinned`); 0 otherwise.
+  # host memory, at this save or lately (see docs/loop.md); 0 otherwise.
   pinned_fallback_bytes: int = 0
   # Bytes of this process's accelerator shards copied on their devices
   # (the commit moved them to the host) because their pinned host memory
   # was not pinned yet: a save before the reservation was done (see
-  # `pinned_staging`; the first save of a process without a warm-up).
+  # `CheckpointManager.warm_up`; the first save of a process without a
+  # warm-up).
   unpinned_bytes: int = 0
 
   @property
@@ -56,7 +57,7 @@ class RestoreStats:
   secs: float  # Wall-clock seconds of the whole `restore` call.
   nbytes_read: int  # Bytes this process read from data files.
   # Of those, the bytes taken from the snapshot of the step that this
-  # process saved and still held in memory (`backends.held`).
+  # process saved and still held in memory (see docs/loop.md).
   nbytes_from_memory: int = 0
 
 

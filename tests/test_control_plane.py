@@ -1,7 +1,7 @@
 """The control-plane simulator (benchmarks/control_plane.py) at 64
 processes: every save finalizes once and every process lists the same
 steps; a lost process is noticed by every survivor; and the service counts
-what it is asked (figures, not timed: see docs/performance.md)."""
+what it is asked (figures, not timed: see docs/control_plane.md)."""
 
 import importlib.util
 import pathlib

@@ -21,7 +21,7 @@ holds: what a set of holders writes depends on the shards they hold
 alone, which every one of them sees in the same order. So a process's
 plan costs O(its shards) per array, not O(the job's devices): at 4,096
 processes of 8 devices and 100,000 leaves, 0.6 s of CPU (see
-docs/performance.md, *The write plan at 100,000 leaves*). How a
+docs/control_plane.md, *The write plan at 100,000 leaves*). How a
 sharding cuts arrays of one rank is worked out once per (sharding, rank)
 from JAX's own indices of one array (`_grid`); an array whose dimensions
 its cuts do not divide falls back to that array's indices.

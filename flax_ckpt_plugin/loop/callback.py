@@ -124,7 +124,7 @@ class CheckpointCallback:
 
   Attributes:
     manager: the `CheckpointManager` that saves and restores.
-    triggers: the `triggers.Triggers` (when each tier saves).
+    triggers: when each tier saves.
     should_stop: True once a preemption checkpoint is durable.
     should_rebuild: True once the survivors of a loss take a relaunched
       process back (see `elastic`): call `recover` before the next step.
@@ -132,8 +132,8 @@ class CheckpointCallback:
     restored_extra: the `extra` saved with that step, or None.
     restored_tier: where that step came from: "local", "peer" or
       "persistent"; None when nothing was restored.
-    local: the `local_tier.LocalTier`, or None.
-    tiers: the `tiers.Tiers` it saves through (the manager, the local tier
+    local: the local tier, or None.
+    tiers: the tiers it saves through (the manager, the local tier
       and the watch over the other processes).
 
   Raises:
@@ -360,7 +360,7 @@ class CheckpointCallback:
       make_target: see above.
       data_iterator: this process's data iterator, or any object with
         `get_state()` / `set_state(state)` (Grain's iterators; bytes or a
-        JSON value, see `datastate`): it gets the state saved with the
+        JSON value, see docs/integrations.md): it gets the state saved with the
         restored step back, and from now on each save stores this
         process's `get_state()` with the step, in both tiers. Call the
         callback after the step that consumed the batch, before the next

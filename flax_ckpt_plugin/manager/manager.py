@@ -72,7 +72,7 @@ class CheckpointManager:
   background thread writes and commits. An error in the background is raised
   on the next call to `save`, `restore`, `wait_until_finished` or `close`.
   Retention's deletes run on another background thread of the primary
-  host, after the commit (see `deletions`): the next save does not wait
+  host, after the commit (see docs/retention.md): the next save does not wait
   for them, unless `Retention(wait_for_deletes=True)`.
 
   Args:
@@ -94,17 +94,18 @@ class CheckpointManager:
       directory at every query, so it sees steps finalized after it opened,
       and it talks to other processes only in `restore_newest_valid`.
     scope: save, for the process it names, every distinct shard that
-      process holds, alone (the local tier's steps; see `local_tier.LocalTier`).
+      process holds, alone (the local tier's steps; see
+      docs/fault_tolerance.md).
     share_reads: in restores that every process makes together
       (`restore_newest_valid`, the callback's), split the reading of what
       several processes need and share it over JAX collectives, so that
-      storage serves each byte once (see `shared_read`: it costs host
+      storage serves each byte once (see docs/multihost.md: it costs host
       memory); False: each process reads all it needs itself.
 
   Attributes:
     directory: the checkpoint directory (absolute, for local paths).
     name: the prefix of this manager's barrier and key-value keys.
-    retention: the `retention.Policy` of `max_to_keep` and `retention`.
+    retention: the retention policy that `max_to_keep` and `retention` make.
     storage: the `Storage` options it was made with.
     processes: the `Processes` options it was made with.
     coordinator: the `Coordinator` it meets other processes through.
@@ -217,13 +218,14 @@ class CheckpointManager:
                        ) -> "CheckpointManager":
     """A manager of this process's own steps (the local tier's), under
     `directory/job/process_NNNNN`: every distinct shard the process holds,
-    replicas included (`files.Scope`), saved and restored without meeting
+    replicas included, saved and restored without meeting
     another process, the newest `keep` kept. On a file system in memory
-    its backend fsyncs nothing (`interface.for_own_path`).
+    its backend fsyncs nothing.
 
     Args:
       directory: a per-host path (a local SSD, or `/dev/shm`).
-      job: a name for the job (see `generations.job_name`).
+      job: a name for the job, so that two jobs that share a local path
+        never read each other's steps.
       coordinator: the job's coordinator (names this process).
       keep: how many of the newest steps to keep.
       pinned_host_bytes: see `Storage`.
@@ -275,7 +277,7 @@ class CheckpointManager:
         own, e.g. its data iterator's `get_state()`): bytes, or a JSON
         value; read back on each process with `data_state(step)`.
       partner_shards: the local tier's only: gives the shards of other
-        processes held here as partner copies (`tolerance.exchange`), by
+        processes held here as partner copies (`FaultTolerance.replicas`), by
         leaf path; called once this process's own copies have started.
 
     Raises:
@@ -351,7 +353,7 @@ class CheckpointManager:
   def read_step(self, step: int, fn: Callable[[interface.Backend], T]) -> T:
     """`fn(storage)`: `fn` reads `step`'s files through `storage` (the
     tolerance layer's readers). Where this process still holds the step's
-    snapshot (the newest step it saved; see `backends.held`), its data
+    snapshot (the newest step it saved; see docs/loop.md), its data
     file comes from memory, checked by the reader as a file's; if those
     bytes fail the checks, `fn` runs again on the files. `fn` must not
     save (a save waits for the read to end, and raises inside it).
@@ -364,9 +366,9 @@ class CheckpointManager:
   def warm_up(self, state: Any, *, wait: bool = False) -> bool:
     """Sets up what saving `state` needs that the first save would
     otherwise do without: on accelerators, the pinned host memory its
-    shards are copied into (see `pinned_staging`: pinned by a thread,
+    shards are copied into (see docs/loop.md: pinned by a thread,
     about 0.5 s per GB, once per process, while the loop runs); on the
-    CPU, the compiles of its copy programs, queued (see `copies`).
+    CPU, the compiles of its copy programs, queued.
     Optional: without it, the first save asks for that memory itself,
     copying its shards on their devices meanwhile, or has the runtime copy
     CPU shards while the programs compile. The callback calls it from
@@ -477,7 +479,7 @@ class CheckpointManager:
     """Blocks until the running save is finalized and retention's
     deletes are done; raises the save's error. A delete's error is raised
     by the next save whose retention deletes, on every process (see
-    `deletions`), or by `close`.
+    docs/retention.md), or by `close`.
 
     Args:
       timeout: at most this many seconds; None: as long as it takes.
@@ -500,7 +502,7 @@ class CheckpointManager:
   def regroup(self, coordinator: Any, wait_secs: float, *, tag: str,
               primary_host: int) -> None:
     """Goes on with the processes of `coordinator` alone (a
-    `groups.Survivors`: the survivors of a lost peer, or every process
+    group: the survivors of a lost peer, or every process
     again once a replacement rejoined, see `elastic`): later saves meet
     them only, and they write every byte. The save that the loss broke is
     waited for (at most `wait_secs`) and its error dropped.

@@ -41,7 +41,7 @@ class Storage:
       stores), 'rename' or 'commit_file'.
     pinned_host_bytes: on accelerators, the most bytes of one save that go
       through pinned host memory, which the save call does not wait for
-      (see `pinned`); None (default): all this process writes; 0: none
+      (see docs/loop.md); None (default): all this process writes; 0: none
       (every shard then takes the plain transfer, which it waits for).
       That much host memory stays pinned for the life of the process.
     io_timeout_secs: how long one read or write of storage may take (a
@@ -81,8 +81,8 @@ class Processes:
     primary_host: the process that creates, finalizes and deletes steps.
     barrier_timeout_secs: how long a process waits at a barrier for the
       others before raising `TimeoutError`.
-    coordinator: how processes meet (`multihost.coordinator.Coordinator`);
-      default: JAX's coordination service.
+    coordinator: how processes meet (barriers and a key-value store; see
+      docs/fault_tolerance.md); default: JAX's coordination service.
     name: the start of the manager's barrier keys; default: a digest of
       the directory as given (the same string on every process). A token
       drawn by the writer at open completes the keys.

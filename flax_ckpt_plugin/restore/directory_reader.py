@@ -243,12 +243,12 @@ class DirectoryReader:
         first local device when a `ShapeDtypeStruct` has none); Python scalars
         and numpy leaves keep their type; non-array fields come from target.
         None: the step as saved, in plain nested dicts of numpy arrays (for
-        looking at it or converting it; see `tree.plain_target`).
+        looking at it or converting it; see docs/restoring.md).
       step: which step; None for the newest.
       verify: check the CRC-32C of every block read (a partial read of a
         shard then reads the whole 4 MiB blocks around what it needs).
       data_iterator: if given, gets this process's data state of the step
-        (`set_state`), once the tree restored (see `datastate`).
+        (`set_state`), once the tree restored (see docs/integrations.md).
       partial: restore only the leaves of `target` (e.g. `{"params":
         params}` from a saved `TrainState`: key paths match whether a
         level is a dict key or an attribute); no byte of the other leaves
@@ -260,7 +260,7 @@ class DirectoryReader:
         the values while they are read, piece by piece (never a second
         full copy of the leaf): floating to floating of any width, integer
         to integer (a narrower target is checked value by value). A log
-        line says how many leaves were cast. See `casting`.
+        line says how many leaves were cast. See docs/restoring.md.
       rename: the target paths of the checkpoint's leaves, applied before
         they are matched against `target` (a module renamed, a layer
         moved): rules, a mapping of regular expressions to replacements
@@ -270,7 +270,7 @@ class DirectoryReader:
         its name), or a function of a checkpoint path returning its target
         path (None drops it). Mismatch messages name both paths. With
         target None, the step comes back under the new paths. See
-        `renaming`.
+        docs/restoring.md.
 
     Returns:
       A pytree of the target's type.
@@ -321,12 +321,12 @@ class DirectoryReader:
 
     Where the target has regions that several processes need (replicated
     arrays), they split the reading and JAX collectives give every device
-    its whole region (see `shared_read`); otherwise the same as `restore`.
+    its whole region (see docs/multihost.md); otherwise the same as `restore`.
     `step` None: the newest finalized step, as the primary host sees it
     (every process restores that one).
 
     Raises:
-      As `restore`, and `errors.Unsuitable` when another process found
+      As `restore`, and an error when another process found
       the step damaged (see `restore_newest_valid`).
     """
     if not self._shares_reads(target):
@@ -441,7 +441,7 @@ class DirectoryReader:
                            ) -> tuple[int, Any] | None:
     """Restores the newest finalized step that restores on every process.
 
-    Called on every process; see `fallback`. A step whose files fail
+    Called on every process; see docs/reliability.md. A step whose files fail
     verification or are missing on any process is skipped with a warning
     naming it and why, and the next older one is tried. All processes
     learn together how each try went, so they never restore different

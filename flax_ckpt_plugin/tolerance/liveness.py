@@ -20,7 +20,7 @@ join), but all the calls of a job's watchers stay under
 `JOB_CALLS_PER_SEC` a second, so that the service hosted by process 0
 answers as many at 4,096 processes as at 200: above 200 processes the
 records are read after every second poll and the period grows with the
-job (`schedule`: 7.7 s at 4,096, measured by
+job (`schedule`: 7.68 s at 4,096, measured by
 `benchmarks/control_plane.py`).
 
 Two traps of `get_live_nodes`, measured with JAX 0.10: it is itself a
@@ -87,7 +87,7 @@ def schedule(poll_secs: float, watched: int) -> Schedule:
   `poll_secs` and a read after each, while all of them together call at
   most `JOB_CALLS_PER_SEC` times a second (200 processes at 0.5 s); above,
   a read after every second poll and the period that keeps the calls
-  within it (7.7 s at 4,096 processes, 18.8 s at 10,000)."""
+  within it (7.68 s at 4,096 processes, 18.75 s at 10,000)."""
   if 2 * watched / JOB_CALLS_PER_SEC <= poll_secs:
     return Schedule(poll_secs, 1)
   return Schedule(max(poll_secs, 1.5 * watched / JOB_CALLS_PER_SEC), 2)

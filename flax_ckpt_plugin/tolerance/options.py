@@ -23,16 +23,16 @@ class FaultTolerance:
   Attributes:
     save_on_preemption: save and stop when a preemption notice arrives.
     preemption_signals: the signals that are preemption notices.
-    watch_peers: notice a lost process at once (see `liveness`): a thread
-      polls the live processes, and once a peer died or restarted, every
-      call of the callback and every wait of its saves raises
-      `PeerLostError` instead of waiting for it. Default: on with several
+    watch_peers: notice a lost process at once (see
+      docs/fault_tolerance.md): a thread polls the live processes, and
+      once a peer died or restarted, every call of the callback and every
+      wait of its saves raises `PeerLostError` instead of waiting for it. Default: on with several
       processes when `jax_enable_recoverability` is set (without it, JAX
       itself ends every process when one dies).
     watch_poll_secs: the period of those polls; in a job of more than 200
       processes it grows so that the job's watchers call the coordination
-      service at most 800 times a second in all (`liveness.schedule`:
-      7.7 s at 4,096 processes).
+      service at most 800 times a second in all (7.68 s at 4,096
+      processes, see docs/control_plane.md).
     elastic: after a lost process, the loop goes on without it: it catches
       the loss and calls `recover` (see `elastic`), instead of the
       survivors saving and exiting for a relaunch. Needs a local tier.
@@ -41,7 +41,7 @@ class FaultTolerance:
       above `--xla_cpu_collective_timeout_seconds`: the loop may be stuck
       that long in a collective with the dead process).
     local_directory: a per-host path (a local SSD, or `/dev/shm`) for the
-      local tier (see `local_tier.LocalTier`): every `local_every_steps` steps
+      local tier: every `local_every_steps` steps
       each process also saves there every shard it holds, apart from the
       other processes and from the persistent tier's schedule, keeping the
       newest 2 steps. A restore then takes the newest step from the fastest tier
@@ -50,7 +50,7 @@ class FaultTolerance:
       raised (see docs/fault_tolerance.md).
     local_every_steps: the local tier's interval, in steps (an int:
       `"auto"` sets the persistent tier's interval only, see `mtbf_secs`).
-    replicas: partner copies (see `tolerance.exchange`): at each local-tier
+    replicas: partner copies (see docs/fault_tolerance.md): at each local-tier
       save, every shard that fewer than `replicas + 1` processes hold
       (with FSDP or tensor parallelism across hosts: every shard) is also
       saved in the local tiers of partner processes, so that a lost
@@ -69,7 +69,7 @@ class FaultTolerance:
       failures it cannot restore from), in seconds. Needed by
       `CheckpointCallback(every_steps="auto")`, which saves to the
       persistent tier every sqrt(2 x C x mtbf_secs) seconds, C being the
-      measured cost of a save to the loop (see `loop.interval`).
+      measured cost of a save to the loop (see docs/auto_interval.md).
     min_every_steps: with `every_steps="auto"`, never save more often
       than every this many steps (also the interval until a save's cost
       is measured; default 100 steps then).
