@@ -101,9 +101,9 @@ def test_max_to_keep_given_two_ways_must_agree(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"local_directory": "/tmp/x", "local_every_steps": "auto"},
      'local_every_steps="auto" is not offered'),
-    ({"mtbf_secs": 0}, "mtbf_secs must be a finite number of seconds > 0,"
-     " got 0"),
-    ({"mtbf_secs": float("inf")}, "mtbf_secs must be a finite number"),
+    ({"mtbf_secs": 0}, "mtbf_secs must be a number of seconds > 0, got 0"),
+    ({"mtbf_secs": float("inf")},
+     "mtbf_secs must be a number of seconds > 0, got inf"),
     ({"min_every_steps": 0}, "min_every_steps must be an int >= 1, got 0"),
     ({"min_every_steps": 10, "max_every_steps": 5},
      "min_every_steps=10 is above max_every_steps=5"),
