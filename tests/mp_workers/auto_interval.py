@@ -1,4 +1,4 @@
-"""`every_steps="auto"` with other measures on every process.
+"""`every_steps=AutoInterval(...)` with other measures on every process.
 
     auto_interval.py DIR WAIT
 
