@@ -273,8 +273,9 @@ def decide(costs: Costs, *, mtbf_secs: float, bounds: Bounds,
 
 
 class AutoEverySteps:
-  """The trigger of `every_steps=AutoInterval(...)` (a `triggers.Trigger`);
-  called on every process.
+  """The trigger of `every_steps=AutoInterval(...)`; called on every
+  process. It has every hook of `triggers.Trigger` (without naming it:
+  `triggers` imports this module to build it).
 
   The first save comes `Bounds.first()` steps after the first step the
   callback sees; each save then sets the next save's step from the
