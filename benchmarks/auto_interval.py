@@ -1,4 +1,4 @@
-"""`every_steps="auto"` in a real loop: what it measures and what it chooses.
+"""`AutoInterval` in a real loop: what it measures and what it chooses.
 
     python benchmarks/auto_interval.py                     # bench.py's state
     python benchmarks/auto_interval.py --mtbf 600 --steps 400
@@ -7,11 +7,12 @@
 
 `bench.py`'s state and donating train step, on this machine's CPU, in a
 loop that waits for each step (as a loop that logs its loss does), with a
-`CheckpointCallback(every_steps="auto")` given `--mtbf`. Printed per save,
-from its metrics: the measured cost C (the loop's wait in the call that
-saved, plus the slowdown of the steps that ran during the commit), the
-step time, sqrt(2 C M) and the interval chosen; then each save's own
-blocking and background cost, and the steps at which it saved.
+`CheckpointCallback(every_steps=AutoInterval(mtbf_secs=...))` given
+`--mtbf`. Printed per save, from its metrics: the measured cost C (the
+loop's wait in the call that saved, plus the slowdown of the steps that
+ran during the commit), the step time, sqrt(2 C M) and the interval
+chosen; then each save's own blocking and background cost, and the steps
+at which it saved.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class _Metrics:
 
 def run(args: argparse.Namespace) -> dict:
   import flax_ckpt_plugin  # pylint: disable=g-import-not-at-top
-  from flax_ckpt_plugin import FaultTolerance  # pylint: disable=g-import-not-at-top
+  from flax_ckpt_plugin import AutoInterval  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   state, train_step = bench.build(args)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -48,9 +49,9 @@ def run(args: argparse.Namespace) -> dict:
   saved = []
   try:
     cb = flax_ckpt_plugin.CheckpointCallback(
-        os.path.join(root, "run"), every_steps="auto", max_to_keep=2,
-        metric_writer=metrics, tolerance=FaultTolerance(
-            mtbf_secs=args.mtbf, min_every_steps=args.min_every))
+        os.path.join(root, "run"), max_to_keep=2, metric_writer=metrics,
+        every_steps=AutoInterval(mtbf_secs=args.mtbf,
+                                 min_every_steps=args.min_every))
     state = cb.restore_or_initialize(state)
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
         saved.append(step)
     secs = time.perf_counter() - t0
     cb.close()
-    costs = cb.triggers.auto.costs
+    costs = cb.triggers.schedule.costs
     step_secs = costs.step_secs()
     own = [{"blocking_secs": s.blocking_secs,
             "background_secs": s.background_secs(step_secs),

@@ -59,7 +59,8 @@ CLI_DOCS = {
 # The classes a user meets first, in this order; then the rest by kind.
 FIRST = ("CheckpointCallback", "CheckpointManager")
 # The option records that the callback and the manager take, in this order.
-OPTIONS = ("Retention", "FaultTolerance", "Storage", "Processes")
+OPTIONS = ("Retention", "FaultTolerance", "AutoInterval", "Storage",
+           "Processes")
 GROUPS = ("Classes", "Options", "Data classes", "Functions", "Errors",
           "Constants")
 MAX_WIDTH = 79  # A signature longer than this gets one parameter per line.

@@ -31,6 +31,7 @@ from flax_ckpt_plugin.stats import StepMetadata
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.loop.callback import CheckpointCallback
+  from flax_ckpt_plugin.loop.interval import AutoInterval
   from flax_ckpt_plugin.loop.callback import PREEMPTED_EXIT_CODE
   from flax_ckpt_plugin.tools.exporting import export
   from flax_ckpt_plugin.tools.exporting import ExportError
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoInterval",
     "CheckpointAction",
     "CheckpointCallback",
     "CheckpointCorruptedError",
@@ -88,6 +90,7 @@ __all__ = [
 _LAZY = {
     "CheckpointCallback": "flax_ckpt_plugin.loop.callback",
     "PREEMPTED_EXIT_CODE": "flax_ckpt_plugin.loop.callback",
+    "AutoInterval": "flax_ckpt_plugin.loop.interval",
     "CheckpointManager": "flax_ckpt_plugin.manager.manager",
     "Storage": "flax_ckpt_plugin.manager.options",
     "Processes": "flax_ckpt_plugin.manager.options",

@@ -7,6 +7,8 @@ FileNotFoundError` in user code keeps working.
 from __future__ import annotations
 
 import errno
+import math
+from typing import Any
 
 # `deadlines.StorageTimeoutError` (storage did not answer in time) lives
 # with the deadlines it comes from, the lowest module of all.
@@ -119,3 +121,60 @@ class Unsuitable(Exception):
   serve this restore (it lacks this process's data state, or other
   processes found it damaged); the newest-valid fallback skips it and keeps
   it."""
+
+
+# -- the checks of the option records' counts and durations -------------------
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1,
+                or_none: bool = False) -> None:
+  """Checks an option that counts (steps, copies, bytes).
+
+  Args:
+    name: the option's name, for the message.
+    value: what was given.
+    minimum: the least value allowed.
+    or_none: None is allowed too (and the message says so).
+
+  Raises:
+    ValueError: `value` is not an int >= `minimum` (a bool is not an int
+      here), nor an allowed None.
+  """
+  if value is None and or_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}"
+                     f"{' or None' if or_none else ''}, got {value!r}")
+
+
+def check_secs(name: str, value: Any, *, or_none: bool = False,
+               finite: bool = True) -> None:
+  """Checks an option that is a duration in seconds.
+
+  Args:
+    name: the option's name, for the message.
+    value: what was given.
+    or_none: None is allowed too (and the message says so).
+    finite: infinity is refused (False: allowed, e.g. "no deadline").
+
+  Raises:
+    ValueError: `value` is not a number (a bool is not) > 0, finite unless
+      `finite=False`, nor an allowed None.
+  """
+  if value is None and or_none:
+    return
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or (finite and not math.isfinite(value)) or not value > 0):
+    raise ValueError(f"{name} must be a number of seconds > 0"
+                     f"{' or None' if or_none else ''}, got {value!r}")
+
+
+def check_at_most(low_name: str, low: Any, high_name: str,
+                  high: Any) -> None:
+  """Checks that two bounds given (neither None) are in order.
+
+  Raises:
+    ValueError: `low` is above `high`.
+  """
+  if low is not None and high is not None and low > high:
+    raise ValueError(f"{low_name}={low} is above {high_name}={high}")

@@ -169,10 +169,10 @@ EPILOGUE = {
 }
 # What a block prints, where the page shows it.
 PRINTS = {
-    # The save at `last_step` reports the interval `every_steps="auto"`
+    # The save at `last_step` reports the interval `AutoInterval`
     # chose and why, with its own figures.
-    "docs/auto_interval.md:from flax_ckpt_plugin import CheckpointCallback,"
-    " FaultTolerance": ["scalars 3 ['checkpoint/auto_background_secs',"],
+    "docs/auto_interval.md:from flax_ckpt_plugin import AutoInterval,"
+    " CheckpointCallback": ["scalars 3 ['checkpoint/auto_background_secs',"],
     "docs/loop.md:import jax.numpy as jnp": [
         "[2, 3]", "3", "{'epoch': 0}", "2 2.0"],
     "docs/integrations.md:cb = CheckpointCallback(workdir, every_steps=1000,"

@@ -5,8 +5,8 @@ their own tables of contents (fast: no processes, no JAX work).
   section (`## ` heading) of the page;
 - every link to `page.md#anchor` names a heading of that page;
 - every field of the option records (`Storage`, `Processes`, `Retention`,
-  `FaultTolerance`) has a row in its table in docs/loop.md, with the default
-  that the dataclass has;
+  `FaultTolerance`, `AutoInterval`) has a row in its table in docs/loop.md,
+  with the default that the dataclass has;
 - every name a page calls exists (see `test_every_name_a_page_uses_exists`);
 - every figure quoted outside docs/performance.md stands there or in
   docs/control_plane.md, its simulated many-process part (see `FIGURE`);
@@ -114,7 +114,7 @@ def _format_one(value) -> str:
 
 
 @pytest.mark.parametrize("record", ["Retention", "FaultTolerance", "Storage",
-                                    "Processes"])
+                                    "Processes", "AutoInterval"])
 def test_every_option_field_is_in_its_table_with_its_default(record):
   text = (DOCS / "loop.md").read_text()
   start = text.index(f"\n### `{record}`")

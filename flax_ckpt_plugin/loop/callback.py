@@ -13,7 +13,7 @@ Multi-process contract: call it on every process at every step with the same
 step. All processes then make the same decision: step-based triggers are
 deterministic, the `every_secs` decision is taken by the primary host and read
 by the others through the coordinator at a few steps per interval (see
-`schedule`), and the preemption sync point is agreed by JAX's preemption sync
+`triggers`), and the preemption sync point is agreed by JAX's preemption sync
 manager.
 """
 
@@ -36,6 +36,8 @@ from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.loop.preemption import SignalFlag
+from flax_ckpt_plugin.loop.interval import AutoInterval
+from flax_ckpt_plugin.loop.triggers import Commits
 from flax_ckpt_plugin.loop.triggers import Triggers
 from flax_ckpt_plugin.tolerance.options import FaultTolerance
 
@@ -64,19 +66,21 @@ class CheckpointCallback:
 
   Args:
     directory: where checkpoints live (local path, `gs://`, `s3://`).
-    every_steps: save at every positive multiple of this step; or
-      `"auto"`: at the interval that loses least time to saves and
-      failures, sqrt(2 x C x MTBF) (Young/Daly), from the job's mean time
-      between failures (`FaultTolerance(mtbf_secs=)`, needed) and the
-      measured cost C of a save to the loop (the time the loop waited in
-      the call that saved, plus the slowdown of the steps that ran while
-      its commit was written in the background), the mean of the last 3
-      saves, over the measured step time; within
-      `FaultTolerance(min_every_steps=, max_every_steps=)`. The primary
-      host decides each interval from its own measures, at a save, and
-      every process applies it from the next save on, so all save at the
-      same steps. Until a save is measured it saves every
+    every_steps: save at every positive multiple of this step; or an
+      `AutoInterval(mtbf_secs=...)`: at the interval that loses least time
+      to saves and failures, sqrt(2 x C x MTBF) (Young/Daly), from the
+      job's mean time between failures and the measured cost C of a save
+      to the loop (the time the loop waited in the call that saved, plus
+      the slowdown of the steps that ran while its commit was written in
+      the background), the mean of the last 3 saves, over the measured
+      step time; within its `min_every_steps` and `max_every_steps`. The
+      primary host decides each interval from its own measures, at a save,
+      and every process applies it from the next save on, so all save at
+      the same steps. Until a save is measured it saves every
       `min_every_steps` steps (default 100). See docs/auto_interval.md.
+      (`"auto"`, with `FaultTolerance(mtbf_secs=, min_every_steps=,
+      max_every_steps=)`, is its deprecated form: it warns, for one
+      release.)
     every_secs: save when this many seconds passed since the last save.
     on_steps: save at these steps.
     last_step: save at this step (the end of training).
@@ -89,7 +93,7 @@ class CheckpointCallback:
       `checkpoint/gbytes_per_sec`, and `checkpoint/secs_since_last_durable`
       (wall-clock seconds from the previous durable checkpoint of this
       callback, or from its creation, to this one: the work a crash just
-      before it would have lost). With `every_steps="auto"`, also the
+      before it would have lost). With `every_steps=AutoInterval(...)`, also the
       interval and why: `checkpoint/auto_every_steps` (the steps from this
       save to the next), `checkpoint/auto_next_every_steps` (the interval
       decided at this save, from the next save on), and what it rests on:
@@ -137,16 +141,17 @@ class CheckpointCallback:
       and the watch over the other processes).
 
   Raises:
-    ValueError: `every_steps` < 1 or `every_secs` <= 0;
-      `every_steps="auto"` without `FaultTolerance(mtbf_secs=)`, or those
-      options without it.
+    ValueError: `every_steps` < 1 or `every_secs` <= 0; the options of
+      `AutoInterval` given both as it and as `FaultTolerance`'s deprecated
+      fields, or those fields without `every_steps="auto"`; `"auto"`
+      without `FaultTolerance(mtbf_secs=)`.
 
   As a context manager it closes on exit (restoring signal handlers and
   waiting for the running save).
   """
 
   def __init__(self, directory: epath.PathLike, *,
-               every_steps: int | str | None = None,
+               every_steps: int | AutoInterval | None = None,
                every_secs: float | None = None,
                on_steps: Iterable[int] = (),
                last_step: int | None = None,
@@ -159,10 +164,7 @@ class CheckpointCallback:
     tolerance = tolerance or FaultTolerance()
     self.triggers = Triggers(
         every_steps=every_steps, every_secs=every_secs, on_steps=on_steps,
-        last_step=last_step, local_every_steps=tolerance.local_every_steps,
-        mtbf_secs=tolerance.mtbf_secs,
-        min_every_steps=tolerance.min_every_steps,
-        max_every_steps=tolerance.max_every_steps)
+        last_step=last_step, tolerance=tolerance)
     self.save_on_preemption = tolerance.save_on_preemption
     self.metric_writer = metric_writer
     self.data_iterator: datastate.DataIterator | None = None
@@ -191,8 +193,7 @@ class CheckpointCallback:
         tolerance.preemption_signals if self.save_on_preemption else (),
         forward=self.manager.coordinator.preemption_notifier_installed())
     self._signals.install()
-    if (every_steps is None and every_secs is None
-        and not self.triggers.on_steps and last_step is None
+    if (not self.triggers.persistent_triggers
         and tolerance.local_every_steps is None):
       log.warning(
           "CheckpointCallback(%s) has no trigger: it saves %s. Pass"
@@ -290,11 +291,14 @@ class CheckpointCallback:
     return True
 
   def _call_ended(self) -> None:
-    """`every_steps="auto"` measures the step that starts now."""
-    if self.triggers.auto is not None:
-      committing = self.manager.save_in_progress
-      self.triggers.call_ended(committing=committing, busy=committing or (
-          self.local is not None and self.local.manager.save_in_progress))
+    """The triggers hear that the step after this call starts now."""
+    self.triggers.call_ended(self._commits)
+
+  def _commits(self) -> Commits:
+    """Which commits run in the background now."""
+    persistent = self.manager.save_in_progress
+    return Commits(persistent=persistent, any=persistent or (
+        self.local is not None and self.local.manager.save_in_progress))
 
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None) -> None:
@@ -308,13 +312,9 @@ class CheckpointCallback:
     chosen, self._chosen = self._chosen, None
     persistent, local = (True, False) if chosen is None or chosen[0] != step \
         else chosen[1:]
-    if persistent and self.triggers.auto is not None:
-      self.triggers.save_started()
-      # The interval the primary published at the previous save is in the
-      # key-value store once that save's commit finished (the save would
-      # wait for it anyway).
-      self.manager.wait_until_finished()
-      self._metrics.add(step, self.triggers.saving(step, self.manager.name))
+    if persistent:
+      self._metrics.add(step, self.triggers.save_started(
+          step, self.manager.name, wait=self.manager.wait_until_finished))
     data = None if self.data_iterator is None else (
         self.data_iterator.get_state())
     if persistent:

@@ -1,7 +1,8 @@
-"""`every_steps="auto"`: the Young/Daly interval from measured costs.
+"""`every_steps=AutoInterval(...)`: the Young/Daly interval from measured
+costs.
 
 A job that fails on average every M seconds (its mean time between
-failures, `FaultTolerance(mtbf_secs=)`) and pays C seconds of its own time
+failures, `AutoInterval(mtbf_secs=)`) and pays C seconds of its own time
 for each save loses least, in saves plus work redone after a failure, when
 it saves every sqrt(2 C M) seconds of training (Young, 1974; Daly, 2006,
 whose higher-order terms change it by less than 1% while C < M / 1000).
@@ -22,9 +23,10 @@ in the key-value store, before its save starts; every process reads it at
 the next save, once that save waited for the previous commit, whose
 barriers the primary passed only after publishing: the value is there, and
 reading it waits for nobody. An interval decided at one save therefore
-applies from the next save on (`AutoEverySteps`): the steps of the saves
-follow from the first step, the starting interval and the published
-intervals alone, the same on every process.
+applies from the next save on (`AutoEverySteps`, the trigger of the
+callback that does all this through the hooks of `triggers.Trigger`): the
+steps of the saves follow from the first step, the starting interval and
+the published intervals alone, the same on every process.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import collections
 import dataclasses
 import math
 import statistics
+from typing import Any, Callable
 
+from flax_ckpt_plugin import errors
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 
@@ -46,6 +50,63 @@ RECENT_SAVES = 3
 RECENT_STEPS = 64
 
 _QUIET, _COMMITTING, _OTHER = "quiet", "committing", "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoInterval:
+  """The options of a persistent tier that saves at the interval that loses
+  least time to saves and failures: `CheckpointCallback(every_steps=
+  AutoInterval(mtbf_secs=3600))` saves every sqrt(2 x C x `mtbf_secs`)
+  seconds of training, C being the measured cost of a save to the loop (the
+  time the loop waited in the call that saved, plus the slowdown of the
+  steps that ran while its commit was written in the background, the mean
+  of the last 3 saves), over the measured step time; within the bounds.
+  The primary host decides each interval from its own measures, at a save,
+  and every process applies it from the next save on, so all save at the
+  same steps. See docs/auto_interval.md.
+
+  Attributes:
+    mtbf_secs: the job's mean time between failures that cost it the work
+      since the last persistent checkpoint (with a local tier: the failures
+      it cannot restore from), in seconds. Needed.
+    min_every_steps: never save more often than every this many steps
+      (also the interval until a save's cost is measured; 100 steps
+      without it).
+    max_every_steps: never save less often than every this many steps.
+
+  Raises:
+    ValueError: no `mtbf_secs`; a value out of its range.
+  """
+  mtbf_secs: float | None = None
+  min_every_steps: int | None = None
+  max_every_steps: int | None = None
+
+  def __post_init__(self):
+    if self.mtbf_secs is None:
+      raise ValueError(
+          "AutoInterval saves at the interval that loses least time to"
+          " saves and failures, which needs the job's mean time between"
+          " failures: pass AutoInterval(mtbf_secs=...)")
+    check_interval_options(self.mtbf_secs, self.min_every_steps,
+                           self.max_every_steps)
+
+
+def check_interval_options(mtbf_secs: float | None,
+                           min_every_steps: int | None,
+                           max_every_steps: int | None) -> None:
+  """Checks `AutoInterval`'s values (each may be None: not given).
+
+  Raises:
+    ValueError: a value out of its range.
+  """
+  if mtbf_secs is not None:
+    errors.check_secs("mtbf_secs", mtbf_secs)
+  for name, value in (("min_every_steps", min_every_steps),
+                      ("max_every_steps", max_every_steps)):
+    if value is not None:
+      errors.check_count(name, value)
+  errors.check_at_most("min_every_steps", min_every_steps,
+                       "max_every_steps", max_every_steps)
 
 
 def young_daly_secs(cost_secs: float, mtbf_secs: float) -> float:
@@ -212,34 +273,42 @@ def decide(costs: Costs, *, mtbf_secs: float, bounds: Bounds,
 
 
 class AutoEverySteps:
-  """The schedule of `every_steps="auto"`; called on every process.
+  """The trigger of `every_steps=AutoInterval(...)`; called on every
+  process. It has every hook of `triggers.Trigger` (without naming it:
+  `triggers` imports this module to build it).
 
   The first save comes `Bounds.first()` steps after the first step the
   callback sees; each save then sets the next save's step from the
   interval the primary decided at the save before (the starting interval
   at the first save). Every process reaches each save at the same step, so
-  all read the same intervals and keep the same schedule.
+  all read the same intervals and keep the same schedule. Its hooks measure
+  the costs of the saves and the step time (`Costs`).
 
   Args:
-    mtbf_secs: the job's mean time between failures.
-    bounds: the bounds of the interval.
-    coord: how processes meet.
-    is_primary: whether this process decides for all.
-    timeout_ms: how long a read of the primary's interval may wait.
+    options: the interval's options.
   """
 
-  def __init__(self, *, mtbf_secs: float, bounds: Bounds,
-               coord: coordinator_lib.Coordinator, is_primary: bool,
-               timeout_ms: int):
-    self.mtbf_secs, self.bounds = mtbf_secs, bounds
+  def __init__(self, options: AutoInterval):
+    self.options = options
+    self.mtbf_secs = options.mtbf_secs
+    self.bounds = Bounds(options.min_every_steps, options.max_every_steps)
     self.costs = Costs()
-    self._coord, self._is_primary = coord, is_primary
-    self._timeout_ms = timeout_ms
-    self.every_steps = bounds.first()  # The interval in use.
+    self._coord: coordinator_lib.Coordinator | None = None
+    self._is_primary = False
+    self._timeout_ms = 0
+    self.every_steps = self.bounds.first()  # The interval in use.
     self.next_step: int | None = None  # None: set at the first call.
     self._round = 0  # Saves so far: names the key of each decision.
     self._decided: int | None = None  # Primary: its latest decision.
     self.decision: Decision | None = None  # Primary: its latest decision.
+
+  def start(self, coord: coordinator_lib.Coordinator, *, is_primary: bool,
+            timeout_ms: int, now: float) -> None:
+    """Meets `coord`'s processes (`timeout_ms`: how long a read of the
+    primary's interval may wait)."""
+    del now
+    self._coord, self._is_primary = coord, is_primary
+    self._timeout_ms = timeout_ms
 
   def regroup(self, coord: coordinator_lib.Coordinator, *,
               is_primary: bool) -> None:
@@ -250,10 +319,35 @@ class AutoEverySteps:
     self.every_steps, self.next_step = self.bounds.first(), None
     self._round, self._decided, self.decision = 0, None, None
 
-  def due(self, step: int) -> bool:
+  def due(self, step: int, key: str, now: float) -> bool:
+    del key, now
     if self.next_step is None:
       self.next_step = step - 1 + self.every_steps
     return step >= self.next_step
+
+  def on_step_start(self, now: float) -> None:
+    self.costs.call_started(now)
+
+  def on_step_end(self, now: float, commits: Callable[[], Any]) -> None:
+    running = commits()  # A `triggers.Commits`.
+    self.costs.call_ended(now, committing=running.persistent,
+                          busy=running.any)
+
+  def on_save_start(self, step: int, key: str, now: float,
+                    wait: Callable[[], None]) -> dict[str, float]:
+    """Ends the measure of the previous save, waits for its commit (the
+    interval the primary published at it is in the key-value store once
+    that commit finished; the save would wait for it anyway), and sets the
+    next save's step (see `saving`)."""
+    self.costs.save_started(now)
+    wait()
+    return self.saving(step, key)
+
+  def on_saved(self, key: str, now: float) -> None:
+    del key, now
+
+  def on_save_end(self, now: float) -> None:
+    self.costs.save_ended(now)
 
   def saving(self, step: int, key: str) -> dict[str, float]:
     """A persistent save at `step` starts, after the previous commit

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from flax_ckpt_plugin import deadlines
+from flax_ckpt_plugin import errors
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
@@ -57,17 +58,10 @@ class Storage:
   io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
 
   def __post_init__(self):
-    if self.pinned_host_bytes is not None and (
-        isinstance(self.pinned_host_bytes, bool)
-        or not isinstance(self.pinned_host_bytes, int)
-        or self.pinned_host_bytes < 0):
-      raise ValueError("pinned_host_bytes must be an int >= 0 or None, got"
-                       f" {self.pinned_host_bytes!r}")
-    if (isinstance(self.io_timeout_secs, bool)
-        or not isinstance(self.io_timeout_secs, (int, float))
-        or not self.io_timeout_secs > 0):
-      raise ValueError("io_timeout_secs must be a number of seconds > 0, got"
-                       f" {self.io_timeout_secs!r}")
+    errors.check_count("pinned_host_bytes", self.pinned_host_bytes,
+                       minimum=0, or_none=True)
+    # No deadline at all (math.inf) is allowed.
+    errors.check_secs("io_timeout_secs", self.io_timeout_secs, finite=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,7 @@ from typing import (Any, Callable, Literal, Mapping, MutableMapping,
 from etils import epath
 
 from flax_ckpt_plugin.backends import interface
+from flax_ckpt_plugin import errors
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
@@ -112,9 +113,9 @@ class Retention:
 
   def __post_init__(self):
     for name in ("max_to_keep", "keep_every_n_steps", "keep_best"):
-      _check_count(name, getattr(self, name))
+      errors.check_count(name, getattr(self, name), or_none=True)
     for name in ("keep_every_secs", "keep_for_secs"):
-      _check_secs(name, getattr(self, name))
+      errors.check_secs(name, getattr(self, name), or_none=True)
     if not isinstance(self.wait_for_deletes, bool):
       raise ValueError("wait_for_deletes must be True or False, got"
                        f" {self.wait_for_deletes!r}")
@@ -130,20 +131,6 @@ class Retention:
     if not isinstance(self.keep_without_metric, bool):
       raise ValueError("keep_without_metric must be True or False, got"
                        f" {self.keep_without_metric!r}")
-
-
-def _check_count(name: str, value: Any) -> None:
-  if value is not None and (not isinstance(value, int)
-                            or isinstance(value, bool) or value < 1):
-    raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-
-
-def _check_secs(name: str, value: Any) -> None:
-  if value is not None and (not isinstance(value, (int, float))
-                            or isinstance(value, bool)
-                            or not math.isfinite(value) or value <= 0):
-    raise ValueError(f"{name} must be a number of seconds > 0 or None, got"
-                     f" {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

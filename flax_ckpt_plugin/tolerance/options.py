@@ -1,5 +1,6 @@
 """The options of fault tolerance and of the local tier, as one typed record
-(with the failure rate that `every_steps="auto"` saves for).
+(and, deprecated for one release, the options of `every_steps="auto"`, now
+`loop.interval.AutoInterval`'s).
 
 `CheckpointCallback(tolerance=FaultTolerance(...))`: what the callback does
 when a preemption notice arrives or a process is lost, and the per-host
@@ -9,11 +10,13 @@ local tier that a loss and a fast restore draw on.
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
+import warnings
 from typing import Iterable
 
 from etils import epath
+
+from flax_ckpt_plugin import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class FaultTolerance:
       belong to this job. A failure of the local tier is logged, never
       raised (see docs/fault_tolerance.md).
     local_every_steps: the local tier's interval, in steps (an int:
-      `"auto"` sets the persistent tier's interval only, see `mtbf_secs`).
+      `AutoInterval` sets the persistent tier's interval only).
     replicas: partner copies (see docs/fault_tolerance.md): at each local-tier
       save, every shard that fewer than `replicas + 1` processes hold
       (with FSDP or tensor parallelism across hosts: every shard) is also
@@ -64,17 +67,13 @@ class FaultTolerance:
       slice); partners sit in other domains where any exist. Default: the
       host's name, so that partners are on other hosts. Shared through
       the coordination service when the tiers open.
-    mtbf_secs: the job's mean time between failures that cost it the
-      work since the last persistent checkpoint (with a local tier: the
-      failures it cannot restore from), in seconds. Needed by
-      `CheckpointCallback(every_steps="auto")`, which saves to the
-      persistent tier every sqrt(2 x C x mtbf_secs) seconds, C being the
-      measured cost of a save to the loop (see docs/auto_interval.md).
-    min_every_steps: with `every_steps="auto"`, never save more often
-      than every this many steps (also the interval until a save's cost
-      is measured; default 100 steps then).
-    max_every_steps: with `every_steps="auto"`, never save less often
-      than every this many steps.
+    mtbf_secs: deprecated (warns; goes away in the next release):
+      `CheckpointCallback(every_steps=AutoInterval(mtbf_secs=...))`, with
+      `every_steps="auto"`.
+    min_every_steps: deprecated, as `mtbf_secs`:
+      `AutoInterval(min_every_steps=)`.
+    max_every_steps: deprecated, as `mtbf_secs`:
+      `AutoInterval(max_every_steps=)`.
   """
   save_on_preemption: bool = True
   preemption_signals: Iterable[int] = (signal.SIGTERM,)
@@ -102,17 +101,11 @@ class FaultTolerance:
           'local_every_steps="auto" is not offered: the interval that'
           " loses least depends on the rate of the failures a tier"
           " restores from, and the local tier's differ from the persistent"
-          " tier's (mtbf_secs is theirs: see every_steps=\"auto\" of the"
-          " callback); give the local tier an int")
-    if self.local_every_steps is not None and (
-        isinstance(self.local_every_steps, bool)
-        or not isinstance(self.local_every_steps, int)
-        or self.local_every_steps < 1):
-      raise ValueError("local_every_steps must be an int >= 1, got"
-                       f" {self.local_every_steps!r}")
-    if (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
-        or self.replicas < 0):
-      raise ValueError(f"replicas must be an int >= 0, got {self.replicas!r}")
+          " tier's (AutoInterval(mtbf_secs=) is theirs: see every_steps="
+          "AutoInterval(...) of the callback); give the local tier an int")
+    if self.local_every_steps is not None:
+      errors.check_count("local_every_steps", self.local_every_steps)
+    errors.check_count("replicas", self.replicas, minimum=0)
     if self.replicas and self.local_directory is None:
       raise ValueError("replicas (partner copies) live in the local tier:"
                        " set local_directory and local_every_steps too")
@@ -120,22 +113,31 @@ class FaultTolerance:
         isinstance(self.failure_domain, str) and self.failure_domain):
       raise ValueError("failure_domain must be a non-empty str, got"
                        f" {self.failure_domain!r}")
-    if self.mtbf_secs is not None and not (
-        isinstance(self.mtbf_secs, (int, float))
-        and not isinstance(self.mtbf_secs, bool)
-        and math.isfinite(self.mtbf_secs) and self.mtbf_secs > 0):
-      raise ValueError("mtbf_secs must be a finite number of seconds > 0,"
-                       f" got {self.mtbf_secs!r}")
-    for name in ("min_every_steps", "max_every_steps"):
-      value = getattr(self, name)
-      if value is not None and (isinstance(value, bool)
-                                or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if (self.min_every_steps is not None and self.max_every_steps is not None
-        and self.min_every_steps > self.max_every_steps):
-      raise ValueError(
-          f"min_every_steps={self.min_every_steps} is above"
-          f" max_every_steps={self.max_every_steps}")
+    self._check_auto_interval()
     for name in ("watch_poll_secs", "elastic_wait_secs"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+  def _check_auto_interval(self) -> None:
+    """The deprecated options of `every_steps="auto"`: checked as
+    `AutoInterval` checks them (whose module sits above this one), with a
+    `DeprecationWarning` that names the new form."""
+    given = {name: getattr(self, name) for name in (
+        "mtbf_secs", "min_every_steps", "max_every_steps")
+             if getattr(self, name) is not None}
+    if not given:
+      return
+    if self.mtbf_secs is not None:
+      errors.check_secs("mtbf_secs", self.mtbf_secs)
+    for name in ("min_every_steps", "max_every_steps"):
+      if getattr(self, name) is not None:
+        errors.check_count(name, getattr(self, name))
+    errors.check_at_most("min_every_steps", self.min_every_steps,
+                         "max_every_steps", self.max_every_steps)
+    args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    warnings.warn(
+        f"FaultTolerance({args}) is deprecated and goes away in the next"
+        " release: the interval's options belong to its schedule; pass"
+        f" CheckpointCallback(every_steps=AutoInterval({args})), i.e."
+        " every_steps=AutoInterval(mtbf_secs=...), instead",
+        DeprecationWarning, stacklevel=4)

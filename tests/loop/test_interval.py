@@ -1,6 +1,8 @@
-"""Tests of `every_steps="auto"`: the Young/Daly interval from measured
-costs (`loop.interval`), in fake time, and its agreement across processes."""
+"""Tests of `every_steps=AutoInterval(...)`: the Young/Daly interval from
+measured costs (`loop.interval`), in fake time, and its agreement across
+processes; and its deprecated form, `every_steps="auto"`."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -8,10 +10,12 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
+from flax_ckpt_plugin import AutoInterval
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin.loop import interval
@@ -26,14 +30,17 @@ TIMEOUT_MS = 10_000
 
 def _auto(coord=None, *, mtbf_secs, min_steps=None, max_steps=None):
   coord = coord or groups.SoloCoordinator()
-  return interval.AutoEverySteps(
-      mtbf_secs=mtbf_secs, bounds=interval.Bounds(min_steps, max_steps),
-      coord=coord, is_primary=coord.process_index == 0,
-      timeout_ms=TIMEOUT_MS)
+  auto = interval.AutoEverySteps(AutoInterval(
+      mtbf_secs=mtbf_secs, min_every_steps=min_steps,
+      max_every_steps=max_steps))
+  auto.start(coord, is_primary=coord.process_index == 0,
+             timeout_ms=TIMEOUT_MS, now=0.0)
+  return auto
 
 
 class Loop:
-  """A train loop in fake time that takes the measures the callback takes.
+  """A train loop in fake time that calls the trigger's hooks as the
+  callback calls them.
 
   A step lasts `step_secs`; a save blocks the loop `cost(step)[0]` seconds,
   and its commit then slows the next `cost(step)[1]` steps by
@@ -47,25 +54,26 @@ class Loop:
     self.decisions: dict[int, interval.Decision] = {}
 
   def run(self, first: int, last: int) -> list[int]:
-    saved, costs = [], self.auto.costs
+    saved = []
     commit_left, slow_secs = 0, 0.0
+    commits = lambda: triggers.Commits(persistent=commit_left > 0,
+                                       any=commit_left > 0)
     for step in range(first, last + 1):
       self.now += self.step_secs + (slow_secs if commit_left > 0 else 0.0)
       commit_left -= 1
-      costs.call_started(self.now)
-      if self.auto.due(step):
+      self.auto.on_step_start(self.now)
+      if self.auto.due(step, "job", self.now):
         blocking, commit_left, slow_secs = self.cost(step)
-        costs.save_started(self.now)
-        self.auto.saving(step, "job")
+        self.auto.on_save_start(step, "job", self.now, wait=lambda: None)
         self.now += blocking
-        costs.save_ended(self.now)
+        self.auto.on_saved("job", self.now)
+        self.auto.on_save_end(self.now)
         if self.auto.decision is not None:
           self.decisions[step] = self.auto.decision
         if self.meet is not None:
           self.meet(step)
         saved.append(step)
-      costs.call_ended(self.now, committing=commit_left > 0,
-                       busy=commit_left > 0)
+      self.auto.on_step_end(self.now, commits)
     return saved
 
 
@@ -216,28 +224,37 @@ class Scalars:
     self.rows[step] = scalars
 
 
-def test_callback_saves_at_the_measured_interval_and_reports_why(
-    ckpt_dir, monkeypatch, caplog):
+def _run_callback(directory, monkeypatch, **kwargs):
+  """A callback in fake time over 199 steps of 1 s, whose saves block the
+  loop 2 s (each commit ends before the next step). Returns the steps
+  saved, the scalars written at each, and the lines of the interval
+  logged."""
   now = [1000.0]
   monkeypatch.setattr(triggers, "monotonic", lambda: now[0])
   writer = Scalars()
-  cb = CheckpointCallback(
-      ckpt_dir, every_steps="auto", metric_writer=writer,
-      tolerance=FaultTolerance(mtbf_secs=400.0, min_every_steps=5))
+  cb = CheckpointCallback(directory, metric_writer=writer, **kwargs)
   cb.restore_or_initialize(tiny(0), data_iterator=CostlyIterator(now, 2.0))
   saved = []
-  with caplog.at_level(logging.INFO, logger="flax_ckpt_plugin"):
-    for step in range(1, 200):
-      now[0] += 1.0  # The train step.
-      if cb(step, tiny(step)):
-        saved.append(step)
-        # A commit that ends before the next step: its slowdown is none.
-        cb.wait_until_finished()
+  for step in range(1, 200):
+    now[0] += 1.0  # The train step.
+    if cb(step, tiny(step)):
+      saved.append(step)
+      # A commit that ends before the next step: its slowdown is none.
+      cb.wait_until_finished()
   cb.close()
+  assert cb.manager.all_steps() == saved
+  return saved, writer.rows
+
+
+def test_callback_saves_at_the_measured_interval_and_reports_why(
+    ckpt_dir, monkeypatch, caplog):
+  with caplog.at_level(logging.INFO, logger="flax_ckpt_plugin"):
+    saved, rows = _run_callback(
+        ckpt_dir, monkeypatch,
+        every_steps=AutoInterval(mtbf_secs=400.0, min_every_steps=5))
   # sqrt(2 x 2 s x 400 s) = 40 s = 40 steps, after 3 starting intervals.
   assert saved == [5, 10, 15, 55, 95, 135, 175]
-  assert cb.manager.all_steps() == saved
-  row = writer.rows[175]
+  row = rows[175]
   assert row["checkpoint/auto_every_steps"] == 40
   assert row["checkpoint/auto_next_every_steps"] == 40
   assert row["checkpoint/auto_cost_secs"] == pytest.approx(2.0)
@@ -248,7 +265,7 @@ def test_callback_saves_at_the_measured_interval_and_reports_why(
   assert row["checkpoint/auto_young_daly_secs"] == pytest.approx(40.0)
   assert row["checkpoint/auto_bound"] == 0.0
   assert row["checkpoint/auto_saves_measured"] == 3
-  assert writer.rows[5]["checkpoint/auto_saves_measured"] == 0
+  assert rows[5]["checkpoint/auto_saves_measured"] == 0
   assert "checkpoint/blocking_secs" in row
   logged = [r.getMessage() for r in caplog.records
             if "every_steps='auto'" in r.getMessage()]
@@ -258,22 +275,125 @@ def test_callback_saves_at_the_measured_interval_and_reports_why(
           " 40s = 40.0 steps of 1s") in logged[-1]
 
 
+def _without_times(rows):
+  """The scalars of each step, less those that time the real commit."""
+  return {step: {k: v for k, v in row.items() if k.startswith(
+      "checkpoint/auto_")} for step, row in rows.items()}
+
+
+def test_the_deprecated_form_saves_at_the_steps_of_the_new_one(
+    tmp_path, monkeypatch):
+  new = _run_callback(
+      tmp_path / "new", monkeypatch,
+      every_steps=AutoInterval(mtbf_secs=400.0, min_every_steps=5,
+                               max_every_steps=30))
+  with pytest.warns(DeprecationWarning) as caught:
+    old = _run_callback(
+        tmp_path / "old", monkeypatch, every_steps="auto",
+        tolerance=FaultTolerance(mtbf_secs=400.0, min_every_steps=5,
+                                 max_every_steps=30))
+  assert len(caught) == 2  # FaultTolerance's fields, and "auto".
+  assert new[0] == old[0] == [5, 10, 15, 45, 75, 105, 135, 165, 195]
+  assert _without_times(new[1]) == _without_times(old[1])
+  assert new[1][195]["checkpoint/auto_bound"] == 1.0  # Cut to 30.
+
+
+def test_the_deprecated_forms_warn_naming_the_new_one(ckpt_dir):
+  with pytest.warns(DeprecationWarning) as caught:
+    tolerance = FaultTolerance(mtbf_secs=3600.0, min_every_steps=10)
+  message = str(caught[0].message)
+  assert message.startswith(
+      "FaultTolerance(mtbf_secs=3600.0, min_every_steps=10) is deprecated")
+  assert ("pass CheckpointCallback(every_steps=AutoInterval(mtbf_secs=3600.0,"
+          " min_every_steps=10))") in message
+  assert "every_steps=AutoInterval(mtbf_secs=...)" in message
+  assert caught[0].filename == __file__  # Points at the caller.
+  with pytest.warns(DeprecationWarning) as caught:
+    CheckpointCallback(ckpt_dir, every_steps="auto",
+                       tolerance=tolerance).close()
+  message = str(caught[0].message)
+  assert message.startswith('every_steps="auto"')
+  assert "is deprecated" in message
+  assert "pass every_steps=AutoInterval(mtbf_secs=...)" in message
+  assert caught[0].filename == __file__
+
+
+def test_the_new_form_does_not_warn(ckpt_dir):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    CheckpointCallback(ckpt_dir, every_steps=AutoInterval(
+        mtbf_secs=3600.0, min_every_steps=10, max_every_steps=1000)).close()
+
+
+@pytest.mark.parametrize("old", [
+    {"mtbf_secs": 60.0}, {"min_every_steps": 10}, {"max_every_steps": 10}],
+    ids=["mtbf_secs", "min_every_steps", "max_every_steps"])
+def test_both_forms_at_once_are_refused(ckpt_dir, old):
+  with pytest.warns(DeprecationWarning):
+    tolerance = FaultTolerance(**old)
+  with pytest.raises(ValueError) as e:
+    CheckpointCallback(ckpt_dir, every_steps=AutoInterval(mtbf_secs=3600.0),
+                       tolerance=tolerance)
+  (name, value), = old.items()
+  assert str(e.value) == (
+      "every_steps=AutoInterval(mtbf_secs=3600.0, min_every_steps=None,"
+      f" max_every_steps=None) and FaultTolerance({name}={value!r}) both"
+      " set how the interval is chosen: give it one way, every_steps="
+      "AutoInterval(...), and drop those fields of FaultTolerance")
+  assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "AutoInterval saves at the interval that loses least time to saves"
+     " and failures, which needs the job's mean time between failures: pass"
+     " AutoInterval(mtbf_secs=...)"),
+    ({"mtbf_secs": 0}, "mtbf_secs must be a number of seconds > 0, got 0"),
+    ({"mtbf_secs": math.inf},
+     "mtbf_secs must be a number of seconds > 0, got inf"),
+    ({"mtbf_secs": True}, "mtbf_secs must be a number of seconds > 0, got"
+     " True"),
+    ({"mtbf_secs": "1h"}, "mtbf_secs must be a number of seconds > 0, got"
+     " '1h'"),
+    ({"mtbf_secs": 60, "min_every_steps": 0},
+     "min_every_steps must be an int >= 1, got 0"),
+    ({"mtbf_secs": 60, "max_every_steps": 2.5},
+     "max_every_steps must be an int >= 1, got 2.5"),
+    ({"mtbf_secs": 60, "min_every_steps": 10, "max_every_steps": 5},
+     "min_every_steps=10 is above max_every_steps=5"),
+], ids=["no_mtbf", "mtbf_zero", "mtbf_inf", "mtbf_bool", "mtbf_str",
+        "min_zero", "max_float", "min_above_max"])
+def test_auto_interval_refuses_values_out_of_range(kwargs, message):
+  with pytest.raises(ValueError) as e:
+    AutoInterval(**kwargs)
+  assert str(e.value) == message
+
+
+def test_auto_interval_is_immutable():
+  options = AutoInterval(mtbf_secs=60)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    options.mtbf_secs = 30  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"every_steps": "auto"}, "needs the job's mean time between failures:"
      " pass tolerance=FaultTolerance(mtbf_secs=...)"),
-    ({"every_steps": 100, "tolerance": FaultTolerance(mtbf_secs=3600.0)},
+    ({"every_steps": 100, "tolerance": {"mtbf_secs": 3600.0}},
      "FaultTolerance(mtbf_secs=3600.0) sets how every_steps=\"auto\" chooses"
      " its interval, but every_steps is 100"),
-    ({"tolerance": FaultTolerance(max_every_steps=10)},
+    ({"tolerance": {"max_every_steps": 10}},
      "FaultTolerance(max_every_steps=10) sets how every_steps=\"auto\""),
-    ({"every_steps": "often"}, 'every_steps must be an int >= 1 or "auto",'
-     " got 'often'"),
+    ({"every_steps": "often"}, "every_steps must be an int >= 1 or an"
+     " AutoInterval, got 'often'"),
 ], ids=["auto_without_mtbf", "mtbf_without_auto", "bound_without_auto",
         "other_string"])
 def test_callback_refuses_options_of_auto_that_do_not_fit(ckpt_dir, kwargs,
                                                           message):
-  with pytest.raises(ValueError) as e:
-    CheckpointCallback(ckpt_dir, **kwargs)
+  with warnings.catch_warnings():  # Asserted above; here: the errors.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    if "tolerance" in kwargs:
+      kwargs = {**kwargs, "tolerance": FaultTolerance(**kwargs["tolerance"])}
+    with pytest.raises(ValueError) as e:
+      CheckpointCallback(ckpt_dir, **kwargs)
   assert message in str(e.value)
   assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
 

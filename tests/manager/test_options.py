@@ -13,6 +13,7 @@ import signal
 
 import pytest
 
+from flax_ckpt_plugin import AutoInterval
 from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin import Processes
@@ -101,9 +102,9 @@ def test_max_to_keep_given_two_ways_must_agree(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"local_directory": "/tmp/x", "local_every_steps": "auto"},
      'local_every_steps="auto" is not offered'),
-    ({"mtbf_secs": 0}, "mtbf_secs must be a finite number of seconds > 0,"
-     " got 0"),
-    ({"mtbf_secs": float("inf")}, "mtbf_secs must be a finite number"),
+    ({"mtbf_secs": 0}, "mtbf_secs must be a number of seconds > 0, got 0"),
+    ({"mtbf_secs": float("inf")},
+     "mtbf_secs must be a number of seconds > 0, got inf"),
     ({"min_every_steps": 0}, "min_every_steps must be an int >= 1, got 0"),
     ({"min_every_steps": 10, "max_every_steps": 5},
      "min_every_steps=10 is above max_every_steps=5"),
@@ -113,3 +114,35 @@ def test_fault_tolerance_refuses_bad_interval_options(kwargs, message):
     FaultTolerance(**kwargs)
   assert message in str(e.value)
 
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Retention(max_to_keep=0),
+     "max_to_keep must be an int >= 1 or None, got 0"),
+    (lambda: Retention(keep_for_secs=True),
+     "keep_for_secs must be a number of seconds > 0 or None, got True"),
+    (lambda: Storage(pinned_host_bytes=1.5),
+     "pinned_host_bytes must be an int >= 0 or None, got 1.5"),
+    (lambda: Storage(io_timeout_secs=float("nan")),
+     "io_timeout_secs must be a number of seconds > 0, got nan"),
+    (lambda: FaultTolerance(replicas=True),
+     "replicas must be an int >= 0, got True"),
+    (lambda: FaultTolerance(local_directory="/tmp/x", local_every_steps=0),
+     "local_every_steps must be an int >= 1, got 0"),
+    (lambda: AutoInterval(mtbf_secs=-1.0),
+     "mtbf_secs must be a number of seconds > 0, got -1.0"),
+    (lambda: AutoInterval(mtbf_secs=60, max_every_steps=False),
+     "max_every_steps must be an int >= 1, got False"),
+], ids=["retention_count", "retention_secs", "storage_count", "storage_secs",
+        "tolerance_replicas", "tolerance_local", "interval_secs",
+        "interval_count"])
+def test_the_records_check_counts_and_durations_alike(make, message):
+  """One check of counts and one of durations serve every record: the same
+  rule, in the same words."""
+  with pytest.raises(ValueError) as e:
+    make()
+  assert str(e.value) == message
+
+
+def test_an_io_timeout_may_be_infinite():
+  assert Storage(io_timeout_secs=float("inf")).io_timeout_secs == float("inf")

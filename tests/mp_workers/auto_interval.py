@@ -1,4 +1,4 @@
-"""`every_steps="auto"` with other measures on every process.
+"""`every_steps=AutoInterval(...)` with other measures on every process.
 
     auto_interval.py DIR WAIT
 
@@ -28,7 +28,7 @@ import numpy as np
 
 import _train
 import flax_ckpt_plugin
-from flax_ckpt_plugin import FaultTolerance
+from flax_ckpt_plugin import AutoInterval
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin.loop import triggers
 
@@ -58,8 +58,7 @@ def main(directory: str, wait: bool) -> dict:
   now = [0.0]
   triggers.monotonic = lambda: now[0]  # This process's own clock.
   cb = flax_ckpt_plugin.CheckpointCallback(
-      directory, every_steps="auto",
-      tolerance=FaultTolerance(mtbf_secs=100.0, min_every_steps=5),
+      directory, every_steps=AutoInterval(mtbf_secs=100.0, min_every_steps=5),
       processes=Processes(barrier_timeout_secs=30))
   cb.data_iterator = CostlyIterator(now)
   saved = []
@@ -70,7 +69,7 @@ def main(directory: str, wait: bool) -> dict:
       if wait:
         cb.wait_until_finished()
   cb.close()
-  costs = cb.triggers.auto.costs
+  costs = cb.triggers.schedule.costs
   return {"saved": saved, "all_steps": cb.manager.all_steps(),
           "local": {"step_secs": costs.step_secs(), "cost_secs":
                     statistics.fmean(s.blocking_secs for s in costs.saves)}}

@@ -182,7 +182,7 @@ def _saves_by_own_clock(rate: float) -> list[int]:
 def test_every_secs_is_decided_by_the_primary_host(tmp_path):
   """Processes whose clocks disagree still save at the same steps.
 
-  The clock is injected per process (`clock=`): process 1's runs at half the
+  The clock is injected per process (`triggers.monotonic`): process 1's runs at half the
   speed of process 0's, so on its own it would save at other steps.
   """
   primary_steps = _saves_by_own_clock(CLOCK_RATES[0])
