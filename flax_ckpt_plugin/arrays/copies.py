@@ -235,12 +235,6 @@ class _Programs:
           1, thread_name_prefix="flax_ckpt_plugin-compile")
     return self._pool
 
-  def wait(self) -> None:
-    """Waits for every queued compile (tests use it to be deterministic)."""
-    with self._lock:
-      pending = list(self._pending.values())
-    futures.wait(pending)
-
   def _compile(self, key: Any, compile_fn: Callable[[], Any]) -> None:
     pair = None
     try:
