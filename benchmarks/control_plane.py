@@ -846,7 +846,7 @@ def time_read_plan(n: int, leaves: int, process: int | None = None) -> dict:
                                   dtype, replicas)
       plan = (None if statics[key] is None
               else read_plan._planned(statics[key], load))  # pylint: disable=protected-access
-    else:  # Before: every leaf looked at every device.
+    else:  # A read_plan without `_planned`: every leaf looks at every device.
       plan = read_plan._gathered(  # pylint: disable=protected-access
           _by_region(sharding, shape), mesh, spare, shape, dtype, None,
           replicas, load)

@@ -1,5 +1,5 @@
 """Saves of trees with thousands of leaves: what the first save compiles,
-how shards are planned, and how leaves are named (issue 16's save path).
+how shards are planned, and how leaves are named.
 
 Compiles are counted through JAX's own monitoring events, on the thread
 that ran them: a save must never wait for a compiler, however many leaves
