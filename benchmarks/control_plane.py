@@ -60,6 +60,10 @@ from flax_ckpt_plugin.arrays import division
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import liveness
 
+# The tests' helpers (`received_bytes`: the bytes each process receives).
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "tests")
+
 
 class _Barrier:
   """One passage of a barrier key: who must come, who came (counted as
@@ -735,12 +739,15 @@ def time_partners(n: int, *, replicas: int = 1, per_host: int = 1,
   plans its own sets and its predecessors'), and how evenly the bytes
   received spread."""
   from flax_ckpt_plugin.tolerance import partners  # pylint: disable=g-import-not-at-top
+  if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+  from helpers import received_bytes  # pylint: disable=g-import-not-at-top
   domains = [f"host{p // per_host}" for p in range(n)]
   t = time.process_time()
   ring = partners.Ring(domains)
   ring_secs = time.process_time() - t
   t = time.process_time()
-  received = partners.received_bytes(
+  received = received_bytes(
       ring, [((p,), 1) for p in range(n) for _ in range(shards)], replicas)
   copies_secs = time.process_time() - t
   mean = sum(received) / n
@@ -839,7 +846,7 @@ def time_read_plan(n: int, leaves: int, process: int | None = None) -> dict:
                                   dtype, replicas)
       plan = (None if statics[key] is None
               else read_plan._planned(statics[key], load))  # pylint: disable=protected-access
-    else:  # Before: every leaf looked at every device.
+    else:  # A read_plan without `_planned`: every leaf looks at every device.
       plan = read_plan._gathered(  # pylint: disable=protected-access
           _by_region(sharding, shape), mesh, spare, shape, dtype, None,
           replicas, load)

@@ -6,6 +6,7 @@ is `launcher.py`'s job.
 
 from __future__ import annotations
 
+from concurrent import futures
 import contextlib
 import os
 import pathlib
@@ -13,7 +14,7 @@ import re
 import subprocess
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.backends import registry as backend_lib
 
@@ -220,6 +222,27 @@ def run_console(block: str, cwd: pathlib.Path) -> None:
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=300, check=False)
   assert r.stdout == expected, f"{command}\n{r.stdout}"
+
+
+def wait_for_compiles() -> None:
+  """Waits for every compile that `copies.PROGRAMS` has queued, so that a
+  save after it finds its programs compiled."""
+  programs = copies_lib.PROGRAMS
+  with programs._lock:  # pylint: disable=protected-access
+    pending = list(programs._pending.values())  # pylint: disable=protected-access
+  futures.wait(pending)
+
+
+def received_bytes(ring: Any, shards: Sequence[tuple[tuple[int, ...], int]],
+                   replicas: int) -> list[int]:
+  """The bytes each process receives as partner copies of `shards`
+  ((holders, bytes) each, every distinct shard of the state once) along
+  `ring` (a `tolerance.partners.Ring`)."""
+  out = [0] * len(ring)
+  for holders, nbytes in shards:
+    for c in ring.copies(holders, replicas):
+      out[c.receiver] += nbytes
+  return out
 
 
 def pinned_counter(real: Callable[..., Any]

@@ -3,15 +3,21 @@ docs/quickstart.md, loop.md, auto_interval.md, retention.md, restoring.md,
 integrations.md, cli.md, converting.md, troubleshooting.md.
 
 A block that a test of its subject runs already (with what it prints) is
-listed in `RUN_ELSEWHERE` with that test file, which must name the page.
-Every other block runs here, each in a fresh process on 2 CPU devices, after
-a prelude that defines what the pages leave to the reader: `workdir`,
-`num_steps`, a small Flax `TrainState` (`create_train_state`), a
-`train_step`, a data `loader` with a position, a metric `writer`.
+listed in `RUN_ELSEWHERE` with that test's node id, and counts as run only
+if that test really runs it: its code (and the module's functions and names
+it uses) names the page outside a docstring, takes a python block from it,
+finds this one (by a heading whose section holds it, by a line of the block,
+or as the page's only python block) and runs code (`exec`, or a subprocess).
+A file that merely names the page does not count. Every other block runs
+here, each in a fresh process on 2 CPU devices, after a prelude that defines
+what the pages leave to the reader: `workdir`, `num_steps`, a small Flax
+`TrainState` (`create_train_state`), a `train_step`, a data `loader` with a
+position, a metric `writer`.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
@@ -27,29 +33,46 @@ PAGES = ("README.md", "docs/quickstart.md", "docs/loop.md",
          "docs/integrations.md", "docs/cli.md", "docs/converting.md",
          "docs/troubleshooting.md")
 
-# (page, the block's first line) -> the test file that runs it.
+# (page, the block's first lines) -> the test that runs it (its node id,
+# from tests/).
+_EXPORTING = "tools/test_exporting.py::"
+_ORBAX = "tools/test_orbax_import.py::"
 RUN_ELSEWHERE = {
-    ("docs/quickstart.md", "import sys"): "test_docs.py",
+    ("docs/quickstart.md", "import sys"):
+        "test_docs.py::"
+        "test_quickstart_script_trains_resumes_and_prints_what_the_doc_shows",
     ("docs/retention.md", "from flax_ckpt_plugin import CheckpointManager, "
-     "Retention"): "test_retention.py",
+     "Retention"):
+        "manager/test_retention.py::"
+        "test_retention_doc_example_and_the_list_it_shows",
     ("docs/restoring.md", "import jax.numpy as jnp", "import optax"):
-        "test_partial_restore.py",
+        "restore/test_partial_restore.py::"
+        "test_the_restoring_doc_example_runs_as_shown",
     ("docs/restoring.md", "import jax", "import jax.numpy as jnp",
      "import numpy as np", "from flax_ckpt_plugin import CheckpointManager, "
-     "StructureMismatchError"): "test_exporting.py",
-    ("docs/restoring.md", "import flax_ckpt_plugin"): "test_exporting.py",
-    ("docs/loop.md", "import functools"): "test_pmap.py",
-    ("docs/integrations.md", "import collections"): "test_data_prefetch.py",
+     "StructureMismatchError"):
+        _EXPORTING
+        + "test_restoring_md_cast_and_export_blocks_print_what_the_page_shows",
+    ("docs/restoring.md", "import flax_ckpt_plugin"):
+        _EXPORTING
+        + "test_restoring_md_cast_and_export_blocks_print_what_the_page_shows",
+    ("docs/loop.md", "import functools"):
+        "test_pmap.py::"
+        "test_saves_one_copy_and_a_resume_replicates_and_trains_on_exactly",
+    ("docs/integrations.md", "import collections"):
+        "loop/test_data_prefetch.py::"
+        "test_the_wrapper_resumes_on_the_batches_of_an_uninterrupted_run",
     ("docs/integrations.md", "from flax_ckpt_plugin import CheckpointManager"):
-        "test_orbax_import.py",
+        _ORBAX + "test_integrations_md_converts_and_restores",
     ("docs/cli.md", "import os", "", "import flax.linen as nn", "from "
      "flax.training import train_state", "import jax", "import jax.numpy as"
      " jnp", "import optax", "", "import flax_ckpt_plugin"):
-        "test_exporting.py",
+        _EXPORTING
+        + "test_converting_md_export_commands_print_what_the_page_shows",
     ("docs/converting.md", "import os", "", "import flax.linen as nn",
      "from flax.training import train_state", "import jax", "import jax.numpy"
      " as jnp", "import optax", "import orbax.checkpoint as ocp"):
-        "test_orbax_import.py",
+        _ORBAX + "test_converting_md_commands_print_what_the_page_shows",
 }
 
 PRELUDE = '''
@@ -216,15 +239,99 @@ def _key(page: str, code: str, table: dict[str, str]) -> str | None:
 BLOCKS = _blocks()
 
 
-def test_every_block_is_run_here_or_by_a_test_that_names_its_page():
+def _headings(text: str, at: int) -> set[str]:
+  """The headings (their words, without the #s) whose sections hold the
+  offset `at` of the page `text`, less its title (a heading of every
+  block); lines in code fences are not headings."""
+  open_: dict[int, str] = {}
+  fenced = False
+  for line in text[:at].splitlines():
+    if line.startswith("```"):
+      fenced = not fenced
+    elif not fenced and (m := re.match(r"(#+) (.*)", line)):
+      level = len(m.group(1))
+      open_ = {k: h for k, h in open_.items() if k < level}
+      open_[level] = m.group(2).strip()
+  return {h for level, h in open_.items() if level > 1}
+
+
+def _reach(path: pathlib.Path, name: str) -> list[ast.AST]:
+  """Test `name` of the file `path`, and the module-level functions and
+  assignments that it names (its fixtures too), and that those name."""
+  tree = ast.parse(path.read_text())
+  defs: dict[str, ast.AST] = {}
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      defs[node.name] = node
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      for target in targets:
+        for n in ast.walk(target):
+          if isinstance(n, ast.Name):
+            defs.setdefault(n.id, node)
+  if not isinstance(defs.get(name), ast.FunctionDef):
+    return []
+  seen: list[ast.AST] = []
+  todo = [defs[name]]
+  while todo:
+    node = todo.pop()
+    if any(node is s for s in seen):
+      continue
+    seen.append(node)
+    for n in ast.walk(node):
+      used = (n.id if isinstance(n, ast.Name)
+              else n.arg if isinstance(n, ast.arg) else None)
+      if used in defs:
+        todo.append(defs[used])
+  return seen
+
+
+def _why_not_run(test: str, page: str, at: int, code: str) -> str | None:
+  """None if the test of node id `test` runs the block `code` (at offset
+  `at` of `page`); otherwise what it lacks."""
+  file, _, name = test.partition("::")
+  path = pathlib.Path(__file__).parent / file
+  if not name.startswith("test") or not path.is_file():
+    return f"{test} is not a test's node id (file.py::test_name)"
+  reach = _reach(path, name)
+  if not reach:
+    return f"{file} has no test {name}"
+  docstrings = {id(n.value) for r in reach for n in ast.walk(r)
+                if isinstance(n, ast.Expr) and isinstance(n.value,
+                                                          ast.Constant)}
+  strings = [n.value for r in reach for n in ast.walk(r)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and id(n) not in docstrings]
+  called = {n.func.id if isinstance(n.func, ast.Name) else
+            f"{getattr(n.func.value, 'id', '')}.{n.func.attr}"
+            for r in reach for n in ast.walk(r) if isinstance(n, ast.Call)
+            and isinstance(n.func, (ast.Name, ast.Attribute))}
+  text = (REPO / page).read_text()
+  if not any(os.path.basename(page) in s for s in strings):
+    return f"{test} does not name {page} (outside docstrings)"
+  if not (any("```python" in s for s in strings)
+          or ("doc_blocks" in called and "python" in strings)):
+    return f"{test} takes no python block of a page"
+  headings = _headings(text, at)
+  if not (len(re.findall(r"^```python$", text, re.M)) == 1
+          or any(s.lstrip("#").strip() in headings for s in strings)
+          or any(len(s) >= 10 and s in code for s in strings)):
+    return (f"{test} names none of the headings over the block "
+            f"({sorted(headings)}) nor a line of it")
+  if not called & {"exec", "subprocess.run", "subprocess.Popen"}:
+    return f"{test} runs no code (exec, or a subprocess)"
+  return None
+
+
+def test_every_block_is_run_here_or_by_a_test_that_runs_it():
   assert len(BLOCKS) >= 20, BLOCKS
   for page, line, code in BLOCKS:
     test = _elsewhere(page, code)
     if test is not None:
-      found = list(pathlib.Path(__file__).parent.rglob(test))
-      assert len(found) == 1, (test, found)
-      assert os.path.basename(page) in found[0].read_text(), (
-          page, line, test)
+      text = (REPO / page).read_text()
+      at = sum(len(l) + 1 for l in text.splitlines()[:line - 1])
+      why = _why_not_run(test, page, at, code)
+      assert why is None, f"{page}:{line}: {why}"
 
 
 @pytest.mark.multiprocess

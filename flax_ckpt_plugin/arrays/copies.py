@@ -222,10 +222,10 @@ class _Programs:
 
   def start(self) -> None:
     """Starts the compile thread if it is not running, where waiting for
-    that costs nothing (a manager's open): started by the first `get`
-    instead, in a save call, it waited 3-6 ms for a core on 2 busy ones,
-    and then for the interpreter's lock, which the new thread's tracing
-    held."""
+    that costs nothing (a manager's open): a thread that the first `get`
+    starts, in a save call, makes that call wait for a core (3-6 ms on 2
+    busy ones), and then for the interpreter's lock, which the new
+    thread's tracing holds."""
     with self._lock:
       self._started().submit(lambda: None)
 
@@ -234,12 +234,6 @@ class _Programs:
       self._pool = futures.ThreadPoolExecutor(
           1, thread_name_prefix="flax_ckpt_plugin-compile")
     return self._pool
-
-  def wait(self) -> None:
-    """Waits for every queued compile (tests use it to be deterministic)."""
-    with self._lock:
-      pending = list(self._pending.values())
-    futures.wait(pending)
 
   def _compile(self, key: Any, compile_fn: Callable[[], Any]) -> None:
     pair = None

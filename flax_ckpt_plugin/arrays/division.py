@@ -42,7 +42,7 @@ import functools
 import heapq
 import math
 import threading
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -286,15 +286,3 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
         mine.append(Piece(index, device, None))
     out.append(tuple(mine))
   return tuple(out)
-
-
-def bytes_per_process(arrays: Sequence[tuple[Any, tuple[int, ...], Any]],
-                      process_count: int,
-                      split_bytes: int = SPLIT_BYTES) -> list[int]:
-  """The bytes each process writes under `plan` (for tests and figures)."""
-  key = tuple((s, tuple(shape), np.dtype(d)) for s, shape, d in arrays)
-  return [sum(_volume(p.index) * np.dtype(d).itemsize
-              for pieces, (_, _, d) in zip(plan(key, proc, process_count,
-                                                split_bytes), key)
-              for p in pieces)
-          for proc in range(process_count)]

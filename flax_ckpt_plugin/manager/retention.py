@@ -288,18 +288,6 @@ def _secs(secs: float) -> str:
   return f"{secs:g}s"
 
 
-def steps_to_delete(steps: Sequence[int], max_to_keep: int | None,
-                    keep_every_n_steps: int | None,
-                    protect: int | None = None) -> list[int]:
-  """The steps that `max_to_keep` and `keep_every_n_steps` remove.
-
-  Never the newest, nor `protect` (the newest step known to restore).
-  """
-  return Policy(max_to_keep=max_to_keep,
-                keep_every_n_steps=keep_every_n_steps).to_delete(
-      steps, protect=protect)
-
-
 def recorded(directory: epath.Path, backend: interface.Backend,
              step: int) -> StepRecord:
   """The metrics and time in `step`'s manifest; neither if unreadable."""

@@ -105,9 +105,9 @@ def _copied_from_file(lr: LeafReader | casting.CastReader,
   train step can donate it), and that memory is faulted in by the copy
   itself: the other way (`_owned_cpu_array`) writes the new memory twice,
   the zeros of the program that makes it and then the file's bytes, and
-  compiles a program per shape. Measured on 2 cores, the first restore of
-  the 0.98 GB benchmark state in a fresh process (files in the page
-  cache): 0.36-0.45 s against 0.45-0.55 s (docs/performance.md).
+  compiles a program per shape, so a first restore in a fresh process is
+  slower that way (docs/architecture.md, *Where the time goes*, has both
+  times).
   """
   mapped = getattr(lr, "mapped", None)
   if (_BATCHED_PUT is None or mapped is None
@@ -178,8 +178,8 @@ def _owned_cpu_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any
   Memory that `jax.device_put` adopts (aligned numpy memory, or the copy
   that `may_alias=False` makes) cannot be donated: the first jitted step
   that donates a restored state would then copy every input into new
-  memory, with both states alive at once (measured with a 0.98 GB state:
-  that step took 1.3 s instead of 0.47 s). So the array is made by
+  memory, with both states alive at once (with a 0.98 GB state on 2
+  cores, a step nearly three times as long). So the array is made by
   a jitted program (which fills it with zeros), and its bytes are then
   written in place, through a view of its buffer: the array is new, ready,
   and referenced by nothing else until it is returned. None where this

@@ -26,8 +26,8 @@ runtime's error of a collective with the dead process) and calls
 
 If the survivors hold no common local step, or one of them lacks a shard it
 needs, `recover` raises the loop's error again, with a note saying why, and
-the issue-17 path follows when the program exits: the survivors save what
-they hold to the persistent tier and exit with `PREEMPTED_EXIT_CODE`.
+the rescue (`rescue`) follows when the program exits: the survivors save
+what they hold to the persistent tier and exit with `PREEMPTED_EXIT_CODE`.
 
 **Rejoin.** The group records itself in the key-value store (`Group`: its
 members, a generation that counts its changes, its primary). A process

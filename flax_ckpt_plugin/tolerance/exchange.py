@@ -238,19 +238,6 @@ class Exchange:
                 " persistent tier", len(fresh), ", ".join(fresh[:5]))
     return tuple(out)
 
-  def sent_bytes(self, state: Any) -> int:
-    """The bytes this process sends as partner copies of `state`'s shards
-    at each local-tier save."""
-    values, plan = self._plan(state)
-    me, total = jax.process_index(), 0
-    for p in plan:
-      x = values[p.at]
-      block = int(np.prod(p.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-      flat = list(p.sharding.mesh.devices.flat)
-      total += block * sum(flat[source].process_index == me
-                           for pairs in p.pairs for source, _ in pairs)
-    return total
-
   def _by_mesh(self, plan: tuple[_Leaf, ...], values: list[Any]
                ) -> list[tuple[list[_Leaf], Any]]:
     """The plan's leaves by mesh, in the order the tree first names the

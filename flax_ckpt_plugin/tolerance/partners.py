@@ -149,14 +149,3 @@ class Ring:
                       for s in senders if fits(s, step, False)))
       take(*found)
     return tuple(out)
-
-
-def received_bytes(ring: Ring, shards: Sequence[tuple[tuple[int, ...], int]],
-                   replicas: int) -> list[int]:
-  """The bytes each process receives as partner copies of `shards`
-  ((holders, bytes) each, every distinct shard of the state once)."""
-  out = [0] * len(ring)
-  for holders, nbytes in shards:
-    for c in ring.copies(holders, replicas):
-      out[c.receiver] += nbytes
-  return out

@@ -21,6 +21,18 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.arrays import division
 
 
+def bytes_per_process(arrays, process_count: int) -> list[int]:
+  """The bytes each process writes under `division.plan` of `arrays`
+  ((sharding, shape, dtype) each)."""
+  key = tuple((s, tuple(shape), np.dtype(d)) for s, shape, d in arrays)
+  return [sum(math.prod(stop - start for start, stop in p.index)
+              * np.dtype(d).itemsize
+              for pieces, (_, _, d) in zip(
+                  division.plan(key, proc, process_count), key)
+              for p in pieces)
+          for proc in range(process_count)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Device:
   id: int
@@ -69,7 +81,7 @@ def _tree(sharding):
 def test_the_bytes_are_spread_evenly_and_written_once(sharding):
   arrays = _tree(sharding)
   total = sum(math.prod(s) * 4 for _, s, _ in arrays)
-  per_process = division.bytes_per_process(arrays, 4)
+  per_process = bytes_per_process(arrays, 4)
   assert sum(per_process) == total  # Every byte once.
   assert max(per_process) <= 1.25 * total / 4, per_process
 
@@ -104,13 +116,13 @@ def test_each_piece_is_a_row_range_of_a_shard_this_process_holds():
 
 def test_small_shards_are_written_whole_and_one_process_writes_all():
   small = [(DATA_PARALLEL, (64, 4), np.dtype(np.float32))] * 8
-  per_process = division.bytes_per_process(small, 4)
+  per_process = bytes_per_process(small, 4)
   assert per_process == [2048, 2048, 2048, 2048]  # Whole, by least load.
   for proc in range(4):
     for pieces in division.plan(tuple(small), proc, 4):
       assert all(p.rows is None for p in pieces)
   one = _Sharding(tuple(_Device(i, 0) for i in range(2)), 1)
-  assert division.bytes_per_process(_tree(one), 1) == [
+  assert bytes_per_process(_tree(one), 1) == [
       sum(math.prod(s) * 4 for _, s, _ in _tree(one))]
 
 
@@ -175,7 +187,7 @@ def test_a_2d_mesh_is_written_once_evenly_from_held_shards(
           assert piece.index[1:] == region[1:]
         indices.append(list(map(list, piece.index)))
     manifest_lib.check_grid(indices, list(shape), f"leaf {n}")
-  per_process = division.bytes_per_process(arrays, processes)
+  per_process = bytes_per_process(arrays, processes)
   assert sum(per_process) == total
   assert max(per_process) <= 1.25 * total / processes, per_process
 
@@ -212,10 +224,10 @@ def test_holder_sets_that_share_processes_spread_their_small_shards():
   sharding = SIM.MeshSharding(devices, (("data", 2), ("model", 3)),
                               ("model",))
   one = [(sharding, (3 * 256,), np.dtype(np.float32))]
-  assert division.bytes_per_process(one, 3) == [1024] * 3
+  assert bytes_per_process(one, 3) == [1024] * 3
   many = [(sharding, (3 * (256 + 8 * k),), np.dtype(np.float32))
           for k in range(31)]
-  per_process = division.bytes_per_process(many, 3)
+  per_process = bytes_per_process(many, 3)
   assert max(per_process) - min(per_process) <= 2 * 4 * (256 + 8 * 30), (
       per_process)
 

@@ -1,11 +1,11 @@
 """Small files are read only if they are small regular files of the step.
 
-Issue 15, findings 4, 5, 6, 13 and 14a: a `manifest.json`, `_WRITER` or
-`_COMMITTED` that is a named pipe, a link to /dev/zero or out of the step, a
-huge sparse file, a manifest that claims a huge checksum block, a hostile
-PRNG impl or dtype, or a leaf of thousands of shards. Each is refused at
-once with a `CheckpointCorruptedError` (or, for the writer's claim, read as
-no claim), never waited on, read whole or trusted.
+A `manifest.json`, `_WRITER` or `_COMMITTED` that is a named pipe, a link to
+/dev/zero or out of the step, a huge sparse file, a manifest that claims a
+huge checksum block, a hostile PRNG impl or dtype, or a leaf of thousands of
+shards. Each is refused at once with a `CheckpointCorruptedError` (or, for
+the writer's claim, read as no claim), never waited on, read whole or
+trusted.
 
 Calls that would block on a FIFO run in a thread: past the deadline the test
 opens the pipe's write end itself to let the reader go, and fails. Calls
@@ -99,7 +99,7 @@ def _mkfifo(path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-# -- finding 4: named pipes ----------------------------------------------------
+# -- named pipes ---------------------------------------------------------------
 
 
 def test_fifo_manifest_is_refused_by_restore_at_once(saved):
@@ -141,7 +141,7 @@ def test_fifo_manifest_or_claim_cli_answers_promptly(saved, capsys, command):
     assert f"{fifos[0]} is not a regular file" in out.out + out.err, out
 
 
-# -- finding 5: /dev/zero, sparse files, huge blocks ---------------------------
+# -- /dev/zero, sparse files, huge blocks --------------------------------------
 
 # Run with at most 3 GiB of address space: reading /dev/zero or a 1 TiB
 # file whole fails there with a MemoryError instead of taking the machine.
@@ -257,7 +257,7 @@ def test_verify_sums_a_block_larger_than_its_buffer(ckpt_dir, capsys,
   assert "checksum mismatch" in capsys.readouterr().out
 
 
-# -- finding 14a: a manifest linked from outside -------------------------------
+# -- a manifest linked from outside --------------------------------------------
 
 
 def test_manifest_linked_from_outside_the_step_is_refused(saved, tmp_path):
@@ -290,7 +290,7 @@ def test_read_small_caps_the_size(tmp_path):
     read(tmp_path / "g", within=tmp_path, limit=10)
 
 
-# -- finding 13: hostile key_impl and dtype ------------------------------------
+# -- hostile key_impl and dtype ------------------------------------------------
 
 
 def _set(path: str, field: str, value: Any) -> Callable[[dict], None]:
@@ -350,7 +350,7 @@ def test_unknown_key_impl_through_restore(saved):
     _restore(saved, 2)
 
 
-# -- finding 6: the cover check ------------------------------------------------
+# -- the cover check -----------------------------------------------------------
 
 
 def _many_shards(n: int) -> bytes:

@@ -69,10 +69,11 @@ def test_full_disk_fails_the_save_at_the_next_call_and_the_loop_recovers(
 
 
 def test_a_full_disk_fails_a_save_with_enospc_never_a_json_error(small_tmpfs):
-  """Before: with the disk full while a process wrote its shard table, the
-  unbuffered write wrote part of it and nobody checked, so the primary host
-  failed the save with a JSONDecodeError. Now every failing save, at every
-  fill level, raises OSError(ENOSPC), and the earlier step stays."""
+  """With the disk full at any point of a save, the write of a process's
+  shard table is checked too (an unbuffered write may write part of it):
+  every failing save, at every fill level, raises OSError(ENOSPC), never
+  the primary host's JSONDecodeError of a part-written table, and the
+  earlier step stays."""
   ckpt, filler = small_tmpfs / "ckpt", small_tmpfs / "filler"
   # Many tiny leaves: the shard table (tens of KiB) outweighs the data.
   state = {f"leaf_{i:03d}": np.full(2, i, np.float32) for i in range(300)}

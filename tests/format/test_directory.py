@@ -25,8 +25,9 @@ from helpers import sorted_entries
 
 @pytest.mark.parametrize("recreate", [True, False])
 def test_a_deleted_directory_is_claimed_again(ckpt_dir, recreate):
-  """Before: after the checkpoint directory was deleted (and made anew),
-  every later save raised `ConcurrentWriterError ... (its claim: None)`."""
+  """A save after the checkpoint directory is deleted (and made anew)
+  claims it again: no later save raises `ConcurrentWriterError ... (its
+  claim: None)`."""
   with CheckpointManager(ckpt_dir, max_to_keep=2) as mgr:
     mgr.save(1, {"w": np.ones(3)})
     mgr.wait_until_finished()
@@ -51,8 +52,9 @@ class _NoDeletes(backend_lib.LocalBackend):
 
 
 def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
-  """Before: every background error said "That step was not finalized",
-  also for a retention error after the step was."""
+  """A background error's note says whether its step was finalized: a
+  retention error after the step was does not say "That step was not
+  finalized"."""
   mgr = CheckpointManager(ckpt_dir, max_to_keep=1,
                           storage=Storage(backend=_NoDeletes()))
   mgr.save(1, {"w": np.ones(3)})
@@ -80,10 +82,10 @@ def test_error_notes_tell_whether_the_step_was_finalized(ckpt_dir):
 
 def test_symlinked_step_entries_are_skipped_with_a_warning(
     tmp_path, caplog):
-  """Before: a symbolic link named like a step (to a step elsewhere) or
-  like `<n>.partial` made retention fail and every later writing open fail
-  (removing it raised). Now links are ignored with a warning and nothing
-  they point to is touched."""
+  """A symbolic link named like a step (to a step elsewhere) or like
+  `<n>.partial` is ignored with a warning, and nothing it points to is
+  touched: neither retention nor a later writing open fails on it
+  (removing it would raise)."""
   elsewhere = tmp_path / "elsewhere"
   _save(elsewhere, {"w": np.ones(3)}, {"w": np.ones(3)})
   ckpt = tmp_path / "ckpt"

@@ -133,7 +133,7 @@ def test_manifest_and_reader_do_not_import_jax():
   assert r.returncode == 0, r.stderr
 
 
-# -- the cover check (issue 15, finding 6) and hostile leaf fields (13) -------
+# -- the cover check and hostile leaf fields ----------------------------------
 
 
 def _doc(shape: list[int], indices: list[list[list[int]]],

@@ -15,8 +15,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_read_only_manager_sees_steps_finalized_after_it_opened(ckpt_dir):
-  """Before: a read-only manager listed the steps once, when it opened, so an
-  evaluation job never saw the training job's new steps."""
+  """A read-only manager lists the steps anew, not once when it opens, so an
+  evaluation job sees the training job's new steps."""
   state = {"w": np.arange(6, dtype=np.float32)}
   with CheckpointManager(ckpt_dir) as writer:
     writer.save(1, state)
@@ -55,8 +55,9 @@ _EXIT_WITHOUT_CLOSE = textwrap.dedent("""
 
 @pytest.mark.multiprocess
 def test_exit_without_close_still_finalizes_the_last_save(tmp_path):
-  """Before: the commit thread was a daemon, so the process exited 0 and the
-  step it had saved was silently missing."""
+  """The commit thread is no daemon: a process that exits without `close`
+  finalizes the step it saved, rather than exiting 0 with that step
+  silently missing."""
   directory = tmp_path / "ckpt"
   result = subprocess.run(
       [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(directory), "ok"],

@@ -26,6 +26,7 @@ from helpers import FlakyDisk
 from helpers import entries
 from helpers import join_commit
 from helpers import tiny
+from helpers import wait_for_compiles
 
 # Long enough never to fire on a loaded machine; the tests never wait it out.
 TIMEOUT = 60
@@ -287,7 +288,7 @@ def test_save_leaves_the_state_donatable_and_reuses_its_staging(
     state = train_step(state)
     assert _kernel_shards(state) == before, f"save {step} pinned the state"
     manager.wait_until_finished()
-    copies_lib.PROGRAMS.wait()
+    wait_for_compiles()
     staging.append(sorted(
         a.unsafe_buffer_pointer()
         for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access

@@ -23,7 +23,6 @@ from flax_ckpt_plugin.tools import cli
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.manager import retention as retention_lib
 from flax_ckpt_plugin.manager.retention import Policy
-from flax_ckpt_plugin.manager.retention import steps_to_delete
 from flax_ckpt_plugin import Processes
 from flax_ckpt_plugin import FaultTolerance
 from flax_ckpt_plugin import Retention
@@ -437,6 +436,7 @@ def test_two_real_processes_keep_by_the_primary_s_clock(tmp_path):
 
 
 def test_retention_keeps_the_newest_step_known_to_restore():
-  assert steps_to_delete([1, 6], 1, None) == [1]
-  assert steps_to_delete([1, 6], 1, None, protect=1) == []
-  assert steps_to_delete([1, 6, 8], 1, None, protect=6) == [1]
+  keep_one = Policy(max_to_keep=1)
+  assert keep_one.to_delete([1, 6]) == [1]
+  assert keep_one.to_delete([1, 6], protect=1) == []
+  assert keep_one.to_delete([1, 6, 8], protect=6) == [1]

@@ -94,10 +94,10 @@ def test_three_processes_save_and_restore(tmp_path):
 
 
 def test_a_manager_opened_on_one_process_only_shifts_no_later_keys(tmp_path):
-  """Before: barrier names counted every manager a process opened, so a
-  read-only manager opened on the primary alone (as in a commit hook) made
-  the next writer's barriers differ between processes, and its save timed
-  out."""
+  """Barrier names do not count the managers a process opened: a read-only
+  manager opened on the primary alone (as in a commit hook) leaves the
+  next writer's barriers the same on every process, and its save does not
+  time out."""
   (tmp_path / "other").mkdir()
 
   def work(coord):
@@ -193,9 +193,10 @@ def test_a_failed_commit_hook_is_raised_on_every_process(tmp_path):
 
 
 def test_any_restore_error_on_one_process_reaches_all_at_once(tmp_path):
-  """Before: the fallback voted only on damage, so an error of another kind
-  on one process (here a target it cannot restore into) left the others
-  waiting at the vote's barrier for the whole timeout."""
+  """The fallback votes on every error, not only on damage: an error of
+  another kind on one process (here a target it cannot restore into)
+  reaches the others at once, rather than leaving them at the vote's
+  barrier for the whole timeout."""
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(1, _state(1))
 
@@ -280,9 +281,9 @@ def _count_every_secs_asks(coord) -> list[int]:
 
 def test_every_secs_agrees_without_asking_at_every_step(tmp_path,
                                                          monkeypatch):
-  """Before: every non-primary process made a blocking call to the
-  coordination service at every step. Now they ask at a few steps per
-  interval, and all processes still save at the same steps."""
+  """The non-primary processes ask the coordination service at a few steps
+  per interval, not with a blocking call at every step, and all processes
+  still save at the same steps."""
   steps = 400
   clocks = {}  # Each "process" (thread) has a clock of its own.
   monkeypatch.setattr(triggers, "monotonic",

@@ -77,7 +77,8 @@ _CALLS = {
 
 @pytest.mark.parametrize("call", sorted(_CALLS))
 def test_a_call_the_service_never_answers_is_a_timeout_error(call):
-  """Before: the call blocked until JAX ended the process (100 s)."""
+  """The call raises after its own timeout, rather than blocking until JAX
+  ends the process (100 s)."""
   hang = threading.Event()
   coord = _Coordinator(_Client(hang=hang))
   coord.CALL_TIMEOUT_SECS = 0.1
@@ -98,8 +99,8 @@ def test_a_call_the_service_never_answers_is_a_timeout_error(call):
 
 @pytest.mark.parametrize("call", ["barrier", "kv_get"])
 def test_a_failure_before_the_timeout_says_how_long_it_took(call):
-  """Before: "timed out after 0.1s" for a call that failed at once (the
-  service's process was killed: the connection broke)."""
+  """A call that fails at once (the service's process killed: the
+  connection broken) says how long it took, not "timed out after 0.1s"."""
   error = RuntimeError("UNAVAILABLE: Failed to send RPC to coordination"
                        " service: Connection reset by peer")
   coord = _Coordinator(_Client(error=error))
@@ -147,8 +148,9 @@ def _wait_for_line(group: WorkerGroup, i: int, text: str, secs: float):
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_a_stopped_primary_is_a_timeout_error_soon_after_the_barrier_timeout(
     tmp_path):
-  """Before: process 1 got no error; JAX ended it after its 100 s heartbeat
-  timeout, although the barrier timeout was 3 s."""
+  """Process 1 gets a TimeoutError soon after the 3 s barrier timeout,
+  rather than no error and its end by JAX after the 100 s heartbeat
+  timeout."""
   with WorkerGroup("stopped_primary", 2, args=[tmp_path]) as group:
     _wait_for_line(group, 0, "primary idle", RUN_TIMEOUT)
     group.send_signal(0, signal.SIGSTOP)  # Hung: alive, answering nothing.

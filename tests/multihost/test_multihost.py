@@ -262,10 +262,10 @@ def one_sided_run(tmp_path_factory):
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_a_manager_opened_on_one_process_only_breaks_no_later_save(
     one_sided_run):
-  """Before: barrier names counted the managers each process opened, read-only
-  ones included, so a read-only manager opened in a commit hook (on the
-  primary host alone) made the next manager's barriers differ between the
-  processes, and its save timed out."""
+  """Barrier names do not count the managers each process opened: a
+  read-only manager opened in a commit hook (on the primary host alone)
+  leaves the next manager's barriers the same on both processes, and its
+  save does not time out."""
   directory, (p0, p1) = one_sided_run
   assert p0["all_steps"] == p1["all_steps"] == [1, 2]
   assert (p0["hook_saw"], p1["hook_saw"]) == ([1, 2], [])
@@ -275,9 +275,10 @@ def test_a_manager_opened_on_one_process_only_breaks_no_later_save(
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
 def test_any_restore_error_on_one_process_reaches_the_other_at_once(
     one_sided_run):
-  """Before: the restore fallback voted only on damage, so a permission error
-  on process 1 left process 0 waiting at the vote for the whole barrier
-  timeout. Now both raise at once, and the good steps stay."""
+  """The restore fallback votes on every error, not only on damage: a
+  permission error on process 1 makes both processes raise at once,
+  rather than leaving process 0 at the vote for the whole barrier timeout,
+  and the good steps stay."""
   directory, _ = one_sided_run
   p0, p1 = (r.json for r in run_workers(
       "lifecycle", 2, args=["restore_error", directory], timeout=RUN_TIMEOUT))
@@ -292,9 +293,9 @@ def test_any_restore_error_on_one_process_reaches_the_other_at_once(
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_every_secs_does_not_make_a_blocking_call_at_every_step(tmp_path):
-  """Before: every non-primary process read the primary's decision with a
-  blocking call to the coordination service at every one of the 200 steps.
-  Now it asks at a few steps per interval (saves still at the same steps)."""
+  """A non-primary process reads the primary's decision at a few steps per
+  interval, not with a blocking call to the coordination service at every
+  one of the 200 steps (saves still at the same steps)."""
   p0, p1 = (r.json for r in run_workers(
       "lifecycle", 2, args=["every_secs_calls", tmp_path],
       timeout=RUN_TIMEOUT))

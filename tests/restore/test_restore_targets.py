@@ -24,9 +24,10 @@ from helpers import sorted_entries
 
 
 def test_a_value_the_target_cannot_hold_is_a_mismatch_not_damage(ckpt_dir):
-  """Before: a Python int above 2**31 restored into a `jax.eval_shape`
-  target (int32) made `restore_or_initialize` call the newest step damaged,
-  rename it `2.damaged` and roll back to step 1, with a warning only."""
+  """A Python int above 2**31 restored into a `jax.eval_shape` target
+  (int32) is a StructureMismatchError: `restore_or_initialize` does not
+  call the newest step damaged, rename it `2.damaged` and roll back to
+  step 1."""
   _save(ckpt_dir, {"count": 7, "w": jnp.ones(3)},
         {"count": 2**40, "w": jnp.ones(3)})
   target = jax.eval_shape(lambda: {"count": 0, "w": jnp.zeros(3)})
@@ -57,8 +58,10 @@ def test_a_value_the_target_cannot_hold_is_a_mismatch_not_damage(ckpt_dir):
 ])
 def test_a_scalar_restores_only_into_a_target_of_its_kind(
     ckpt_dir, saved, target, saved_desc, target_desc):
-  """Before: 0.7 into an int target gave 0, float32 2.5 gave 2, NaN or inf
-  into an int raised a raw ValueError/OverflowError naming nothing."""
+  """A scalar into a target of another kind (0.7 into an int, a value the
+  target's dtype cannot hold) is a StructureMismatchError naming the leaf
+  and both sides, never a silently rounded value or a raw
+  ValueError/OverflowError naming nothing."""
   _save(ckpt_dir, {"x": saved})
   with CheckpointManager(ckpt_dir, read_only=True) as mgr:
     with pytest.raises(StructureMismatchError) as info:
@@ -114,10 +117,10 @@ def test_prng_keys_restore_only_into_keys_of_their_impl(ckpt_dir, saved,
 
 
 def test_big_endian_numpy_leaves_are_stored_little_endian(ckpt_dir):
-  """Before: a `>f4` numpy leaf was stored big-endian, as dtype `>f4`,
-  though the format page says little-endian (its numpy reader then returned
-  wrong values); a `>f4` target of a `float32` leaf was refused with
-  "checkpoint has float32[8], target has float32[8]"."""
+  """A `>f4` numpy leaf is stored little-endian, as dtype float32, as the
+  format page says (so its numpy reader returns the right values); a `>f4`
+  target of a `float32` leaf of the same shape restores, in the target's
+  byte order."""
   values = np.arange(8, dtype=">f4") / 3
   _save(ckpt_dir, {"big": values, "native": values.astype("<f4")})
   manifest = json.loads((ckpt_dir / "1" / "manifest.json").read_text())

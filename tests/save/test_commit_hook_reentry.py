@@ -46,7 +46,8 @@ _CALLS = {
 @pytest.mark.parametrize("call", sorted(_CALLS))
 def test_a_hook_that_waits_for_its_commit_gets_an_error_not_a_deadlock(
     ckpt_dir, call):
-  """Before: the hook waited for the commit it runs in, forever."""
+  """The hook gets an error, rather than waiting forever for the commit it
+  runs in."""
   def scenario():
     holder = {}
 

@@ -19,11 +19,11 @@ RUN_TIMEOUT = 120
 @pytest.mark.multiprocess
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_processes_that_disagree_about_a_leaf_never_finalize(tmp_path):
-  """Before: process 1 saving `w` as bfloat16 (process 0: float32), or each
-  process sharding it by another PartitionSpec, finalized a step that could
-  not be restored, and retention (max_to_keep=1) had already deleted the
-  good one. Now the save fails on both processes naming the leaf and both
-  views, and the good step stays."""
+  """Process 1 saving `w` as bfloat16 (process 0: float32), or each process
+  sharding it by another PartitionSpec, fails the save on both processes,
+  naming the leaf and both views: no step that cannot be restored is
+  finalized, and the good one stays (retention, max_to_keep=1, would
+  delete it after a finalized save)."""
   p0, p1 = (r.json for r in run_workers(
       "hardening", 2, args=["disagree", tmp_path], timeout=RUN_TIMEOUT))
   for o in (p0, p1):

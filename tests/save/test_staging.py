@@ -1,5 +1,5 @@
 """Saves of trees with thousands of leaves: what the first save compiles,
-how shards are planned, and how leaves are named (issue 16's save path).
+how shards are planned, and how leaves are named.
 
 Compiles are counted through JAX's own monitoring events, on the thread
 that ran them: a save must never wait for a compiler, however many leaves
@@ -19,6 +19,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.format import treepaths
+from helpers import wait_for_compiles
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -88,7 +89,7 @@ def test_small_leaves_are_packed_by_a_few_programs_compiled_in_the_background(
   with _Compiles() as compiles:
     for step in (1, 2, 3, 4):
       if step == 3:
-        copies_lib.PROGRAMS.wait()
+        wait_for_compiles()
       expected[step] = jax.tree.map(np.array, tree)
       manager.save(step, tree)
       tree = _bump(tree)
@@ -116,7 +117,7 @@ def test_a_warmed_up_manager_copies_its_first_save_with_programs(tmp_path):
   manager = CheckpointManager(tmp_path / "ckpt")
   with _Compiles() as compiles:
     manager.warm_up(tree)
-    copies_lib.PROGRAMS.wait()
+    wait_for_compiles()
   assert all(name.startswith("flax_ckpt_plugin-compile")
              for name in compiles.threads), compiles.threads
   expected = jax.tree.map(np.array, tree)
@@ -143,7 +144,7 @@ def test_large_shards_compile_a_bounded_number_of_programs_in_the_background(
       manager.save(step, tree)
       tree = _bump(tree)
       manager.wait_until_finished()
-      copies_lib.PROGRAMS.wait()
+      wait_for_compiles()
       pointers.append(sorted(
           a.unsafe_buffer_pointer()
           for arrays in manager._staging._device.values() for a in arrays))  # pylint: disable=protected-access
@@ -195,7 +196,7 @@ def test_the_first_save_starts_no_thread_and_queues_its_compiles_last(
   assert events == [("runtime copies", 2), ("compile", copies_lib.REUSE),
                     ("compile", copies_lib.PACK)], events
   manager.wait_until_finished()
-  copies_lib.PROGRAMS.wait()
+  wait_for_compiles()
   expected = jax.tree.map(np.array, _bump(tree))
   manager.save(2, _bump(tree))
   manager.wait_until_finished()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin.tolerance import partners
+from helpers import received_bytes
 from launcher import run_workers
 
 
@@ -35,7 +36,7 @@ def test_neighbours_along_the_ring_sit_in_other_domains():
 
 def test_fsdp_one_process_a_host_every_process_receives_one_share():
   ring = partners.Ring([f"host{p}" for p in range(8)])
-  received = partners.received_bytes(ring, [((p,), 100) for p in range(8)], 1)
+  received = received_bytes(ring, [((p,), 100) for p in range(8)], 1)
   assert received == [100] * 8
   for p in range(8):
     (c,) = _check(ring, (p,), 1)
@@ -49,7 +50,7 @@ def test_partners_are_on_another_host_where_one_exists():
   for p in range(4):
     (c,) = _check(ring, (p,), 1)
     assert ring.domains[c.receiver] != ring.domains[p]
-  assert sorted(partners.received_bytes(
+  assert sorted(received_bytes(
       ring, [((p,), 1) for p in range(4)], 1)) == [1, 1, 1, 1]
 
 
