@@ -76,6 +76,12 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
                  for k, v in uninterrupted.items())
 
 
+# The relaunched process must start, import JAX and ask to join before the
+# survivors reach the last step: with 60 steps of 0.3 s, once in CI (a
+# loaded machine) they finished on 6 devices first.
+ELASTIC_STEPS = 100
+
+
 @pytest.mark.parametrize("victim,coordinator_process", [(2, False),
                                                        (0, True)])
 def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
@@ -84,12 +90,7 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
   12 and relaunched at once: the other three recover in place, take the
   new process 2 back, and all four end with code 0 at the last step, on 8
   devices. With `--coordinator-process` (the coordination service in a
-  process of its own), the same with process 0.
-
-  100 steps of 0.3 s: the relaunched process must start, import JAX and
-  ask to join before the survivors reach the last step. With 60, once in
-  CI (a loaded machine) they finished on 6 devices first, and the late
-  process found no coordinator."""
+  process of its own), the same with process 0."""
   elastic = EXAMPLE.parent / "elastic.py"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
@@ -99,7 +100,7 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
     result = subprocess.run(
         [sys.executable, os.fspath(elastic), "--launch", "4", "--workdir",
          os.fspath(tmp_path / "ckpt"), "--local-dir",
-         os.fspath(tmp_path / "local"), "--num-steps", "100",
+         os.fspath(tmp_path / "local"), "--num-steps", str(ELASTIC_STEPS),
          "--kill-process", str(victim), "--kill-step", "12", "--relaunch",
          "--step-secs", "0.3"]
         + (["--coordinator-process"] if coordinator_process else []),
@@ -118,4 +119,4 @@ def test_elastic_example_goes_on_without_a_killed_process_and_takes_it_back(
     assert f"process {p} exited with code 0" in out, out
   assert "recovered in place at step" in out, out
   assert "rejoined at step" in out, out
-  assert "done at step 60 on 8 devices" in out, out
+  assert f"done at step {ELASTIC_STEPS} on 8 devices" in out, out
