@@ -341,7 +341,11 @@ def test_reading_back_asks_where_a_mapping_cannot_be_populated(
   handles.read_ahead(os.fspath(path), stopped, in_flight_bytes=piece)
   # Refused, the first piece is asked once to be mapped, then asked for.
   assert len(behind) == pieces + (kernel == "refuses_the_advice")
-  assert behind == [1.0] * len(behind)
+  # The wait reads one byte of the oldest piece; the kernel may still be
+  # finishing a few other pages of the pieces behind it (in CI, with a
+  # second test worker on the cores: 0.9992 resident). A reader that did
+  # not wait would find pieces long asked for still mostly on the disk.
+  assert min(behind) >= 0.99, behind
   start = time.monotonic()
   while _resident(path) < 1.0 and time.monotonic() - start < 30:
     time.sleep(0.05)
