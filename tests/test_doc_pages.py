@@ -267,10 +267,15 @@ def _quoting_text(page: pathlib.Path) -> str:
   trial log (see `_QUOTING`)."""
   text = page.read_text()
   if page.name == "reliability.md":
-    start = text.index("\n## A process dies: trials")
-    end = text.index("\n## ", start + 1)
-    text = text[:start] + text[end:]
+    text = _without_section(text, "A process dies: trials")
   return text
+
+
+def _without_section(text: str, heading: str) -> str:
+  """`text` less its `## heading` section (up to the next `## `)."""
+  start = text.index(f"\n## {heading}")
+  end = text.index("\n## ", start + 1)
+  return text[:start] + text[end:]
 
 
 def _figures(text: str, *, all_numbers: bool = False) -> set[tuple]:
@@ -423,9 +428,7 @@ def _user_text(page: pathlib.Path) -> str:
   """The page a user reads: performance.md without its method section."""
   text = page.read_text()
   if page.name == "performance.md":
-    start = text.index("\n## Reproducing the figures")
-    end = text.index("\n## ", start + 1)
-    text = text[:start] + text[end:]
+    text = _without_section(text, "Reproducing the figures")
   return text
 
 
