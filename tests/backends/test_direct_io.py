@@ -346,10 +346,14 @@ def test_reading_back_asks_where_a_mapping_cannot_be_populated(
   # second test worker on the cores: 0.9992 resident). A reader that did
   # not wait would find pieces long asked for still mostly on the disk.
   assert min(behind) >= 0.99, behind
+  # WILLNEED's reads may leave out a few pages the kernel cannot allocate
+  # at once (read-ahead allocates without retrying; in CI, with a second
+  # test worker: 0.9997 of the file, 30 s later); a reader that asked for
+  # less than the whole file would leave out a piece or more.
   start = time.monotonic()
-  while _resident(path) < 1.0 and time.monotonic() - start < 30:
+  while _resident(path) < 1.0 and time.monotonic() - start < 5:
     time.sleep(0.05)
-  assert _resident(path) == 1.0
+  assert _resident(path) >= 1.0 - 1 / (2 * pieces)
 
 
 def _dropped_file(directory: pathlib.Path, nbytes: int) -> pathlib.Path:
