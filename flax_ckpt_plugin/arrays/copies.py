@@ -286,9 +286,8 @@ def programs_of(key: GroupKey) -> Any:
   """The compiled programs of the group `key` (see `groups`), or None
   while they compile (the first call queues the compile; `PROGRAMS.ready`
   looks them up without queuing)."""
-  kind, device, sig = key
-  return PROGRAMS.get(key, (pack_programs if kind == PACK
-                            else group_programs)(device, sig))
+  return PROGRAMS.get(key, (pack_programs if key.kind == PACK
+                            else group_programs)(key.device, key.sig))
 
 
 def new_pack(device, sig) -> list[jax.Array]:
@@ -303,10 +302,9 @@ def pack_bytes(sig: tuple[tuple[Any, Any, bool], ...]) -> int:
 
 
 def groups(sigs: tuple[tuple[Any, Any, bool], ...], devices: tuple[Any, ...]
-           ) -> tuple[tuple[Any, tuple[int, ...]], ...]:
-  """The shards copied by programs, in groups: (the group's key, the
-  indices of its shards); a key is (`REUSE` or `PACK`, the device, the
-  shards' signature), and two groups may share one (and its program).
+           ) -> tuple[Group, ...]:
+  """The shards copied by programs, in `Group`s; two groups may share a
+  key (and its program).
 
   Shards of at least `REUSE_BYTES` are copied into staging memory reused
   from save to save, per device, by signature, `_GROUP` at a time; smaller
@@ -320,12 +318,28 @@ def groups(sigs: tuple[tuple[Any, Any, bool], ...], devices: tuple[Any, ...]
 REUSE, PACK = "reuse", "pack"
 
 
-class GroupKey(tuple):
-  """(kind, device, signature) of a group: its hash is taken once, so
-  that finding its program each save does not hash the signature."""
+class _GroupKeyFields(NamedTuple):
+  """`GroupKey`'s fields (a NamedTuple's own class cannot replace its
+  `__new__`, which `GroupKey` needs to keep its hash)."""
+  kind: str
+  device: Any
+  sig: tuple[tuple[Any, Any, bool], ...]
+
+
+class GroupKey(_GroupKeyFields):
+  """What a group's programs are compiled for (`PROGRAMS`' key): its hash
+  is taken once, so that finding its program each save does not hash the
+  signature.
+
+  Attributes:
+    kind: `REUSE` (large shards, a buffer each) or `PACK` (small shards
+      packed into one buffer).
+    device: the device of the group's shards.
+    sig: the shards' signature: (shape, dtype, weak type) of each.
+  """
 
   def __new__(cls, kind: str, device: Any, sig: tuple[Any, ...]):
-    key = super().__new__(cls, (kind, device, sig))
+    key = super().__new__(cls, kind, device, sig)
     key._hash = hash((kind, device, sig))
     return key
 
@@ -335,7 +349,7 @@ class GroupKey(tuple):
   def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A pack's `pack_offsets`, kept (not looked up by the signature)."""
     if not hasattr(self, "_offsets"):
-      self._offsets = pack_offsets(self[2])
+      self._offsets = pack_offsets(self.sig)
     return self._offsets
 
   def __eq__(self, other) -> bool:
@@ -345,10 +359,28 @@ class GroupKey(tuple):
     return not self == other
 
 
+class Group(NamedTuple):
+  """Shards that one call of a compiled program copies (see `groups`).
+
+  Attributes:
+    key: the program's `GroupKey`.
+    shards: the numbers of the group's shards among those `groups` was
+      given, in the order of `key.sig`.
+  """
+  key: GroupKey
+  shards: tuple[int, ...]
+
+
+def _by_signature(item: tuple[Any, int]) -> tuple[Any, ...]:
+  # Dtypes by name: numpy's dtypes do not order.
+  (shape, dtype, weak_type), i = item
+  return shape, dtype.str, weak_type, i
+
+
 @functools.lru_cache(maxsize=64)
 def _grouped(sigs: tuple[tuple[Any, Any, bool], ...], devices: tuple[Any, ...],
              reuse_bytes: int, pack_count: int, pack_bytes: int
-             ) -> tuple[tuple[Any, tuple[int, ...]], ...]:
+             ) -> tuple[Group, ...]:
   large: dict[Any, list[tuple[Any, int]]] = {}
   small: dict[Any, list[tuple[Any, int, int]]] = {}
   for i, (sig, device) in enumerate(zip(sigs, devices)):
@@ -360,24 +392,24 @@ def _grouped(sigs: tuple[tuple[Any, Any, bool], ...], devices: tuple[Any, ...],
       small.setdefault(device, []).append((sig, i, nbytes))
   out = []
   for device in sorted(large, key=lambda d: d.id):
-    items = sorted(large[device],
-                   key=lambda t: (t[0][0], t[0][1].str, t[0][2], t[1]))
+    items = sorted(large[device], key=_by_signature)
     for start in range(0, len(items), _GROUP):
       chunk = items[start:start + _GROUP]
-      out.append((GroupKey(REUSE, device, tuple(s for s, _ in chunk)),
-                  tuple(i for _, i in chunk)))
+      out.append(Group(GroupKey(REUSE, device, tuple(s for s, _ in chunk)),
+                       tuple(i for _, i in chunk)))
   for device in sorted(small, key=lambda d: d.id):
     chunks: list[list[tuple[Any, int, int]]] = [[]]
     size = 0
-    for item in small[device]:
+    for sig, i, nbytes in small[device]:
       if chunks[-1] and (len(chunks[-1]) == pack_count
-                         or size + item[2] > pack_bytes):
+                         or size + nbytes > pack_bytes):
         chunks.append([])
         size = 0
-      chunks[-1].append(item)
-      size += item[2]
+      chunks[-1].append((sig, i, nbytes))
+      size += nbytes
     for chunk in chunks:
       if chunk:
-        out.append((GroupKey(PACK, device, tuple(s for s, _, _ in chunk)),
-                    tuple(i for _, i, _ in chunk)))
+        out.append(Group(
+            GroupKey(PACK, device, tuple(s for s, _, _ in chunk)),
+            tuple(i for _, i, _ in chunk)))
   return tuple(out)

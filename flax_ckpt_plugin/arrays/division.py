@@ -109,18 +109,30 @@ def _holders(procs: tuple[int, ...], process: int) -> Holders:
     return found
 
 
+class _GridShard(NamedTuple):
+  """A shard of a sharding's grid that one process holds.
+
+  Attributes:
+    coords: the shard's coordinates in the grid.
+    holders: the processes holding it.
+    device: this process's first device holding it, in the sharding's
+      device order.
+  """
+  coords: tuple[int, ...]
+  holders: Holders
+  device: Any
+
+
 class _Grid(NamedTuple):
   """How a sharding cuts every array of one rank, seen from one process.
 
   Attributes:
     tiles: the number of shards along each dimension.
-    mine: per shard this process holds, by its coordinates in that grid
-      (in order): the processes holding it (ascending) and this process's
-      first device holding it, in the sharding's device order.
+    mine: the shards this process holds, by their coordinates (in order).
     least_holders: the fewest processes holding any one shard.
   """
   tiles: tuple[int, ...]
-  mine: tuple[tuple[tuple[int, ...], Holders, Any], ...]
+  mine: tuple[_GridShard, ...]
   least_holders: int
 
 
@@ -166,21 +178,42 @@ def _grid(sharding: Any, ndim: int, process: int) -> _Grid | None:
   for at in np.nonzero(procs == process)[0].tolist():
     mine.setdefault(int(keys[at]), at)
   return _Grid(tiles, tuple(
-      (tuple(coords[at].tolist()),
-       _holders(tuple(holder_procs[first[key]:first[key + 1]].tolist()),
-                process), devices[at])
+      _GridShard(
+          tuple(coords[at].tolist()),
+          _holders(tuple(holder_procs[first[key]:first[key + 1]].tolist()),
+                   process), devices[at])
       for key, at in sorted(mine.items())), int(counts.min()))
+
+
+class _SharedShard(NamedTuple):
+  """A shard of an array that this process holds with other processes.
+
+  Attributes:
+    index: the shard's region of the global array.
+    holders: the processes holding it.
+    device: this process's device holding it.
+    nbytes: the shard's bytes.
+  """
+  index: Index
+  holders: Holders
+  device: Any
+  nbytes: int
 
 
 class _Held(NamedTuple):
   """The shards of one array that this process holds, worked out once per
-  (sharding, shape, dtype): those it alone holds, as the pieces it writes;
-  those others hold too, each with its region, holders, this process's
-  device holding it and bytes; into how many row ranges each of the
-  array's shards is cut (1: none); and the row ranges' pieces made so far
-  (by shard and range)."""
+  (sharding, shape, dtype).
+
+  Attributes:
+    own: those it alone holds, as the pieces it writes.
+    shared: those other processes hold too.
+    parts: into how many row ranges each of the array's shards is cut (1:
+      none).
+    ranges: the row ranges' pieces made so far, by (the shard's number in
+      `shared`, the range's).
+  """
   own: tuple[Piece, ...]
-  shared: tuple[tuple[Index, Holders, Any, int], ...]
+  shared: tuple[_SharedShard, ...]
   parts: int
   ranges: dict[tuple[int, int], Piece]
 
@@ -192,8 +225,8 @@ def _held(sharding: Any, shape: tuple[int, ...], itemsize: int,
   if grid is not None and all(
       size >= t and size % t == 0 for size, t in zip(shape, grid.tiles)):
     sizes = [size // t for size, t in zip(shape, grid.tiles)]
-    shards = [(tuple((c * n, (c + 1) * n) for c, n in zip(coord, sizes)),
-               holders, device) for coord, holders, device in grid.mine]
+    shards = [(tuple((c * n, (c + 1) * n) for c, n in zip(s.coords, sizes)),
+               s.holders, s.device) for s in grid.mine]
     least, volume = grid.least_holders, math.prod(sizes)
     rows = sizes[0] if shape else 0
   else:  # From this array's own indices: every device, once per shape.
@@ -214,7 +247,7 @@ def _held(sharding: Any, shape: tuple[int, ...], itemsize: int,
   return _Held(
       tuple(Piece(index, device, None) for index, holders, device in shards
             if len(holders.procs) == 1),
-      tuple((index, holders, device, _volume(index) * itemsize)
+      tuple(_SharedShard(index, holders, device, _volume(index) * itemsize)
             for index, holders, device in shards if len(holders.procs) > 1),
       parts, {})
 
@@ -261,7 +294,8 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
       continue
     mine = list(held.own)
     parts = held.parts
-    for k, (index, holders, device, nbytes) in enumerate(held.shared):
+    for k, shard in enumerate(held.shared):
+      holders = shard.holders
       if parts > 1:  # Cut: dealt out in turn among its holders.
         count = len(holders.procs)
         first = turn[holders]
@@ -270,19 +304,19 @@ def plan(arrays: tuple[tuple[Any, tuple[int, ...], np.dtype], ...],
         if j < parts:
           piece = held.ranges.get((k, j))
           if piece is None:
-            start, stop = index[0]
+            start, stop = shard.index[0]
             rows = cut(stop - start, parts, j)
             piece = held.ranges[(k, j)] = Piece(
-                ((start + rows[0], start + rows[1]),) + index[1:], device,
-                rows)
+                ((start + rows[0], start + rows[1]),) + shard.index[1:],
+                shard.device, rows)
           mine.append(piece)
         continue
       heap = loads.get(holders)
       if heap is None:
         heap = loads[holders] = _first_loads(holders.procs)
       load, order, writer = heapq.heappop(heap)
-      heapq.heappush(heap, (load + nbytes, order, writer))
+      heapq.heappush(heap, (load + shard.nbytes, order, writer))
       if writer == process:
-        mine.append(Piece(index, device, None))
+        mine.append(Piece(shard.index, shard.device, None))
     out.append(tuple(mine))
   return tuple(out)

@@ -33,12 +33,24 @@ def _is_prng_dtype(dtype: Any) -> bool:
   return jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-# Where a piece is: (its shard's place among the array's single-device
-# arrays, its index, its device, its rows or None).
-_PieceSpec = tuple[int, Index, Any, "tuple[int, int] | None"]
+class PieceSpec(NamedTuple):
+  """Where one piece of an array leaf is, worked out once per layout.
+
+  Attributes:
+    shard: the place of the piece's shard among the array's single-device
+      arrays (in `addressable_shards` order).
+    index: the piece's [start, stop) per dimension of the global array.
+    device: the device that holds the shard.
+    rows: the [start, stop) of the shard's rows that the piece is, or None:
+      all of the shard.
+  """
+  shard: int
+  index: Index
+  device: Any
+  rows: tuple[int, int] | None
 
 
-def _own_copy_specs(arr: jax.Array) -> list[_PieceSpec]:
+def _own_copy_specs(arr: jax.Array) -> list[PieceSpec]:
   """Every distinct shard this process holds: a copy for it alone to
   restore from."""
   plan = shard_plan(arr.sharding, arr.shape)
@@ -47,17 +59,18 @@ def _own_copy_specs(arr: jax.Array) -> list[_PieceSpec]:
     index, _ = plan[s.device]
     if index not in seen:
       seen.add(index)
-      out.append((k, index, s.device, None))
+      out.append(PieceSpec(k, index, s.device, None))
   return out
 
 
 def _planned_specs(arr: jax.Array, pieces: tuple[division.Piece, ...]
-                   ) -> list[_PieceSpec]:
+                   ) -> list[PieceSpec]:
   """The pieces of `arr` that `division` gave this process."""
   if not pieces:
     return []
   place = {s.device: k for k, s in enumerate(arr.addressable_shards)}
-  return [(place[p.device], p.index, p.device, p.rows) for p in pieces]
+  return [PieceSpec(place[p.device], p.index, p.device, p.rows)
+          for p in pieces]
 
 
 class LeafLayout(NamedTuple):
@@ -69,7 +82,7 @@ class LeafLayout(NamedTuple):
   weak_type: bool
   single: bool  # On one device, with a `SingleDeviceSharding`.
   impl: str | None  # A typed PRNG key array's implementation.
-  specs: tuple[_PieceSpec, ...]
+  specs: tuple[PieceSpec, ...]
 
 
 class Layout:

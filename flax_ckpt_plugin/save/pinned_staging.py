@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 import weakref
 
 import jax
@@ -58,9 +58,18 @@ RESERVE_SHARE = 0.5
 # How long `close` waits for a buffer being pinned (one piece's time).
 _STOP_WAIT_SECS = 30.0
 
-# A piece's pinned memory: its device and its bytes (the runtime's pool
-# hands out freed memory by size).
-Size = tuple[Any, int]
+
+class Size(NamedTuple):
+  """A piece's pinned memory, as the runtime's pool hands out freed memory:
+  by size.
+
+  Attributes:
+    device: the device whose pinned host memory holds the piece.
+    nbytes: the piece's bytes.
+  """
+  device: Any
+  nbytes: int
+
 
 # The process's reservations: one pins at a time, at the shared pace.
 _pace = threading.Lock()
@@ -167,7 +176,7 @@ class PinnedStaging:
     """(Under the lock.) Raises the wanted counts to `sizes`' and starts the
     thread if something is missing (and no back-off holds it)."""
     for size, n in collections.Counter(sizes).items():
-      if size[1]:  # Nothing to pin for an empty piece.
+      if size.nbytes:  # Nothing to pin for an empty piece.
         self._wanted[size] = max(self._wanted[size], n)
     if (self._missing() is None or self._closed or self._stop.is_set()
         or self._reservation.left or self._thread is not None):
@@ -188,7 +197,7 @@ class PinnedStaging:
   def _missing(self) -> Size | None:
     """(Under the lock.) A size with fewer buffers pooled and reserved than
     wanted, largest first; None when none is."""
-    for size in sorted(self._wanted, key=lambda s: -s[1]):
+    for size in sorted(self._wanted, key=lambda s: -s.nbytes):
       if self._pooled[size] + len(self._reserved[size]) < self._wanted[size]:
         return size
     return None
@@ -239,7 +248,7 @@ class PinnedStaging:
       log.warning(
           "the runtime refused %d bytes of pinned host memory for the saves"
           " (%r): the saves copy what is not pinned on their devices, and"
-          " pinning is tried again in %d save(s)", size[1], e, left)
+          " pinning is tried again in %d save(s)", size.nbytes, e, left)
       return False
     now = time.monotonic()
     _next_at = now + (now - t0) * (1 / RESERVE_SHARE - 1)
@@ -247,7 +256,7 @@ class PinnedStaging:
       self._pinning = False
       if not self._closed:
         self._reserved[size].append(buf)
-        self.reserved_bytes += size[1]
+        self.reserved_bytes += size.nbytes
         self._reservation.refusals = 0
     del buf
     return True
@@ -286,18 +295,18 @@ class PinnedStaging:
             "this save copies %d bytes on their devices (the commit moves"
             " them to the host) instead of onto pinned host memory, which"
             " the runtime refused %d time(s) in a row; %s",
-            sum(n for _, n in sizes), self._copies.refusals,
+            sum(size.nbytes for size in sizes), self._copies.refusals,
             f"asked again in {self._copies.left} save(s)"
             if self._copies.left else "asked again at the next save")
         self._want(sizes)
         return None
       if self._pinning:
-        out = [not n for _, n in sizes]
+        out = [not size.nbytes for size in sizes]
       else:
         left = collections.Counter(self._pooled)
         out = []
         for size in sizes:
-          if not size[1] or left[size] > 0:
+          if not size.nbytes or left[size] > 0:
             left[size] -= 1
             out.append(True)
           elif self._reserved[size]:
@@ -324,7 +333,7 @@ class PinnedStaging:
         left = self._copies.refused()
         # The pool did not have them after all.
         for s in srcs:
-          size = (next(iter(s.devices())), s.nbytes)
+          size = Size(next(iter(s.devices())), s.nbytes)
           self._pooled[size] = max(0, self._pooled[size] - 1)
       log.warning(
           "the runtime refused %d bytes of pinned host memory for this save"

@@ -27,6 +27,7 @@ from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.arrays import pinned
 from flax_ckpt_plugin.save import pieces as pieces_lib
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
+from flax_ckpt_plugin.save.pinned_staging import Size
 from flax_ckpt_plugin.arrays.copies import bits_dtype
 
 if TYPE_CHECKING:  # Annotations only: `snapshot` imports it anyway.
@@ -52,11 +53,10 @@ def _single_arrays(arr: jax.Array) -> list[jax.Array]:
   return arrays
 
 
-def _shards(plan: pieces_lib.Plan, where: Any, fresh: bool = False
-            ) -> list[jax.Array]:
-  """The shards of the pieces at `where` ((leaf number, piece number, its
-  shard's place, rows) each): single-device arrays (a leaf on one device
-  is its own shard).
+def _shards(plan: pieces_lib.Plan, where: tuple[Where, ...],
+            fresh: bool = False) -> list[jax.Array]:
+  """The shards of the pieces at `where`: single-device arrays (a leaf on
+  one device is its own shard).
 
   `fresh`: each a new `jax.Array` object of the same buffer, for a caller
   that reads it with `np.asarray`, which JAX may cache on the object:
@@ -66,52 +66,81 @@ def _shards(plan: pieces_lib.Plan, where: Any, fresh: bool = False
   """
   out = []
   last, arrays = None, None
-  for i, _, k, _ in where:
-    lay, value = plan.layout.leaves[i], plan.values[i]
+  for w in where:
+    lay, value = plan.layout.leaves[w.leaf], plan.values[w.leaf]
     if lay.impl is not None:
       value = jax.random.key_data(value)
     if lay.single:
       shard = value
     else:
-      if i != last:
-        last, arrays = i, _single_arrays(value)
-      shard = arrays[k]
+      if w.leaf != last:
+        last, arrays = w.leaf, _single_arrays(value)
+      shard = arrays[w.shard]
     out.append(jax.make_array_from_single_device_arrays(
         shard.shape, shard.sharding, [shard]) if fresh else shard)
   return out
 
 
-# A piece, by its leaf's number, its number among the leaf's pieces, its
-# shard's place among the leaf's single-device arrays, and its rows (or
-# None: all of the shard).
-_Where = tuple[int, int, int, "tuple[int, int] | None"]
+class Where(NamedTuple):
+  """One piece of a layout, as a route lists it.
+
+  Attributes:
+    leaf: the number of the piece's leaf, in flattening order.
+    piece: its number among the leaf's pieces (`LeafLayout.specs`).
+    shard: the place of its shard among the leaf's single-device arrays.
+    rows: the [start, stop) of the shard's rows that the piece is, or None:
+      all of the shard.
+  """
+  leaf: int
+  piece: int
+  shard: int
+  rows: tuple[int, int] | None
+
+  def spec(self, layout: pieces_lib.Layout) -> pieces_lib.PieceSpec:
+    """The piece's `PieceSpec` in `layout`."""
+    return layout.leaves[self.leaf].specs[self.piece]
 
 
 class Routes(NamedTuple):
-  """How each piece of one layout travels to the host."""
-  first: tuple[int, ...]  # Per leaf: the number of its first piece.
-  count: int  # Pieces in all.
-  pinned: tuple[_Where, ...]  # Onto pinned host memory,
-  pinned_bytes: int  # that many bytes,
-  pinned_sizes: tuple[tuple[Any, int], ...]  # each's device and bytes.
-  transfers: tuple[_Where, ...]  # Off the CPU, the plain transfer.
-  cuts: tuple[_Where, ...]  # Rows of a CPU shard, cut by a slice.
-  threads: tuple[_Where, ...]  # CPU shards copied by threads (`copy`).
-  programs: tuple[_Where, ...]  # CPU shards copied on their devices,
-  groups: Any  # in these `copies.groups`.
+  """How each piece of one layout travels to the host.
+
+  Attributes:
+    first: per leaf, the number of its first piece (pieces are numbered
+      across the layout, leaf by leaf).
+    count: the pieces in all.
+    pinned: the pieces copied onto pinned host memory,
+    pinned_bytes: their bytes in all,
+    pinned_sizes: and each one's `Size`, in the same order.
+    transfers: the pieces off the CPU that go by the plain transfer.
+    cuts: rows of CPU shards, cut by a slice.
+    threads: CPU shards copied by threads (`HostStaging.copy`).
+    programs: CPU shards copied on their devices,
+    groups: in these `copies.Group`s (whose shard numbers count in
+      `programs`).
+  """
+  first: tuple[int, ...]
+  count: int
+  pinned: tuple[Where, ...]
+  pinned_bytes: int
+  pinned_sizes: tuple[Size, ...]
+  transfers: tuple[Where, ...]
+  cuts: tuple[Where, ...]
+  threads: tuple[Where, ...]
+  programs: tuple[Where, ...]
+  groups: tuple[copies.Group, ...]
 
   def pinned_arrays(self, plan: pieces_lib.Plan) -> list[jax.Array]:
     """The arrays that go onto pinned host memory, their rows cut."""
-    return [cut(shard, rows) for shard, (*_, rows) in zip(
+    return [cut(shard, w.rows) for shard, w in zip(
         _shards(plan, self.pinned), self.pinned)]
 
   def arrays(self, plan: pieces_lib.Plan) -> Arrays:
     """The arrays of this save's pieces that go another way than onto
     pinned host memory (`pinned_arrays`), by route."""
     return Arrays(
-        [cut(shard, rows) for shard, (*_, rows) in zip(
+        [cut(shard, w.rows) for shard, w in zip(
             _shards(plan, self.transfers, fresh=True), self.transfers)],
-        [cut(shard, rows) for shard, (*_, rows) in zip(
+        [cut(shard, w.rows) for shard, w in zip(
             _shards(plan, self.cuts), self.cuts)],
         _shards(plan, self.threads, fresh=True),
         _shards(plan, self.programs))
@@ -138,39 +167,39 @@ def _routes(layout: pieces_lib.Layout, arena: bool,
     if lay is None:
       continue
     count += len(lay.specs)
-    for j, (k, _, device, rows) in enumerate(lay.specs):
-      where = (i, j, k, rows)
-      if budget is not None and takes[device] and pinned.fits(lay.dtype):
+    for j, spec in enumerate(lay.specs):
+      where = Where(i, j, spec.shard, spec.rows)
+      if (budget is not None and takes[spec.device]
+          and pinned.fits(lay.dtype)):
         pinned_todo.append(where)
       else:
         rest.append(where)
   if pinned_todo:
-    nbytes = [math.prod(extents(layout.leaves[i].specs[j][1]))
-              * layout.leaves[i].dtype.itemsize for i, j, _, _ in pinned_todo]
+    nbytes = [math.prod(extents(w.spec(layout).index))
+              * layout.leaves[w.leaf].dtype.itemsize for w in pinned_todo]
     fit = budget.split(nbytes)
     rest += pinned_todo[fit:]
     pinned_todo = pinned_todo[:fit]
     pinned_bytes = sum(nbytes[:fit])
-    pinned_sizes = tuple((layout.leaves[i].specs[j][2], n)
-                         for (i, j, _, _), n in zip(pinned_todo, nbytes))
+    pinned_sizes = tuple(Size(w.spec(layout).device, n)
+                         for w, n in zip(pinned_todo, nbytes))
   else:
     pinned_bytes, pinned_sizes = 0, ()
   transfers, cuts, threads, programs = [], [], [], []
   for where in rest:
-    i, j, _, rows = where
-    lay = layout.leaves[i]
-    if lay.specs[j][2].platform != "cpu":
+    lay = layout.leaves[where.leaf]
+    if lay.specs[where.piece].device.platform != "cpu":
       transfers.append(where)
-    elif rows is not None:
+    elif where.rows is not None:
       cuts.append(where)
     elif bits_dtype(lay.dtype) is not None and not arena:
       programs.append(where)
     else:
       threads.append(where)
   groups = copies.groups(
-      tuple((extents(layout.leaves[i].specs[j][1]), layout.leaves[i].dtype,
-             layout.leaves[i].weak_type) for i, j, _, _ in programs),
-      tuple(layout.leaves[i].specs[j][2] for i, j, _, _ in programs))
+      tuple((extents(w.spec(layout).index), layout.leaves[w.leaf].dtype,
+             layout.leaves[w.leaf].weak_type) for w in programs),
+      tuple(w.spec(layout).device for w in programs))
   return Routes(tuple(first), count, tuple(pinned_todo), pinned_bytes,
                 pinned_sizes, tuple(transfers), tuple(cuts), tuple(threads),
                 tuple(programs), groups)
@@ -182,7 +211,7 @@ def of(plan: pieces_lib.Plan, staging: HostStaging,
   first save of the layout that asks)."""
   layout = plan.layout
   devices = layout.remember("devices", lambda: frozenset(
-      spec[2] for lay in layout.leaves if lay is not None
+      spec.device for lay in layout.leaves if lay is not None
       for spec in lay.specs))
   takes = {d: pinned_staging is not None and pinned.takes(d)
            for d in devices}

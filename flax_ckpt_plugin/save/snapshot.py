@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -56,16 +56,35 @@ from flax_ckpt_plugin.save.leaves import host_leaf
 from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.save.pinned_staging import PinnedStaging
+from flax_ckpt_plugin.save.pinned_staging import Size
 from flax_ckpt_plugin.save import routes as routes_lib
 from flax_ckpt_plugin.format.records import CHECKSUM_BLOCK
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.save.staging import HostStaging
 
 
+class Copy(NamedTuple):
+  """A piece's copy, as the save call started it: what its `ShardData` is
+  made of (the piece's index comes from its `PieceSpec`).
+
+  Attributes:
+    data: the copy: a host array, or a copy still being made (see
+      `ShardData.data`).
+    dtype: the values' dtype where `data` is not a host array (a
+      `jax.Array` or a `copies.Packed`, which may hold the values' bits as
+      unsigned integers); None for a host array.
+    checksums: the CRC-32C of each `records.CHECKSUM_BLOCK` bytes, where
+      the copy took them (`HostStaging.copy_summed`); else None.
+  """
+  data: Any
+  dtype: np.dtype | None
+  checksums: list[int] | None
+
+
 def prepare(tree: Any, *, process_count: int, is_primary: bool,
             staging: HostStaging, own_copy: bool = False,
             pinned_staging: PinnedStaging | None = None
-            ) -> list[tuple[Any, int]]:
+            ) -> list[Size]:
   """Queues the compiles of the programs that a save of `tree` copies its
   CPU shards with (see `copies.groups`: its first save then finds them
   ready, instead of having the runtime copy every shard), and returns the
@@ -73,8 +92,8 @@ def prepare(tree: Any, *, process_count: int, is_primary: bool,
   (see `PinnedStaging.reserve`). Does not wait."""
   plan = pieces_lib.plan(tree, process_count, is_primary, own_copy)
   routes = routes_lib.of(plan, staging, pinned_staging)
-  for key, _ in routes.groups:
-    copies.programs_of(key)
+  for group in routes.groups:
+    copies.programs_of(group.key)
   return list(routes.pinned_sizes)
 
 
@@ -89,11 +108,11 @@ class Snapshot(collections.abc.Sequence):
   """
 
   def __init__(self, layout: pieces_lib.Layout, routes: routes_lib.Routes,
-               made: list[Any], copied: list[Any],
+               made: list[Copy | None], copied: list[Any],
                host: dict[int, LeafSnapshot], *,
                pinned_fallback_bytes: int = 0, unpinned_bytes: int = 0,
                partner_shards: dict[str, list[ShardData]] | None = None):
-    """`made[n]`: (data, dtype, checksums) of piece n, or None for those
+    """`made[n]`: the `Copy` of piece n, or None for those
     `routes.programs` copied, in that order, into `copied`.
     `pinned_fallback_bytes`: what went the plain way, pinned memory
     refused (`SaveStats.pinned_fallback_bytes`); `unpinned_bytes`, what
@@ -116,8 +135,9 @@ class Snapshot(collections.abc.Sequence):
 
   def _make(self) -> list[LeafSnapshot]:
     leaves, first = self._layout.leaves, self._routes.first
-    for (i, j, _, _), copy in zip(self._routes.programs, self._copied):
-      self._made[first[i] + j] = (copy, leaves[i].dtype, None)
+    for w, copy in zip(self._routes.programs, self._copied):
+      self._made[first[w.leaf] + w.piece] = Copy(copy, leaves[w.leaf].dtype,
+                                                 None)
     out = []
     for i, lay in enumerate(self._layout.leaves):
       if lay is None:
@@ -125,10 +145,9 @@ class Snapshot(collections.abc.Sequence):
         continue
       at = self._routes.first[i]
       shards = []
-      for (_, index, _, _), made in zip(
-          lay.specs, self._made[at:at + len(lay.specs)]):
-        data, dtype, sums = made
-        shards.append(ShardData(index, data, dtype, sums))
+      for spec, made in zip(lay.specs, self._made[at:at + len(lay.specs)]):
+        shards.append(ShardData(spec.index, made.data, made.dtype,
+                                made.checksums))
       shards.extend(self._partner_shards.get(lay.path, ()))
       out.append(LeafSnapshot(lay.path, lay.keys, "array",
                               _dtype_name(lay.dtype), lay.shape, shards,
@@ -179,8 +198,8 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   host = {i: host_leaf(*layout.names[i], plan.values[i], is_primary)
           for i in layout.host}
   routes = routes_lib.of(plan, staging, pinned_staging)
-  # What each piece's ShardData is made of: (data, dtype, checksums).
-  made: list[Any] = [None] * routes.count
+  # What each piece's ShardData is made of.
+  made: list[Copy | None] = [None] * routes.count
 
   # Onto pinned host memory: one batched call, not awaited (see `pinned`);
   # the pieces whose pinned memory is not ready, copied on their devices.
@@ -196,11 +215,13 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
       go, copied = [], []
     rest = sorted(set(range(len(srcs))) - set(go))
     unpinned_bytes = sum(srcs[k].nbytes for k in rest) - fallback_bytes
-    rest_copies = _on_devices([srcs[k] for k in rest],
-                              [routes.pinned[k][3] is not None for k in rest])
+    rest_copies = _on_devices(
+        [srcs[k] for k in rest],
+        [routes.pinned[k].rows is not None for k in rest])
     for k, copy in [*zip(go, copied), *zip(rest, rest_copies)]:
-      i, j, _, _ = routes.pinned[k]
-      made[routes.first[i] + j] = (copy, layout.leaves[i].dtype, None)
+      w = routes.pinned[k]
+      made[routes.first[w.leaf] + w.piece] = Copy(
+          copy, layout.leaves[w.leaf].dtype, None)
     del srcs, copied, rest_copies
   arrays = routes.arrays(plan)
 
@@ -215,28 +236,30 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   # (`memfile`), are copied by threads from views of the runtime's buffers
   # right here; the rest on their devices, last.
   first = routes.first
-  for (i, j, _, _), data in zip(routes.cuts, arrays.cuts):
-    made[first[i] + j] = (data, layout.leaves[i].dtype, None)
+  for w, data in zip(routes.cuts, arrays.cuts):
+    made[first[w.leaf] + w.piece] = Copy(data, layout.leaves[w.leaf].dtype,
+                                         None)
   if routes.threads:
     srcs = [np.asarray(shard) for shard in arrays.threads]
     summed = None if staging.arena is None else staging.copy_summed(
         srcs, CHECKSUM_BLOCK)
     if summed is None:
-      keys = [(layout.leaves[i].path, layout.leaves[i].specs[j][1])
-              for i, j, _, _ in routes.threads]
-      for (i, j, _, _), copy in zip(routes.threads,
-                                    staging.copy(list(zip(keys, srcs)))):
-        made[first[i] + j] = (copy, None, None)
+      keys = [(layout.leaves[w.leaf].path, w.spec(layout).index)
+              for w in routes.threads]
+      for w, copy in zip(routes.threads,
+                         staging.copy(list(zip(keys, srcs)))):
+        made[first[w.leaf] + w.piece] = Copy(copy, None, None)
     else:
-      for (i, j, _, _), copy, sums in zip(routes.threads, *summed):
-        made[first[i] + j] = (copy, None, sums)
+      for w, copy, sums in zip(routes.threads, *summed):
+        made[first[w.leaf] + w.piece] = Copy(copy, None, sums)
     # No view of a runtime buffer outlives this call, nor the objects that
     # numpy's views are cached on.
     del srcs
     arrays.threads.clear()
 
-  for (i, j, _, _), data in zip(routes.transfers, arrays.transfers):
-    made[first[i] + j] = (_c_order(np.asarray(data)), None, None)
+  for w, data in zip(routes.transfers, arrays.transfers):
+    made[first[w.leaf] + w.piece] = Copy(_c_order(np.asarray(data)), None,
+                                         None)
 
   # The staging copies last: the runtime's threads start copying at once,
   # on every core, and the call should be over by then; all that is left

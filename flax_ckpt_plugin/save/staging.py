@@ -62,7 +62,8 @@ class HostStaging:
     # with `copy`.
     self.arena = arena
     self._buffers: dict[tuple[Any, ...], np.ndarray] = {}
-    # Per group of large shards: the copies that the next save reuses.
+    # By (group's number, its `GroupKey`): the copies that the next save
+    # reuses.
     self._device: dict[Any, list[jax.Array]] = {}
     self._pads: dict[Any, jax.Array] = {}
     self._spent: list[Any] = []  # See `copy_on_devices`.
@@ -110,43 +111,44 @@ class HostStaging:
       spent, self._spent = self._spent, [old]
       out: list[Any] = [None] * len(srcs)
       started, by_runtime, lacking = [], [], []
-      for n, (key, idx) in enumerate(groups):
-        device = key[1]
+      for n, group in enumerate(groups):
+        key = group.key
         programs = copies_lib.PROGRAMS.ready(key)
         if programs is None:  # Not compiled (yet): queued below.
-          by_runtime += idx
+          by_runtime += group.shards
           lacking.append(key)
           continue
-        pad = self._pads.get(device)
+        pad = self._pads.get(key.device)
         if pad is None:
-          pad = self._pads[device] = jax.device_put(
-              copies_lib.ENQUEUE_PAD, device)
-        started.append(((n, key), idx, programs, pad))
+          pad = self._pads[key.device] = jax.device_put(
+              copies_lib.ENQUEUE_PAD, key.device)
+        started.append((n, key, group.shards, programs, pad))
       # The runtime's copies first, the programs last: once a program runs,
       # the runtime's threads take every core, and this thread may wait
       # for one (measured: up to a scheduler's slice, 4 ms, on 2 cores).
       for i, c in zip(by_runtime, copies_lib.fresh_copies(
           [srcs[i] for i in by_runtime])):
         out[i] = c
-      for place, idx, programs, pad in started:
-        group = [srcs[i] for i in idx]
+      for n, key, idx, programs, pad in started:
+        arrays = [srcs[i] for i in idx]
+        place = (n, key)
         prev = old.pop(place, None)
         if prev is None and programs[0] is None:  # A pack's first memory.
-          prev = copies_lib.new_pack(*place[1][1:])
+          prev = copies_lib.new_pack(key.device, key.sig)
         try:
           if prev is None:
-            copies = programs[0](group, pad)[0]
+            copies = programs[0](arrays, pad)[0]
           else:
-            copies = programs[1](prev, group, pad)[0]
+            copies = programs[1](prev, arrays, pad)[0]
         except (TypeError, ValueError):  # Not what it was compiled for.
-          for i, c in zip(idx, copies_lib.fresh_copies(group)):
+          for i, c in zip(idx, copies_lib.fresh_copies(arrays)):
             out[i] = c
           continue
         self._spent.append(prev)
         del prev
         self._device[place] = copies
-        if place[1][0] == copies_lib.PACK:
-          for i, offset, nbytes in zip(idx, *place[1].offsets()):
+        if key.kind == copies_lib.PACK:
+          for i, offset, nbytes in zip(idx, *key.offsets()):
             out[i] = copies_lib.Packed(copies[0], offset, nbytes)
         else:
           for i, c in zip(idx, copies):

@@ -253,5 +253,5 @@ def test_real_shardings_give_their_grid_without_listing_devices_per_leaf():
     held = division._held(sharding, shape, 4, 0, division.SPLIT_BYTES)  # pylint: disable=protected-access
     expected = sorted({index for index, _ in shard_plan(sharding,
                                                          shape).values()})
-    got = [p.index for p in held.own] + [s[0] for s in held.shared]
+    got = [p.index for p in held.own] + [s.index for s in held.shared]
     assert sorted(got) == expected, sharding

@@ -124,7 +124,7 @@ def test_a_warmed_up_manager_copies_its_first_save_with_programs(tmp_path):
   manager.save(1, tree)
   manager.wait_until_finished()
   reused = manager._staging._device  # pylint: disable=protected-access
-  kinds = sorted(key[0] for _, key in reused)
+  kinds = sorted(key.kind for _, key in reused)
   assert kinds == [copies_lib.PACK, copies_lib.REUSE], kinds
   _assert_equal(manager.restore(jax.eval_shape(lambda: tree), 1), expected)
   manager.close()
@@ -185,7 +185,7 @@ def test_the_first_save_starts_no_thread_and_queues_its_compiles_last(
     return real_copies(srcs, shardings)
 
   def get(key, compile_fn):
-    events.append(("compile", key[0]))
+    events.append(("compile", key.kind))
     return real_get(key, compile_fn)
 
   monkeypatch.setattr(threading.Thread, "start", start)
@@ -200,7 +200,7 @@ def test_the_first_save_starts_no_thread_and_queues_its_compiles_last(
   expected = jax.tree.map(np.array, _bump(tree))
   manager.save(2, _bump(tree))
   manager.wait_until_finished()
-  kinds = sorted(key[0] for _, key in manager._staging._device)  # pylint: disable=protected-access
+  kinds = sorted(key.kind for _, key in manager._staging._device)  # pylint: disable=protected-access
   assert kinds == [copies_lib.PACK, copies_lib.REUSE], kinds
   _assert_equal(manager.restore(jax.eval_shape(lambda: tree), 2), expected)
   manager.close()
