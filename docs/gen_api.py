@@ -606,8 +606,13 @@ class Page:
       kind = "exception"
     else:
       kind = "class"
+    # A base of ours that the package does not export (the manager's
+    # `DirectoryReader`) is how the class is built, not a name to look up:
+    # its members are listed as the class's own.
+    public = getattr(sys.modules.get(self.package), "__all__", ())
     bases = [b for b in cls.__bases__
-             if b is not object and b.__module__ != "typing"]
+             if b is not object and b.__module__ != "typing"
+             and (not self.ours(b) or b.__name__ in public)]
     if bases:
       names = [f"`{b.__qualname__}`" if b.__module__ in ("builtins",)
                or self.ours(b) else f"`{_dotted(b)}`"

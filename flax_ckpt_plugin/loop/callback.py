@@ -35,6 +35,7 @@ from flax_ckpt_plugin.stats import SaveStats
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager.retention import Retention
+from flax_ckpt_plugin.restore.options import RestoreOptions
 from flax_ckpt_plugin.loop.preemption import SignalFlag
 from flax_ckpt_plugin.loop.interval import AutoInterval
 from flax_ckpt_plugin.loop.triggers import Commits
@@ -381,7 +382,7 @@ class CheckpointCallback:
       self.data_iterator = data_iterator
     self.restore_data_state = restore_data_state
     found = self.tiers.restore(
-        state, cast=cast, make_target=make_target,
+        state, RestoreOptions(cast=cast), make_target=make_target,
         data_iterator=self.data_iterator if restore_data_state else None)
     return state if found is None else self._restored(found)
 

@@ -29,13 +29,14 @@ import jax
 
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.logs import log
-from flax_ckpt_plugin.manager.manager import CheckpointManager
+from flax_ckpt_plugin.manager.tier import TierManager
 from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.restore.options import RestoreOptions
 from flax_ckpt_plugin.tolerance import elastic as elastic_lib
 from flax_ckpt_plugin.tolerance import exchange
 from flax_ckpt_plugin.tolerance import generations
@@ -59,7 +60,7 @@ def open_tier(directory: epath.PathLike, job: str, *,
       coordinator, f"flax_ckpt_plugin/local/{job}/open/"
       f"{coordinator.next_round(f'local/{job}/open')}", timeout_ms)
   outcome = meetings.agree(meeting, lambda: LocalTier(
-      CheckpointManager.for_this_process(
+      TierManager.for_this_process(
           directory, job, coordinator=coordinator,
           pinned_host_bytes=pinned_host_bytes)))
   if not outcome.failures:
@@ -109,7 +110,7 @@ class Tiers:
         elastic and watch_peers) else None
     if rejoins is not None:
       coord = groups.Survivors(coord, [coord.process_index])
-    self.manager = CheckpointManager(
+    self.manager = TierManager(
         directory, max_to_keep=max_to_keep, retention=retention,
         storage=storage, processes=dataclasses.replace(
             processes, coordinator=coord,
@@ -140,7 +141,7 @@ class Tiers:
     # to the local tier first; see `check_rebuild`).
     self.rebuild_at: int | None = None
 
-  def quietly(self, what: str, fn: Callable[[CheckpointManager], Any]
+  def quietly(self, what: str, fn: Callable[[TierManager], Any]
               ) -> None:
     """`fn` on the local tier's manager, if there is one (see
     `LocalTier.quietly`)."""
@@ -204,7 +205,7 @@ class Tiers:
     if self.peers is not None and self.peers.rebuild_due(step, state):
       self.rebuild_at = step
 
-  def restore(self, state: Any, *, cast: bool,
+  def restore(self, state: Any, options: RestoreOptions, *,
               make_target: Callable[[list[Any]], Any] | None,
               data_iterator: datastate.DataIterator | None) -> Restored | None:
     """The newest good step like `state`, from the fastest tier that has
@@ -222,7 +223,7 @@ class Tiers:
     else:
       found = tier_restore.restore_for_callback(
           state, self.local, self.manager, data_iterator=data_iterator,
-          cast=cast, partners=self.exchange is not None)
+          options=options, partners=self.exchange is not None)
       if found is None:
         log.info("no checkpoint in %s; starting from the given state",
                  self.manager.directory)

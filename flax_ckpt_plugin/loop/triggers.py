@@ -292,7 +292,8 @@ class EverySecs(Trigger):
     self._prev = self._secs_per_step = None
 
   def _answer(self, step: int, now: float) -> str:
-    """Primary: 'due', or 'next N' (the step at which all ask again)."""
+    """The primary's answer at `step`: 'due', or 'next N' (the step at
+    which every process asks again)."""
     remaining = self.every_secs - (now - self._last_save)
     if remaining <= 0:
       return "due"

@@ -6,8 +6,9 @@ same global arrays). Every process writes only its own shards; only the
 primary host creates, finalizes and deletes step directories.
 
 This module holds the save side (snapshot, commit, hooks, retention); the
-listing and the restores are the `directory_reader.DirectoryReader` it
-holds, whose methods it hands on under the same names.
+listing and the restores are those of `directory_reader.DirectoryReader`,
+which a manager is. What the tolerance layer alone does to a manager
+(regroup, read a step's files, save partner copies) is `tier.TierManager`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import hashlib
 import operator
 import os
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 from etils import epath
 import jax
@@ -25,47 +26,30 @@ import jax
 from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
-from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
-from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.save import pinned_staging
 from flax_ckpt_plugin.manager import deletions as deletions_lib
 from flax_ckpt_plugin.manager import options
 from flax_ckpt_plugin.manager import retention as retention_lib
-from flax_ckpt_plugin.format import files
 from flax_ckpt_plugin.save import writer
 from flax_ckpt_plugin.save.async_commit import AsyncCommitter
 from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.save.commit import CommitHook
-from flax_ckpt_plugin.stats import RestoreStats
 from flax_ckpt_plugin.stats import SaveStats
-from flax_ckpt_plugin.stats import StepMetadata
-from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointExistsError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
-from flax_ckpt_plugin.restore.renaming import Rename
 from flax_ckpt_plugin.save.staging import HostStaging
 from flax_ckpt_plugin.save.snapshot import prepare
 from flax_ckpt_plugin.save.snapshot import take_snapshot
 
-T = TypeVar("T")
 
-
-def _reads(method: Any) -> Any:
-  """Marks a manager's method that hands a call on to its reader's
-  `method` (a `DirectoryReader`'s), with that method's docstring."""
-  def mark(fn: Any) -> Any:
-    fn.__doc__ = method.__doc__
-    return fn
-  return mark
-
-
-class CheckpointManager:
+class CheckpointManager(DirectoryReader):
   """Saves, lists, restores and prunes the steps of one directory.
 
   Called on every process. `save` blocks only for a host snapshot; a
@@ -93,9 +77,6 @@ class CheckpointManager:
       evaluation job that reads a training job's directory). It lists the
       directory at every query, so it sees steps finalized after it opened,
       and it talks to other processes only in `restore_newest_valid`.
-    scope: save, for the process it names, every distinct shard that
-      process holds, alone (the local tier's steps; see
-      docs/fault_tolerance.md).
     share_reads: in restores that every process makes together
       (`restore_newest_valid`, the callback's), split the reading of what
       several processes need and share it over JAX collectives, so that
@@ -131,116 +112,79 @@ class CheckpointManager:
                processes: options.Processes | None = None,
                hooks: Sequence[CommitHook] = (),
                read_only: bool = False,
-               scope: files.Scope | None = None,
                share_reads: bool = True):
     self.retention = retention_lib.Policy.of(max_to_keep, retention)
     self.storage = storage = storage or options.Storage()
     self.processes = processes = processes or options.Processes()
-    self.coordinator = processes.coordinator or coordinator_lib.default()
-    count, primary_host = (self.coordinator.process_count,
-                           processes.primary_host)
-    if primary_host >= count:
-      raise ValueError(f"primary_host={primary_host} is not a process index"
-                       f" (process count {count})")
+    coordinator = processes.coordinator or coordinator_lib.default()
+    if processes.primary_host >= coordinator.process_count:
+      raise ValueError(
+          f"primary_host={processes.primary_host} is not a process index"
+          f" (process count {coordinator.process_count})")
     given = os.fspath(directory)
     # The storage backend is chosen once, by the path's scheme; object
     # stores go through fsspec, never tf.io.gfile (see object_store).
     directory, backend = interface.make_path(given, storage.backend)
     self.atomicity = atomicity_lib.resolve_atomicity(given, storage.atomicity,
                                                      backend)
-    self.primary_host = primary_host
     base = processes.name or hashlib.sha1(given.encode()).hexdigest()[:12]
-    # Retention's deletes, in the background (the primary's alone). Made
-    # before the committer: at exit, its commit is waited for first, then
-    # the deletes that commit queued (see `exits`: last made, first run).
-    self._deletions = deletions_lib.Deletions(
-        directory, backend, f"flax_ckpt_plugin-delete-{base}",
-        storage.io_timeout_secs)
-    self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
-    # Host copies of CPU shards, reused by each save (see staging.py). A
-    # directory of this process alone may hold its snapshots (tmpfs).
-    self._staging = HostStaging(arena=None if scope is None
-                                else backend.staging_arena(directory))
-    # The newest step's bytes, still in the snapshot it was written from,
-    # for a restore of it in this process (see `backends.held`).
-    self._held = held_lib.HeldStep()
-    self.directory, self.backend = directory, backend
-    self.is_primary = self.coordinator.process_index == primary_host
-    self.read_only, self.scope = read_only, scope
-    self.share_reads = share_reads
-    self.barrier_timeout_ms = int(processes.barrier_timeout_secs * 1000)
-    self._base = f"flax_ckpt_plugin/{base}"
-    self._closed = False
-    self.check_still_writer = None  # A writer's, set when it opens.
-    self._reader = DirectoryReader(
-        directory, backend, coordinator=self.coordinator,
-        is_primary=self.is_primary, read_only=read_only,
-        share_reads=share_reads, scope=scope,
-        barrier_timeout_ms=self.barrier_timeout_ms, base=self._base,
-        check_commit=self._committer.check,
-        free_staging=self._staging.clear, held=self._held,
-        check_open=self._check_open,
+    super().__init__(
+        directory, backend, coordinator=coordinator,
+        primary_host=processes.primary_host, read_only=read_only,
+        share_reads=share_reads,
+        barrier_timeout_ms=int(processes.barrier_timeout_secs * 1000),
+        base=f"flax_ckpt_plugin/{base}",
         io_timeout_secs=storage.io_timeout_secs)
-    self.name = self._base
-    # Accelerator shards' pinned host memory (see `arrays.pinned`).
-    self._pinned = pinned_staging.PinnedStaging(storage.pinned_host_bytes)
-    self._saves = 0
+    self._make_save_side(base)
     self.last_save_stats: SaveStats | None = None
     self._commit_hooks: list[CommitHook] = []
     for hook in hooks:
       self.add_commit_hook(hook)
+    self.name = self._base
+    if not read_only:
+      self._open_for_writing()
+    self._opened_name = self.name  # `regroup` names its groups under it.
+
+  def _make_save_side(self, base: str) -> None:
+    """The threads and memory that saves use, none started yet."""
+    # Retention's deletes, in the background (the primary's alone). Made
+    # before the committer: at exit, its commit is waited for first, then
+    # the deletes that commit queued (see `exits`: last made, first run).
+    self._deletions = deletions_lib.Deletions(
+        self.directory, self.backend, f"flax_ckpt_plugin-delete-{base}",
+        self.storage.io_timeout_secs)
+    self._committer = AsyncCommitter(f"flax_ckpt_plugin-commit-{base}")
+    # Host copies of CPU shards, reused by each save (see staging.py). A
+    # directory of this process alone may hold its snapshots (tmpfs).
+    self._staging = HostStaging(
+        arena=None if self.scope is None
+        else self.backend.staging_arena(self.directory))
+    # Accelerator shards' pinned host memory (see `arrays.pinned`).
+    self._pinned = pinned_staging.PinnedStaging(
+        self.storage.pinned_host_bytes)
+    self._saves = 0
     self._writers: list[int] | None = None  # None: every process.
     # The primary's records (metrics, time) of each step, for `keep_best`
     # and the time rules (steps of earlier runs are read from their
     # manifests when first needed).
     self._records: dict[int, retention_lib.StepRecord] = {}
-    if not read_only:  # The writer's token names every later key.
-      token, steps = commit_lib.open_for_writing(
-          self.coordinator, self.directory, self.backend, self._base,
-          is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
-      self.name = f"{self._base}/{token}"
-      self.check_still_writer = functools.partial(
-          directory_lib.check_still_writer, self.directory, token,
-          writer_count=count, backend=self.backend)
-      self._reader.check_still_writer = self.check_still_writer
-      self._reader.listed(steps)
-      # Not at the first save: that comes right after a train step, whose
-      # runtime threads hold the cores a few ms more (a start waits 3-7 ms).
-      # The same for the thread that compiles the staging copies' programs.
-      self._committer.prepare()
-      self._staging.prepare()
-    self._opened_name = self.name  # `regroup` names its groups under it.
 
-  @classmethod
-  def for_this_process(cls, directory: epath.PathLike, job: str, *,
-                       coordinator: coordinator_lib.Coordinator,
-                       keep: int = 2, pinned_host_bytes: int | None = None
-                       ) -> "CheckpointManager":
-    """A manager of this process's own steps (the local tier's), under
-    `directory/job/process_NNNNN`: every distinct shard the process holds,
-    replicas included, saved and restored without meeting
-    another process, the newest `keep` kept. On a file system in memory
-    its backend fsyncs nothing.
-
-    Args:
-      directory: a per-host path (a local SSD, or `/dev/shm`).
-      job: a name for the job, so that two jobs that share a local path
-        never read each other's steps.
-      coordinator: the job's coordinator (names this process).
-      keep: how many of the newest steps to keep.
-      pinned_host_bytes: see `Storage`.
-    """
-    pid = coordinator.process_index
-    path = epath.Path(os.path.abspath(os.fspath(directory)))
-    path = path / job / f"process_{pid:05d}"
-    return cls(path, max_to_keep=keep,
-               storage=options.Storage(
-                   backend=interface.for_own_path(path),
-                   pinned_host_bytes=pinned_host_bytes),
-               processes=options.Processes(
-                   coordinator=groups.SoloCoordinator(),
-                   name=f"local/{job}/{pid}"),
-               scope=files.Scope(pid, coordinator.process_count))
+  def _open_for_writing(self) -> None:
+    """Claims the directory for this job (every process): its token names
+    every later key, and the steps found are the writer's list."""
+    token, steps = commit_lib.open_for_writing(
+        self.coordinator, self.directory, self.backend, self._base,
+        is_primary=self.is_primary, timeout_ms=self.barrier_timeout_ms)
+    self.name = keys.child(self._base, token)
+    self.check_still_writer = functools.partial(
+        directory_lib.check_still_writer, self.directory, token,
+        writer_count=self.coordinator.process_count, backend=self.backend)
+    self._listed(steps)
+    # Not at the first save: that comes right after a train step, whose
+    # runtime threads hold the cores a few ms more (a start waits 3-7 ms).
+    # The same for the thread that compiles the staging copies' programs.
+    self._committer.prepare()
+    self._staging.prepare()
 
   def add_commit_hook(self, hook: CommitHook) -> None:
     """Runs `hook(stats)` after each step this manager finalizes.
@@ -259,9 +203,7 @@ class CheckpointManager:
 
   def save(self, step: int, state: Any, *, extra: Any = None,
            metrics: dict[str, Any] | None = None,
-           data_state: Any = None,
-           partner_shards: Callable[[], dict[str, list[ShardData]]]
-           | None = None) -> None:
+           data_state: Any = None) -> None:
     """Starts saving `state` as `step`; returns once a host snapshot exists.
 
     The caller may donate or overwrite the state's buffers as soon as this
@@ -276,9 +218,6 @@ class CheckpointManager:
       data_state: this process's own data state (each process passes its
         own, e.g. its data iterator's `get_state()`): bytes, or a JSON
         value; read back on each process with `data_state(step)`.
-      partner_shards: the local tier's only: gives the shards of other
-        processes held here as partner copies (`FaultTolerance.replicas`), by
-        leaf path; called once this process's own copies have started.
 
     Raises:
       CheckpointExistsError: `step` is already finalized.
@@ -288,6 +227,14 @@ class CheckpointManager:
         unsupported type.
       Exception: the error of an earlier background commit.
     """
+    self._save(step, state, extra=extra, metrics=metrics,
+               data_state=data_state, partner_shards=None)
+
+  def _save(self, step: int, state: Any, *, extra: Any,
+            metrics: dict[str, Any] | None, data_state: Any,
+            partner_shards: Callable[[], dict[str, list[ShardData]]] | None
+            ) -> None:
+    """`save`; `partner_shards`: see `TierManager.save`."""
     self._check_open()
     if self.read_only:
       raise PermissionError(
@@ -310,7 +257,7 @@ class CheckpointManager:
     inputs = commit_lib.CommitInputs(
         coordinator=coord, directory=self.directory, backend=self.backend,
         step=step,
-        key=f"{self.name}/save{self._saves}/step{step}",
+        key=keys.child(self.name, f"save{self._saves}", f"step{step}"),
         tmp=atomicity_lib.temporary_path(self.directory, step,
                                          self.atomicity, self.backend),
         leaves=[], extra=extra, metrics=metrics,
@@ -349,19 +296,6 @@ class CheckpointManager:
     except BaseException:
       self._deletions.go_on()
       raise
-
-  def read_step(self, step: int, fn: Callable[[interface.Backend], T]) -> T:
-    """`fn(storage)`: `fn` reads `step`'s files through `storage` (the
-    tolerance layer's readers). Where this process still holds the step's
-    snapshot (the newest step it saved; see docs/loop.md), its data
-    file comes from memory, checked by the reader as a file's; if those
-    bytes fail the checks, `fn` runs again on the files. `fn` must not
-    save (a save waits for the read to end, and raises inside it).
-    """
-    result, _ = self._held.read(step, self.directory / str(step),
-                                self.backend, fn, CheckpointCorruptedError,
-                                f"reading step {step} of {self.directory}")
-    return result
 
   def warm_up(self, state: Any, *, wait: bool = False) -> bool:
     """Sets up what saving `state` needs that the first save would
@@ -429,7 +363,7 @@ class CheckpointManager:
     # an earlier run has its manifest's, written just before).
     self._records[step] = retention_lib.StepRecord(metrics,
                                                    retention_lib.now())
-    self._reader.finalized(step)  # The reader's checks accepted it.
+    self._finalized(step)  # The reader's checks accepted it.
     try:
       commit_lib.run_hooks(
           meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
@@ -445,11 +379,11 @@ class CheckpointManager:
     """Decides which steps go, the same on every process, and has the
     primary queue their deletes (`deletions`); raises, on every process,
     the error of an earlier delete."""
-    steps, protect = self._reader.steps_and_protected()
+    steps, protect = self._steps_and_protected()
     if self.retention.needs_records:
       doomed = retention_lib.decided_by_primary(
           self.retention, meetings.Meeting(
-              self.coordinator, f"{key}/retention_plan",
+              self.coordinator, keys.child(key, "retention_plan"),
               self.barrier_timeout_ms), steps,
           protect=protect, records=self._records,
           read_record=functools.partial(
@@ -457,7 +391,7 @@ class CheckpointManager:
           is_primary=self.is_primary)
     else:  # The same on every process: it depends on the steps alone.
       doomed = self.retention.to_delete(steps, protect=protect)
-    self._reader.forget(doomed)
+    self._unlist(doomed)
     if doomed:  # Every process has the same list: all meet, or none.
       commit_lib.run_retention(
           meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
@@ -499,49 +433,11 @@ class CheckpointManager:
     self._committer.check()
     return True
 
-  def regroup(self, coordinator: Any, wait_secs: float, *, tag: str,
-              primary_host: int) -> None:
-    """Goes on with the processes of `coordinator` alone (a
-    group: the survivors of a lost peer, or every process
-    again once a replacement rejoined, see `elastic`): later saves meet
-    them only, and they write every byte. The save that the loss broke is
-    waited for (at most `wait_secs`) and its error dropped.
+  def _before_restore(self) -> None:
+    self._committer.check()
 
-    Args:
-      coordinator: the group.
-      wait_secs: how long to wait for the running save.
-      tag: names the group's keys (the same on every member, new for each
-        regroup of the job).
-      primary_host: the group's primary (a member).
-    """
-    try:
-      if not self.wait_until_finished(wait_secs):
-        log.warning("the save the loss broke still runs after %.0fs",
-                    wait_secs)
-    except Exception as e:  # pylint: disable=broad-except
-      log.info("dropped the error of the save the loss broke: %r", e)
-    members = list(coordinator.members)
-    # (`wait_until_finished` waited for this process's deletes too: the
-    # steps listed below are not being deleted.)
-    self.coordinator, self._writers = coordinator, members
-    # Keys of their own: the members may have counted the broken save
-    # differently (one whose snapshot failed did not count it), a key used
-    # before names another set of processes, and a process that rejoins
-    # counted no save at all.
-    self.name = f"{self._opened_name}/{tag}"
-    self._saves = 0
-    self.primary_host = primary_host
-    self.is_primary = coordinator.process_index == primary_host
-    self._reader.regroup(coordinator, self.is_primary)
-    # That save may have finalized its step before it broke: the primary
-    # lists the steps anew, for all.
-    steps = commit_lib.listed_by_primary(
-        meetings.Meeting(
-            coordinator,
-            f"{self.name}/regroup/{coordinator.next_round(self.name)}",
-            self.barrier_timeout_ms), self.directory,
-        is_primary=self.is_primary)
-    self._reader.listed(steps)
+  def _free_save_memory(self) -> None:
+    self._staging.clear()
 
   def check_for_errors(self) -> None:
     """Raises the error of a finished background save, without waiting."""
@@ -552,76 +448,7 @@ class CheckpointManager:
     """Whether a background commit is running now."""
     return self._committer.is_running
 
-  # -- listing and restoring (the reader's) ----------------------------------
-
-  @_reads(DirectoryReader.all_steps)
-  def all_steps(self) -> list[int]:
-    return self._reader.all_steps()
-
-  @_reads(DirectoryReader.latest_step)
-  def latest_step(self) -> int | None:
-    return self._reader.latest_step()
-
-  @_reads(DirectoryReader.metadata)
-  def metadata(self, step: int | None = None) -> StepMetadata:
-    return self._reader.metadata(step)
-
-  @_reads(DirectoryReader.data_state)
-  def data_state(self, step: int | None = None) -> Any:
-    return self._reader.data_state(step)
-
-  @_reads(DirectoryReader.restore)
-  def restore(self, target: Any, step: int | None = None, *,
-              verify: bool = True,
-              data_iterator: datastate.DataIterator | None = None,
-              partial: bool = False, missing: str = "error",
-              cast: bool = False, rename: Rename | None = None) -> Any:
-    return self._reader.restore(
-        target, step, verify=verify, data_iterator=data_iterator,
-        partial=partial, missing=missing, cast=cast, rename=rename)
-
-  @_reads(DirectoryReader.restore_together)
-  def restore_together(self, target: Any, step: int | None = None, *,
-                       verify: bool = True,
-                       data_iterator: datastate.DataIterator | None = None,
-                       cast: bool = False, rename: Rename | None = None
-                       ) -> Any:
-    return self._reader.restore_together(
-        target, step, verify=verify, data_iterator=data_iterator, cast=cast,
-        rename=rename)
-
-  @_reads(DirectoryReader.restore_newest_valid)
-  def restore_newest_valid(self, target: Any, *, verify: bool = True,
-                           data_iterator: datastate.DataIterator | None = None,
-                           cast: bool = False, rename: Rename | None = None
-                           ) -> tuple[int, Any] | None:
-    return self._reader.restore_newest_valid(
-        target, verify=verify, data_iterator=data_iterator, cast=cast,
-        rename=rename)
-
-  @_reads(DirectoryReader.discard)
-  def discard(self, steps: list[int]) -> None:
-    self._reader.discard(steps)
-
-  @_reads(DirectoryReader.set_aside)
-  def set_aside(self, steps: list[int]) -> None:
-    self._reader.set_aside(steps)
-
-  @property
-  def last_restore_stats(self) -> RestoreStats | None:
-    """`RestoreStats` of the newest restore, or None."""
-    return self._reader.last_restore_stats
-
   # -- lifetime --------------------------------------------------------------
-
-  @property
-  def closed(self) -> bool:
-    """Whether `close` was called (and did not refuse: see `close`)."""
-    return self._closed
-
-  def _check_open(self) -> None:
-    if self._closed:
-      raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
 
   def close(self, *, leaving: bool = False) -> None:
     """Waits for the running save and for retention's deletes, and raises

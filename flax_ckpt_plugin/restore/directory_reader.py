@@ -26,6 +26,7 @@ from flax_ckpt_plugin.format import directory as directory_lib
 from flax_ckpt_plugin.backends import held as held_lib
 from flax_ckpt_plugin.backends import interface
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin import deadlines
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
@@ -34,6 +35,7 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import data_files
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import renaming
+from flax_ckpt_plugin.restore.options import RestoreOptions
 from flax_ckpt_plugin.restore import shared_read
 from flax_ckpt_plugin.errors import CheckpointCorruptedError
 from flax_ckpt_plugin.errors import CheckpointNotFoundError
@@ -64,47 +66,52 @@ def _not_a_step(target: Any, step: int | None) -> None:
 
 
 class DirectoryReader:
-  """Lists and restores the steps of one directory (a `CheckpointManager`
-  holds one; its methods of the same names are these).
+  """Lists and restores the steps of one directory: the restore API.
+
+  `CheckpointManager` is a `DirectoryReader` that also saves. The save
+  side's part in a restore is the reader's small interface for a writer:
+  it overrides `_before_restore` (raises a background save's error) and
+  `_free_save_memory` (frees the saves' host memory: a restore allocates
+  a whole state of its own), keeps the list of its steps (`_listed`,
+  `_finalized`, `_unlist`), holds its newest step's snapshot in `_held`
+  (a restore of that step reads its bytes there) and sets
+  `check_still_writer` when it opens the directory. Who meets whom
+  (`coordinator`, `primary_host`, `is_primary`) is this object's, and a
+  regroup changes it here for saves and restores alike.
 
   Args:
     directory: the checkpoint directory.
     backend: its storage backend.
     coordinator: the processes that restores meet.
-    is_primary: whether this process is the primary host.
+    primary_host: the index of the primary host among them.
     read_only: list the directory anew at each query (a reader of a
       directory another job writes), and change nothing in it.
     share_reads: see `CheckpointManager`.
-    scope: see `CheckpointManager` (a local tier's steps).
     barrier_timeout_ms: how long restores wait for the other processes.
     base: the prefix of the keys that restores meet at.
-    check_commit: raises the background commit's error (a restore raises
-      it first).
-    free_staging: frees the snapshots' host memory (a restore allocates a
-      whole state of its own).
-    held: the newest step whose snapshot this process still holds
-      (`backends.held`): a restore of it reads its bytes from there.
-    check_open: raises where the manager is closed.
+    io_timeout_secs: the deadline of each look at and read of storage.
   """
 
+  # A local tier's steps: every distinct shard of the process it names
+  # (`files.Scope`), set by a `TierManager`; None: the job's steps.
+  scope: Any = None
+
   def __init__(self, directory: epath.Path, backend: interface.Backend, *,
-               coordinator: coordinator_lib.Coordinator, is_primary: bool,
-               read_only: bool, share_reads: bool, scope: Any,
-               barrier_timeout_ms: int, base: str,
-               check_commit: Callable[[], None],
-               free_staging: Callable[[], None],
-               held: held_lib.HeldStep,
-               check_open: Callable[[], None],
+               coordinator: coordinator_lib.Coordinator, primary_host: int,
+               read_only: bool, share_reads: bool, barrier_timeout_ms: int,
+               base: str,
                io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS):
     self.directory, self.backend = directory, backend
-    self.coordinator, self.is_primary = coordinator, is_primary
+    self.coordinator, self.primary_host = coordinator, primary_host
+    self.is_primary = coordinator.process_index == primary_host
     self.read_only, self.share_reads = read_only, share_reads
-    self.scope, self.barrier_timeout_ms = scope, barrier_timeout_ms
+    self.barrier_timeout_ms = barrier_timeout_ms
     self._base = base
-    self._check_commit, self._free_staging = check_commit, free_staging
-    self._held = held
-    self._check_open = check_open
     self.io_timeout_secs = io_timeout_secs
+    # The newest step whose snapshot this process still holds (a
+    # writer's; `backends.held`): a restore of it reads its bytes there.
+    self._held = held_lib.HeldStep()
+    self._closed = False
     self._lock = threading.Lock()
     self._steps: list[int] = []  # A writer's finalized steps.
     # The newest step known to restore (-1: none); retention keeps it.
@@ -115,6 +122,25 @@ class DirectoryReader:
     # Raises `ConcurrentWriterError` once another job claimed the
     # directory (a writer's, set when it opens the directory).
     self.check_still_writer: Callable[..., None] | None = None
+
+  # -- what a writer adds ------------------------------------------------------
+
+  def _before_restore(self) -> None:
+    """Raises what must stop a restore before it starts (a writer: the
+    error of its background save)."""
+
+  def _free_save_memory(self) -> None:
+    """Frees the host memory that saves keep for the next one (a
+    writer's staging)."""
+
+  @property
+  def closed(self) -> bool:
+    """Whether `close` was called (and did not refuse: see `close`)."""
+    return self._closed
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f"CheckpointManager for {self.directory} is closed")
 
   # -- queries ---------------------------------------------------------------
 
@@ -138,35 +164,29 @@ class DirectoryReader:
 
   # -- the writer's list ------------------------------------------------------
 
-  def finalized(self, step: int) -> None:
+  def _finalized(self, step: int) -> None:
     """A writer finalized `step`: listed, and known to restore (the commit
     ran the reader's checks on it)."""
     with self._lock:
       self._steps = sorted(set(self._steps) | {step})
       self._known_good = max(step, self._known_good)  # Either order agrees.
 
-  def listed(self, steps: list[int]) -> None:
+  def _listed(self, steps: list[int]) -> None:
     """The directory's finalized steps as a writer found them (at its
     open, or listed anew after a regroup)."""
     with self._lock:
       self._steps = sorted(steps)
 
-  def steps_and_protected(self) -> tuple[list[int], int]:
+  def _steps_and_protected(self) -> tuple[list[int], int]:
     """The writer's steps, and the newest known to restore (-1: none),
     which retention never deletes."""
     with self._lock:
       return list(self._steps), self._known_good
 
-  def forget(self, steps: list[int]) -> None:
+  def _unlist(self, steps: list[int]) -> None:
     """Takes `steps` out of the list (retention deleted them)."""
     with self._lock:
       self._steps = [s for s in self._steps if s not in steps]
-
-  def regroup(self, coordinator: coordinator_lib.Coordinator,
-              is_primary: bool) -> None:
-    """Restores meet these processes from now on (see
-    `CheckpointManager.regroup`)."""
-    self.coordinator, self.is_primary = coordinator, is_primary
 
   def _finalized_dir(self, step: int | None) -> tuple[int, epath.Path]:
     if step is None:
@@ -292,19 +312,26 @@ class DirectoryReader:
     """
     self._check_open()
     _not_a_step(target, step)
-    rename = renaming.Renaming.of(rename)
-    self._check_commit()
+    return self._restore(
+        target, step, RestoreOptions(verify=verify, partial=partial,
+                                     missing=missing, cast=cast,
+                                     rename=rename), data_iterator)
+
+  def _restore(self, target: Any, step: int | None, options: RestoreOptions,
+               data_iterator: datastate.DataIterator | None) -> Any:
+    """`restore`, its options checked."""
+    self._check_open()
+    self._before_restore()
     self._hint_together(target)
     t0 = time.perf_counter()
     step, step_dir, manifest = self._manifest(step)
     hand_over = None if data_iterator is None else datastate.prepare(
         data_iterator, step_dir, manifest, self.coordinator, self.backend)
     if target is None:
-      target = plain_target(manifest.leaves, rename)
+      target = plain_target(manifest.leaves, options.rename)
     (tree, nbytes), from_memory = self._read_step(
         step, step_dir, lambda storage: restore_tree(
-            step_dir, manifest, target, verify=verify, backend=storage,
-            partial=partial, missing=missing, cast=cast, rename=rename,
+            step_dir, manifest, target, options, backend=storage,
             io_timeout_secs=self.io_timeout_secs))
     self.last_restore_stats = RestoreStats(
         step, time.perf_counter() - t0, nbytes, from_memory)
@@ -329,16 +356,23 @@ class DirectoryReader:
       As `restore`, and an error when another process found
       the step damaged (see `restore_newest_valid`).
     """
-    if not self._shares_reads(target):
-      return self.restore(target, step, verify=verify,
-                          data_iterator=data_iterator, cast=cast,
-                          rename=rename)
     self._check_open()
-    rename = renaming.Renaming.of(rename)
-    self._check_commit()
+    _not_a_step(target, step)
+    return self._restore_together(
+        target, step, RestoreOptions(verify=verify, cast=cast, rename=rename),
+        data_iterator)
+
+  def _restore_together(self, target: Any, step: int | None,
+                        options: RestoreOptions,
+                        data_iterator: datastate.DataIterator | None) -> Any:
+    """`restore_together`, its options checked (neither `partial` nor
+    `missing`: the processes plan every leaf alike)."""
+    if not self._shares_reads(target):
+      return self._restore(target, step, options, data_iterator)
+    self._check_open()
+    self._before_restore()
     t0 = time.perf_counter()
-    key = f"{self._base}/shared"
-    key = f"{key}/{self.coordinator.next_round(key)}"
+    key = keys.fresh(self.coordinator, f"{self._base}/shared")
     step = operator.index(step) if step is not None else self._agreed_newest(
         f"{key}/newest")
     step_dir = self.directory / str(step)
@@ -355,12 +389,11 @@ class DirectoryReader:
     # a read of held bytes that failed its checks would be read again
     # here alone, while the others go on to the collectives.
     self._held.release()
-    self._free_staging()
+    self._free_save_memory()
     tree, nbytes, hand_over = shared_read.restore(
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
-        step_dir, read_manifest, target, step=step,
-        reads_manifest=self.is_primary, backend=self.backend, verify=verify,
-        before=before, cast=cast, rename=rename,
+        step_dir, read_manifest, target, options, step=step,
+        reads_manifest=self.is_primary, backend=self.backend, before=before,
         io_timeout_secs=self.io_timeout_secs)
     self.last_restore_stats = RestoreStats(step, time.perf_counter() - t0,
                                            nbytes)
@@ -383,7 +416,7 @@ class DirectoryReader:
     """
     if self._held.step != step:
       self._held.release()
-    self._free_staging()
+    self._free_save_memory()
     try:
       result, from_memory = self._held.read(
           step, step_dir, self.backend, read, CheckpointCorruptedError,
@@ -467,15 +500,23 @@ class DirectoryReader:
         damage (that process raises its own error).
     """
     self._check_open()
-    self._check_commit()
-    key = f"{self._base}/restore"
-    key = f"{key}/{self.coordinator.next_round(key)}"
+    _not_a_step(target, None)
+    return self._restore_newest_valid(
+        target, RestoreOptions(verify=verify, cast=cast, rename=rename),
+        data_iterator)
+
+  def _restore_newest_valid(self, target: Any, options: RestoreOptions,
+                            data_iterator: datastate.DataIterator | None
+                            ) -> tuple[int, Any] | None:
+    """`restore_newest_valid`, its options checked."""
+    self._check_open()
+    self._before_restore()
+    key = keys.fresh(self.coordinator, f"{self._base}/restore")
     found, skipped = fallback.restore_newest(
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
         steps=self.all_steps,
-        restore=lambda step: self.restore_together(
-            target, step, verify=verify, data_iterator=data_iterator,
-            cast=cast, rename=rename),
+        restore=lambda step: self._restore_together(
+            target, step, options, data_iterator),
         is_primary=self.is_primary,
         where=str(self.directory))
     if found is not None:  # Every process restored it.
@@ -484,7 +525,7 @@ class DirectoryReader:
     if skipped and found is not None:
       log.warning("restored step %d of %s after skipping damaged steps %s",
                   found[0], self.directory, skipped)
-      self.set_aside(skipped)
+      self._set_aside(skipped)
     return found
 
   def discard(self, steps: list[int]) -> None:
@@ -494,7 +535,7 @@ class DirectoryReader:
     self._forget(steps, lambda: directory_lib.delete_steps(
         self.directory, sorted(steps), self.check_still_writer, self.backend))
 
-  def set_aside(self, steps: list[int]) -> None:
+  def _set_aside(self, steps: list[int]) -> None:
     """Takes damaged steps out of the list, so that training saves them anew.
 
     Otherwise the resumed run would never save those step numbers again,
@@ -508,7 +549,7 @@ class DirectoryReader:
     """Takes `steps` out of the list; the primary runs `remove`."""
     if self.read_only or not steps:
       return
-    self.forget(steps)
+    self._unlist(steps)
     if self._held.step in steps:
       self._held.release()
     if self.is_primary:

@@ -27,6 +27,7 @@ from flax_ckpt_plugin.errors import StructureMismatchError
 from flax_ckpt_plugin.format.records import describe
 from flax_ckpt_plugin.format.records import is_python_scalar
 from flax_ckpt_plugin.format.records import LeafRecord
+from flax_ckpt_plugin.restore.options import RestoreOptions
 
 # A structure mismatch names at most this many leaves of each list, and this
 # many leaves whose shape or dtype differs.
@@ -175,23 +176,21 @@ def _castable(saved: LeafRecord, target: Any) -> bool:
           and refusal(saved.dtype, dtype) is None)
 
 
-MISSING = ("error", "keep")
-
-
 def match_structure(saved: dict[str, LeafRecord],
                     targets: list[tuple[str, Any]],
-                    step_dir: epath.Path | str, *, partial: bool = False,
-                    missing: str = "error", cast: bool = False,
+                    step_dir: epath.Path | str,
+                    options: RestoreOptions = RestoreOptions(), *,
                     call: str = "restore",
                     explain: Callable[[], str] | None = None) -> list[str]:
   """Raises StructureMismatchError naming every leaf that does not fit.
 
   Leaves missing on either side, and every leaf whose shape or dtype
   differs, all in one message (each list cut at `_MAX_LISTED`, the
-  differing leaves at `_MAX_MISMATCHES`), before any data is read. With
-  `partial`, checkpoint leaves that the target lacks are no mismatch;
-  with `missing="keep"`, target leaves that the checkpoint lacks are not
-  either, if the target gives them a value (not a `ShapeDtypeStruct`).
+  differing leaves at `_MAX_MISMATCHES`), before any data is read. Of the
+  `options`: with `partial`, checkpoint leaves that the target lacks are
+  no mismatch; with `missing="keep"`, target leaves that the checkpoint
+  lacks are not either, if the target gives them a value (not a
+  `ShapeDtypeStruct`).
   With `cast`, a leaf whose dtype alone differs is no mismatch where
   `refusal` allows the conversion; without it, the message says
   that `cast=True` would convert those leaves. `saved` is keyed by target
@@ -205,9 +204,8 @@ def match_structure(saved: dict[str, LeafRecord],
     The target leaves that the checkpoint lacks and that keep the target's
     value (only with `missing="keep"`).
   """
-  if missing not in MISSING:
-    raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
-  keep = missing == "keep"
+  partial, cast = options.partial, options.cast
+  keep = options.missing == "keep"
   target_paths = [p for p, _ in targets]
   kept = [p for p, t in targets if keep and p not in saved
           and not isinstance(t, jax.ShapeDtypeStruct)]

@@ -32,6 +32,7 @@ from flax_ckpt_plugin.restore import window as window_lib
 from flax_ckpt_plugin.arrays import copies
 from flax_ckpt_plugin.restore.data_files import host_buffer
 from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.restore.reader import LeafReads
 from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import is_python_scalar
 from flax_ckpt_plugin.format.records import LeafRecord
@@ -359,11 +360,10 @@ def on_context_mesh(path: str, leaf: Any) -> Any:
       mesh, sharding.spec, memory_kind=sharding.memory_kind))
 
 
-def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
-                 cast: bool = False,
-                 window: window_lib.RestoreWindow | None = None) -> Any:
-  """One leaf like `target`; `lr_args` make its `LeafReader` (unused for
-  a Python scalar, whose value is in the manifest). With `cast`, values
+def restore_leaf(saved: LeafRecord, target: Any, reads: LeafReads | None,
+                 *, window: window_lib.RestoreWindow | None = None) -> Any:
+  """One leaf like `target`, read as `reads` say (None for a leaf whose
+  value is in the manifest: a Python scalar). With `reads.cast`, values
   are converted to the target's dtype as they are read (`casting`). With a
   `window`, regions for devices with pinned host memory travel through it.
   """
@@ -375,9 +375,9 @@ def restore_leaf(saved: LeafRecord, target: Any, lr_args: dict, *,
     if isinstance(target, np.ndarray | np.generic):
       return host if isinstance(target, np.ndarray) else host[()]
     return _put(host, target_sharding(target))
-  lr = LeafReader(leaf=saved, **lr_args)
-  if cast:
-    lr = casting.reader_for(lr, saved, target, lr_args["where"])
+  lr = reads.open(saved)
+  if reads.cast:
+    lr = casting.reader_for(lr, saved, target, reads.where)
   if (isinstance(target, (bool, int, float, np.ndarray, np.generic))
       or lr.dtype.byteorder == ">" or saved.key_impl is not None):
     return from_host(saved, target, lr.read(tuple((0, d) for d in lr.shape)))

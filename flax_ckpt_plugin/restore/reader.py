@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -47,6 +47,29 @@ def _runs_of(numbers: list[int]) -> Iterator[tuple[int, int]]:
   for _, run in itertools.groupby(enumerate(numbers), lambda p: p[1] - p[0]):
     run = [k for _, k in run]
     yield run[0], run[-1]
+
+
+class LeafReads(NamedTuple):
+  """How every leaf of one restore is read.
+
+  Attributes:
+    reader: the step's data files.
+    verify: check every block read against its CRC-32C.
+    block: bytes per checksum of the shards.
+    where: how messages name the step ("step 5 in /ckpt/5").
+    cast: convert leaves to the target's dtype as they are read
+      (`casting`; `placement.restore_leaf` does).
+  """
+  reader: ByteReader
+  verify: bool
+  block: int
+  where: str
+  cast: bool = False
+
+  def open(self, leaf: LeafRecord) -> LeafReader:
+    """The reader of `leaf`'s regions."""
+    return LeafReader(reader=self.reader, leaf=leaf, where=self.where,
+                      verify=self.verify, block=self.block)
 
 
 class LeafReader:

@@ -32,6 +32,7 @@ from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import tree as tree_lib
+from flax_ckpt_plugin.restore.options import RestoreOptions
 
 
 def _header(folder: epath.Path, name: str, backend: interface.Backend,
@@ -178,14 +179,15 @@ def load_safetensors(path_or_dir: epath.PathLike, target: Any, *,
     ValueError: a rename rule that is not a regular expression, or two
       tensors given one target path (names them).
   """
-  rename = renaming.Renaming.of(rename)
+  # (Safetensors files carry no checksums: nothing to verify.)
+  options = RestoreOptions(verify=False, partial=partial, missing=missing,
+                           cast=cast, rename=rename)
   t0 = time.perf_counter()
   src, backend = source(path_or_dir)
   if target is None:
-    target = tree_lib.plain_target(src.leaves, rename)
-  tree, nbytes = tree_lib.restore_records(
-      src, target, verify=False, backend=backend, partial=partial,
-      missing=missing, cast=cast, rename=rename)
+    target = tree_lib.plain_target(src.leaves, options.rename)
+  tree, nbytes = tree_lib.restore_records(src, target, options,
+                                          backend=backend)
   log.info("%s: read %d bytes of %d files in %.2f s", src.where, nbytes,
            len(src.files), time.perf_counter() - t0)
   return tree

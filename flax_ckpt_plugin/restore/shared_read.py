@@ -47,7 +47,6 @@ from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.restore import matching
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import placement
-from flax_ckpt_plugin.restore import renaming
 from flax_ckpt_plugin.restore import share_program
 from flax_ckpt_plugin.restore import slots as slots_lib
 from flax_ckpt_plugin import deadlines
@@ -56,6 +55,8 @@ from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.data_files import ByteReader
+from flax_ckpt_plugin.restore.options import RestoreOptions
+from flax_ckpt_plugin.restore.reader import LeafReads
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 
 
@@ -63,9 +64,8 @@ from flax_ckpt_plugin.format.treepaths import leaf_paths
 _COMPILES = deadlines.Pool(1, "flax_ckpt_plugin-compile")
 
 def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
-            target: Any, *, step: int, reads_manifest: bool, backend: Any,
-            verify: bool, before: Any = None, cast: bool = False,
-            rename: renaming.Renaming | None = None,
+            target: Any, options: RestoreOptions, *, step: int,
+            reads_manifest: bool, backend: Any, before: Any = None,
             io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
             ) -> tuple[Any, int, Any]:
   """Restores `step` from `step_dir` like `target`; see the module doc.
@@ -77,10 +77,11 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
   coordinator; the others read no manifest, so storage serves it once.
   `before(manifest)` then runs on every process (the data state's checks).
   Both run inside agreed phases, so that an error on one process is known
-  to all. With `cast`, leaves of another dtype than the target's are
-  converted (`casting`), each read by every process that needs it. With
-  `rename`, the checkpoint's leaves take their target paths first. Each
-  read of storage has the deadline `io_timeout_secs`.
+  to all. Of the `options` (those of `restore_together`: never `partial`
+  nor `missing`): with `cast`, leaves of another dtype than the target's
+  are converted (`casting`), each read by every process that needs it;
+  with `rename`, the checkpoint's leaves take their target paths first.
+  Each read of storage has the deadline `io_timeout_secs`.
 
   Returns:
     The tree, the bytes this process read, and what `before` returned.
@@ -95,9 +96,9 @@ def restore(meeting: meetings.Meeting, step_dir: Any, read_manifest: Any,
     StructureMismatchError: the target does not fit (raised by all).
   """
   with _no_collection():
-    return _restore(meeting, step_dir, read_manifest, target, step=step,
-                    reads_manifest=reads_manifest, backend=backend,
-                    verify=verify, before=before, cast=cast, rename=rename,
+    return _restore(meeting, step_dir, read_manifest, target, options,
+                    step=step, reads_manifest=reads_manifest,
+                    backend=backend, before=before,
                     io_timeout_secs=io_timeout_secs)
 
 
@@ -115,8 +116,8 @@ def _no_collection():
       gc.enable()
 
 
-def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
-             step, reads_manifest, backend, verify, before, cast, rename,
+def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target,
+             options, *, step, reads_manifest, backend, before,
              io_timeout_secs):
   coord = meeting.coordinator
   key = meeting.key
@@ -140,8 +141,7 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
     manifest = own[0] if own else manifest_lib.of_step(
         meetings.fetch_text(coord, shared, timeout_ms).encode("utf-8"),
         step_dir, step)
-    return (manifest,) + _plan(step_dir, manifest, target, where, cast,
-                               rename)
+    return (manifest,) + _plan(step_dir, manifest, target, where, options)
 
   # Whatever can fail on one process alone before the programs start
   # (fetching the manifest) fails in this phase, which starts none.
@@ -154,8 +154,8 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target, *,
   _check(outcome, where)
   manifest, treedef, leaves, batches, packs = outcome.result
   outcome = meetings.agree(meeting.under("read"), lambda: _read(
-      step_dir, manifest, backend, verify, where, leaves, batches, packs,
-      before, cast, deadlines.InFlight(io_timeout_secs, where),
+      step_dir, manifest, backend, options, where, leaves, batches, packs,
+      before, deadlines.InFlight(io_timeout_secs, where),
       timeout_ms / 1000))
   _check(outcome, where)
   return _run(treedef, *outcome.result)
@@ -187,7 +187,7 @@ def _check(outcome: meetings.Outcome, where: str,
 
 
 def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
-          where: str, cast: bool, rename: renaming.Renaming | None
+          where: str, options: RestoreOptions
           ) -> tuple[Any, list, list, list]:
   """Matches the target and plans every leaf (see `read_plan`): the same
   on every process, and nothing read yet. A leaf cast to another dtype is
@@ -198,15 +198,16 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
     None: read alone); the batches; their packs.
   """
   targets, treedef = leaf_paths(target)
-  rename = rename or renaming.Renaming()
+  rename = options.rename
   saved = rename.apply(manifest.leaves)
   pairs = [(p, t) for p, _, t in targets]
   matching.match_structure(
-      saved, pairs, step_dir, cast=cast,
+      saved, pairs, step_dir, options,
       explain=lambda: rename.explain(leaf.path for leaf in manifest.leaves))
   for path, _, _ in targets:
     matching.check_key_impl(saved[path], where)
-  converted = set(placement.log_casts(where, saved, pairs) if cast else ())
+  converted = set(placement.log_casts(where, saved, pairs)
+                  if options.cast else ())
   leaves, load, memo = [], {}, {}
   for path, _, t in targets:
     t = placement.on_context_mesh(path, t)
@@ -226,9 +227,9 @@ def _plan(step_dir: Any, manifest: manifest_lib.Manifest, target: Any,
 
 
 def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
-          verify: bool, where: str, leaves: list, batches: list[list[int]],
-          packs: list[read_plan.Pack | None], before: Any, cast: bool,
-          in_flight: deadlines.InFlight, compile_secs: float
+          options: RestoreOptions, where: str, leaves: list,
+          batches: list[list[int]], packs: list[read_plan.Pack | None],
+          before: Any, in_flight: deadlines.InFlight, compile_secs: float
           ) -> tuple[list, list, int, Any]:
   """Runs `before(manifest)`, reads this process's leaves and its parts
   of the shared ones, and starts each batch's program once its parts are
@@ -255,8 +256,9 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
                                 pack, x64)  # In order, on one thread.
                for batch, pack in zip(batches, packs)]
   reader = ByteReader(step_dir, manifest.files, backend, in_flight=in_flight)
-  lr_args = {"reader": reader, "verify": verify,
-             "block": manifest.checksum_block_bytes, "where": where}
+  reads = LeafReads(reader=reader, verify=options.verify,
+                    block=manifest.checksum_block_bytes, where=where,
+                    cast=options.cast)
   batch_of = {i: (b, k) for b, batch in enumerate(batches)
               for k, i in enumerate(batch)}
   slots: dict[int, jax.Array] = {}
@@ -275,8 +277,7 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       if split is None:
         if error is None:
           try:
-            plans.append(("own", placement.restore_leaf(leaf, t, lr_args,
-                                                          cast=cast)))
+            plans.append(("own", placement.restore_leaf(leaf, t, reads)))
             continue
           except Exception as e:  # pylint: disable=broad-except
             error = e
@@ -291,9 +292,9 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
       try:
         if pack is not None and i in pack.pieces:
           if error is None:
-            slots_lib.fill(flats[b], leaf, pack.pieces[i], lr_args)
+            slots_lib.fill(flats[b], leaf, pack.pieces[i], reads)
         else:
-          slots[i] = slots_lib.leaf_slots(leaf, t, split, lr_args,
+          slots[i] = slots_lib.leaf_slots(leaf, t, split, reads,
                                           read=error is None)
       except Exception as e:  # pylint: disable=broad-except
         error = e  # `slots.inputs` gives the leaf zeros.
@@ -306,12 +307,12 @@ def _read(step_dir: Any, manifest: manifest_lib.Manifest, backend: Any,
         program = compiling[b].result(timeout=compile_secs)
         try:
           inputs = slots_lib.inputs(leaves, batches[b], pack,
-                                    flats.pop(b, None), slots, lr_args,
+                                    flats.pop(b, None), slots, reads,
                                     zeros=False)
         except Exception as e:  # pylint: disable=broad-except
           error = error or e
           inputs = slots_lib.inputs(leaves, batches[b], pack, None, slots,
-                                    lr_args, zeros=True)
+                                    reads, zeros=True)
         outputs.append(program(*inputs))
         del inputs
   finally:

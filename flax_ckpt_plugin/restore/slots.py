@@ -19,12 +19,12 @@ from flax_ckpt_plugin.format.treepaths import Index
 from flax_ckpt_plugin.format.treepaths import normalize_index
 from flax_ckpt_plugin.restore import read_plan
 from flax_ckpt_plugin.restore import replicas as replicas_lib
-from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.restore.reader import LeafReads
 
 
 def inputs(leaves: list, batch: list[int], pack: read_plan.Pack | None,
             flats: dict[Any, np.ndarray] | None, slots: dict[int, jax.Array],
-            lr_args: dict, *, zeros: bool) -> tuple[Any, list[jax.Array]]:
+            reads: LeafReads, *, zeros: bool) -> tuple[Any, list[jax.Array]]:
   """A batch's program inputs: the packed slots and each other leaf's
   slots (taken out of `slots`); all zeros if `zeros`."""
   flat = None
@@ -42,14 +42,14 @@ def inputs(leaves: list, batch: list[int], pack: read_plan.Pack | None,
     leaf, t, split = leaves[i]
     slot = slots.pop(i, None)
     arrays.append(slot if slot is not None and not zeros else leaf_slots(
-        leaf, t, split, lr_args, read=False))
+        leaf, t, split, reads, read=False))
   return flat, arrays
 
 
 def fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
-          lr_args: dict) -> None:
+          reads: LeafReads) -> None:
   """Reads this process's rows of a packed leaf into its devices' slots."""
-  lr = LeafReader(leaf=leaf, **lr_args)
+  lr = reads.open(leaf)
   rest = tuple((0, n) for n in leaf.shape[1:])
   mine = [p for p in pieces if p[3] in flats]
   if not mine:
@@ -61,7 +61,7 @@ def fill(flats: dict[Any, np.ndarray], leaf: Any, pieces: list,
     flats[device][0, offset:offset + n] = data[a - lo:b - lo].reshape(-1)
 
 
-def leaf_slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
+def leaf_slots(leaf: Any, t: Any, split: read_plan.Split, reads: LeafReads, *,
            read: bool
            ) -> jax.Array:
   """This process's slots of a shared leaf (zeros unless `read`), of
@@ -77,7 +77,7 @@ def leaf_slots(leaf: Any, t: Any, split: read_plan.Split, lr_args: dict, *,
   carrier = read_plan.carrier(leaf.dtype)
   got = {}
   if read:
-    lr = LeafReader(leaf=leaf, **lr_args)
+    lr = reads.open(leaf)
     got = {region: (lo, replicas_lib.as_bytes(
         lr.read(((lo, hi),) + region[1:])).view(carrier))
            for region, (lo, hi) in ranges.items()}  # Each read once.

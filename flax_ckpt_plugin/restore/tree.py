@@ -35,7 +35,8 @@ from flax_ckpt_plugin.format.records import Index
 from flax_ckpt_plugin.format.records import LeafRecord
 from flax_ckpt_plugin.format.records import Manifest
 from flax_ckpt_plugin.restore.data_files import ByteReader
-from flax_ckpt_plugin.restore.reader import LeafReader
+from flax_ckpt_plugin.restore.options import RestoreOptions
+from flax_ckpt_plugin.restore.reader import LeafReads
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.restore.matching import check_key_impl
 from flax_ckpt_plugin.restore.matching import match_structure
@@ -102,15 +103,14 @@ def _check_held(saved: dict[str, LeafRecord], targets: list[tuple[str, Any]],
             " target places here (another sharding or process layout?)")
 
 
-def _restore_batch(batch: list[tuple[LeafRecord, Any]], lr_args: dict,
-                   cast: bool, window: window_lib.RestoreWindow) -> list[Any]:
+def _restore_batch(batch: list[tuple[LeafRecord, Any]], reads: LeafReads,
+                   window: window_lib.RestoreWindow) -> list[Any]:
   ranges = [] if len(batch) < 2 else [
       r for saved, target in batch if not saved.is_scalar
-      for r in LeafReader(leaf=saved, **lr_args).small_shard_ranges(
+      for r in reads.open(saved).small_shard_ranges(
           _regions(saved, target))]
-  with lr_args["reader"].coalesced(ranges):
-    return [placement.restore_leaf(saved, target, lr_args, cast=cast,
-                                   window=window)
+  with reads.reader.coalesced(ranges):
+    return [placement.restore_leaf(saved, target, reads, window=window)
             for saved, target in batch]
 
 
@@ -186,12 +186,9 @@ class Source:
   within: epath.Path | None = None
 
 
-def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
-                 verify: bool = True,
+def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any,
+                 options: RestoreOptions = RestoreOptions(), *,
                  backend: interface.Backend | None = None,
-                 partial: bool = False, missing: str = "error",
-                 cast: bool = False,
-                 rename: renaming.Renaming | None = None,
                  io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
                  ) -> tuple[Any, int]:
   """Builds a pytree like `target` from the step at `step_dir`.
@@ -200,16 +197,10 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
     step_dir: the finalized step directory.
     manifest: its manifest, from `manifest.read`.
     target: the concrete or abstract pytree to restore like.
-    verify: check the CRC-32C of every block of data read.
+    options: verify, partial, missing, cast and rename (`RestoreOptions`;
+      a cast is logged in one line that counts the leaves, and target
+      leaves kept with `missing="keep"` in one that names them).
     backend: the directory's storage (default: by the path's scheme).
-    partial: restore the target's leaves alone, reading no byte of the
-      checkpoint's other leaves.
-    missing: "keep": a target leaf that the checkpoint lacks keeps the
-      target's value (logged); "error" (default): a mismatch.
-    cast: convert leaves saved in another dtype than the target's, as
-      `casting` allows, while they are read (one log line counts them).
-    rename: the checkpoint's leaves take these target paths before they
-      are matched (`renaming`).
     io_timeout_secs: the deadline of each read of storage.
 
   Returns:
@@ -232,27 +223,22 @@ def restore_tree(step_dir: epath.Path, manifest: Manifest, target: Any, *,
              leaves=manifest.leaves, block=manifest.checksum_block_bytes,
              where=f"step {manifest.step} in {step_dir}", shown=step_dir,
              scope=manifest.scope),
-      target, verify=verify, backend=backend, partial=partial,
-      missing=missing, cast=cast, rename=rename,
-      io_timeout_secs=io_timeout_secs)
+      target, options, backend=backend, io_timeout_secs=io_timeout_secs)
 
 
-def restore_records(source: Source, target: Any, *, verify: bool,
+def restore_records(source: Source, target: Any, options: RestoreOptions, *,
                     backend: interface.Backend | None,
-                    partial: bool = False, missing: str = "error",
-                    cast: bool = False,
-                    rename: renaming.Renaming | None = None,
                     io_timeout_secs: float = deadlines.IO_TIMEOUT_SECS
                     ) -> tuple[Any, int]:
   """`restore_tree` of any `Source`: the same matching, casting, reading
-  and placing. `verify` only where its shards carry checksums."""
-  rename = rename or renaming.Renaming()
+  and placing. `options.verify` only where its shards carry checksums."""
+  rename = options.rename
   saved = rename.apply(source.leaves)
   targets, treedef = leaf_paths(target)
   where = source.where
   kept = set(match_structure(
-      saved, [(p, leaf) for p, _, leaf in targets], source.shown,
-      partial=partial, missing=missing, cast=cast, call=source.call,
+      saved, [(p, leaf) for p, _, leaf in targets], source.shown, options,
+      call=source.call,
       explain=lambda: rename.explain(leaf.path for leaf in source.leaves)))
   if kept:
     log.warning("%s: %d target leaves are not in the checkpoint and keep"
@@ -264,7 +250,7 @@ def restore_records(source: Source, target: Any, *, verify: bool,
       check_key_impl(saved[path], where)
   targets = [(p, placement.on_context_mesh(p, leaf)) for p, _, leaf in targets
              if p not in kept]
-  if cast:
+  if options.cast:
     placement.log_casts(where, saved, targets)
   batches = _batches(targets, saved)
   if source.scope is not None:
@@ -272,13 +258,13 @@ def restore_records(source: Source, target: Any, *, verify: bool,
   in_flight = deadlines.InFlight(io_timeout_secs, where)
   reader = ByteReader(source.directory, source.files, backend,
                       within=source.within, in_flight=in_flight)
-  lr_args = {"reader": reader, "verify": verify, "block": source.block,
-             "where": where}
+  reads = LeafReads(reader=reader, verify=options.verify,
+                    block=source.block, where=where, cast=options.cast)
   window = window_lib.RestoreWindow()
   try:
     leaves = [leaf for batch in deadlines.wait_all(
         [_POOL.submit(_restore_batch, [(saved[p], leaf) for p, leaf in batch],
-                      lr_args, cast, window, watcher=in_flight)
+                      reads, window, watcher=in_flight)
          for batch in batches],
         in_flight=in_flight, pool=_POOL, first_error=True) for leaf in batch]
     # The transfers out of pinned buffers: their error is the restore's,

@@ -87,16 +87,27 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
                      directory: epath.Path, backend: interface.Backend,
                      base: str, *, is_primary: bool, timeout_ms: int
                      ) -> tuple[str, list[int]]:
-  """Primary: claims `directory` and lists it; all: learn both.
+  """Claims `directory` for a writer and lists its steps, on every process.
 
-  The token names every later key of the writer, so that keys do not depend
-  on how many managers a process opened (`base` is the manager's prefix).
-  Only the primary lists the directory (its finalized steps, after removing
-  the unfinished ones): the others receive the list, so that opening costs
-  the store as many list requests with 1000 processes as with one.
+  The primary claims it (a new writer's token) and lists it (its finalized
+  steps, after removing the unfinished ones); the others receive both, so
+  that opening costs the store as many list requests with 1000 processes
+  as with one. The token names every later key of the writer, so that keys
+  do not depend on how many managers a process opened.
+
+  Args:
+    coord: the processes that write the directory.
+    directory: the checkpoint directory (made if missing).
+    backend: its storage.
+    base: the manager's key prefix.
+    is_primary: whether this process claims and lists.
+    timeout_ms: how long the others wait for the primary.
 
   Returns:
     The writer's token, and the finalized steps, oldest first.
+
+  Raises:
+    TimeoutError: the primary did not share them within `timeout_ms`.
   """
   token = steps = None
   multi = coord.process_count > 1
@@ -264,8 +275,13 @@ def step_state(directory: epath.Path, step: int) -> str:
 
 def run_retention(meeting: meetings.Meeting, stats: SaveStats, *,
                   delete: Callable[[], Any]) -> None:
-  """All: `delete` (the primary queues the deletes, and raises an
-  earlier one's error), then learn together how it went.
+  """Runs `delete` on every process, and has all learn how it went.
+
+  Args:
+    meeting: where the processes meet.
+    stats: the step whose retention this is.
+    delete: this process's part (the primary queues the deletes, and
+      raises an earlier delete's error).
 
   Raises:
     Exception: this process's own error; or RuntimeError naming the process
@@ -283,11 +299,18 @@ def run_retention(meeting: meetings.Meeting, stats: SaveStats, *,
 
 def run_hooks(meeting: meetings.Meeting, hooks: Sequence[CommitHook],
               stats: SaveStats, *, is_primary: bool) -> None:
-  """Primary: runs the hooks; all: learn together whether one failed.
+  """Runs the commit hooks on the primary; every process learns whether
+  one failed.
 
   Every process meets here, so that a failed hook is raised by all of them,
   not only by the primary (the others would otherwise wait for it at the
   next save's barriers until they time out).
+
+  Args:
+    meeting: where the processes meet.
+    hooks: run in order with `stats`.
+    stats: the finalized step's.
+    is_primary: whether this process runs them.
 
   Raises:
     CommitHookError: a hook raised (on every process).

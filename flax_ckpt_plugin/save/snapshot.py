@@ -198,69 +198,21 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
   host = {i: host_leaf(*layout.names[i], plan.values[i], is_primary)
           for i in layout.host}
   routes = routes_lib.of(plan, staging, pinned_staging)
-  # What each piece's ShardData is made of.
+  # What each piece's ShardData is made of, filled in by the steps below.
   made: list[Copy | None] = [None] * routes.count
-
-  # Onto pinned host memory: one batched call, not awaited (see `pinned`);
-  # the pieces whose pinned memory is not ready, copied on their devices.
-  fallback_bytes = unpinned_bytes = 0
-  if routes.pinned:
-    srcs = routes.pinned_arrays(plan)
-    now = pinned_staging.choose(routes.pinned_sizes)
-    go = [k for k, ok in enumerate(now or ()) if ok]
-    copied = pinned_staging.copy([srcs[k] for k in go]) if go else []
-    if now is None or copied is None:  # Refused, now or lately.
-      fallback_bytes = sum(srcs[k].nbytes for k in (
-          go if now is not None else range(len(srcs))))
-      go, copied = [], []
-    rest = sorted(set(range(len(srcs))) - set(go))
-    unpinned_bytes = sum(srcs[k].nbytes for k in rest) - fallback_bytes
-    rest_copies = _on_devices(
-        [srcs[k] for k in rest],
-        [routes.pinned[k].rows is not None for k in rest])
-    for k, copy in [*zip(go, copied), *zip(rest, rest_copies)]:
-      w = routes.pinned[k]
-      made[routes.first[w.leaf] + w.piece] = Copy(
-          copy, layout.leaves[w.leaf].dtype, None)
-    del srcs, copied, rest_copies
+  fallback_bytes, unpinned_bytes = (
+      _start_pinned(plan, routes, pinned_staging, made) if routes.pinned
+      else (0, 0))
   arrays = routes.arrays(plan)
-
   # Off the CPU, the rest: every device-to-host transfer is started before
   # the first is waited for.
   for data in arrays.transfers:
     data.copy_to_host_async()
-
-  # CPU shards: a part of a shard is cut by a slice into memory of its own
-  # (`arrays.cuts`), which the writer waits for; dtypes that cannot travel
-  # as unsigned bits, and every dtype where the staging memory is an arena
-  # (`memfile`), are copied by threads from views of the runtime's buffers
-  # right here; the rest on their devices, last.
+  _take_cpu_shards(plan.layout, routes, arrays, staging, made)
   first = routes.first
-  for w, data in zip(routes.cuts, arrays.cuts):
-    made[first[w.leaf] + w.piece] = Copy(data, layout.leaves[w.leaf].dtype,
-                                         None)
-  if routes.threads:
-    srcs = [np.asarray(shard) for shard in arrays.threads]
-    summed = None if staging.arena is None else staging.copy_summed(
-        srcs, CHECKSUM_BLOCK)
-    if summed is None:
-      keys = [(layout.leaves[w.leaf].path, w.spec(layout).index)
-              for w in routes.threads]
-      for w, copy in zip(routes.threads,
-                         staging.copy(list(zip(keys, srcs)))):
-        made[first[w.leaf] + w.piece] = Copy(copy, None, None)
-    else:
-      for w, copy, sums in zip(routes.threads, *summed):
-        made[first[w.leaf] + w.piece] = Copy(copy, None, sums)
-    # No view of a runtime buffer outlives this call, nor the objects that
-    # numpy's views are cached on.
-    del srcs
-    arrays.threads.clear()
-
   for w, data in zip(routes.transfers, arrays.transfers):
     made[first[w.leaf] + w.piece] = Copy(_c_order(np.asarray(data)), None,
                                          None)
-
   # The staging copies last: the runtime's threads start copying at once,
   # on every core, and the call should be over by then; all that is left
   # to do after them is worked out before.
@@ -270,6 +222,75 @@ def take_snapshot(tree: Any, *, process_count: int, is_primary: bool,
                   pinned_fallback_bytes=fallback_bytes,
                   unpinned_bytes=unpinned_bytes,
                   partner_shards=partner_shards and partner_shards())
+
+
+def _start_pinned(plan: pieces_lib.Plan, routes: routes_lib.Routes,
+                  pinned_staging: PinnedStaging, made: list[Copy | None]
+                  ) -> tuple[int, int]:
+  """Starts the copies of the pieces routed onto pinned host memory: one
+  batched call, not awaited (see `pinned`); the pieces whose pinned memory
+  is not ready are copied on their devices instead. Puts each piece's
+  `Copy` in `made`.
+
+  Returns:
+    The bytes that went the plain way because pinning was refused, and
+    those whose pinned memory was not ready yet.
+  """
+  layout = plan.layout
+  srcs = routes.pinned_arrays(plan)
+  now = pinned_staging.choose(routes.pinned_sizes)
+  go = [k for k, ok in enumerate(now or ()) if ok]
+  copied = pinned_staging.copy([srcs[k] for k in go]) if go else []
+  fallback_bytes = 0
+  if now is None or copied is None:  # Refused, now or lately.
+    fallback_bytes = sum(srcs[k].nbytes for k in (
+        go if now is not None else range(len(srcs))))
+    go, copied = [], []
+  rest = sorted(set(range(len(srcs))) - set(go))
+  unpinned_bytes = sum(srcs[k].nbytes for k in rest) - fallback_bytes
+  rest_copies = _on_devices(
+      [srcs[k] for k in rest],
+      [routes.pinned[k].rows is not None for k in rest])
+  for k, copy in [*zip(go, copied), *zip(rest, rest_copies)]:
+    w = routes.pinned[k]
+    made[routes.first[w.leaf] + w.piece] = Copy(
+        copy, layout.leaves[w.leaf].dtype, None)
+  return fallback_bytes, unpinned_bytes
+
+
+def _take_cpu_shards(layout: pieces_lib.Layout, routes: routes_lib.Routes,
+                     arrays: routes_lib.Arrays, staging: HostStaging,
+                     made: list[Copy | None]) -> None:
+  """Takes the CPU shards that are not copied on their devices; puts each
+  piece's `Copy` in `made`.
+
+  A part of a shard is cut by a slice into memory of its own
+  (`arrays.cuts`), which the writer waits for; dtypes that cannot travel
+  as unsigned bits, and every dtype where the staging memory is an arena
+  (`memfile`), are copied by threads from views of the runtime's buffers
+  right here (the rest go on their devices, last: `take_snapshot`).
+  """
+  first = routes.first
+  for w, data in zip(routes.cuts, arrays.cuts):
+    made[first[w.leaf] + w.piece] = Copy(data, layout.leaves[w.leaf].dtype,
+                                         None)
+  if not routes.threads:
+    return
+  srcs = [np.asarray(shard) for shard in arrays.threads]
+  summed = None if staging.arena is None else staging.copy_summed(
+      srcs, CHECKSUM_BLOCK)
+  if summed is None:
+    keys = [(layout.leaves[w.leaf].path, w.spec(layout).index)
+            for w in routes.threads]
+    for w, copy in zip(routes.threads, staging.copy(list(zip(keys, srcs)))):
+      made[first[w.leaf] + w.piece] = Copy(copy, None, None)
+  else:
+    for w, copy, sums in zip(routes.threads, *summed):
+      made[first[w.leaf] + w.piece] = Copy(copy, None, sums)
+  # No view of a runtime buffer outlives this call, nor the objects that
+  # numpy's views are cached on.
+  del srcs
+  arrays.threads.clear()
 
 
 def _on_devices(srcs: list[jax.Array], cut: list[bool]) -> list[Any]:

@@ -70,7 +70,7 @@ from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
   from flax_ckpt_plugin.tolerance import local_tier
 
 # How long `recover` waits for the watcher to report a loss, when the loop's
@@ -118,7 +118,7 @@ class Peers:
       (`rebuild`), not each survivor from its own tier.
   """
 
-  def __init__(self, manager: Manager,
+  def __init__(self, manager: TierManager,
                local: local_tier.LocalTier | None, directory: Any, *,
                poll_secs: float, exit_code: int, elastic_secs: float | None,
                primary_host: int, group: generations.Group | None = None,

@@ -4,7 +4,7 @@ Every `local_every_steps` (see `FaultTolerance`), each process saves
 every distinct shard it holds (replicas included) under
 `<local_directory>/<job>/process_NNNNN/`, in the same format, through a
 `CheckpointManager` of its own that meets no other process
-(`CheckpointManager.for_this_process`). On a file system in memory
+(`TierManager.for_this_process`). On a file system in memory
 (`/dev/shm`) nothing is fsynced (`local.MemoryBackend`). The newest
 `keep` steps are kept. The tiers open it on every process together
 (`loop.tiers.open_tier`). A relaunched
@@ -21,20 +21,20 @@ from etils import epath
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:  # Made by the tiers (`loop.tiers.open_tier`).
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
 
 class LocalTier:
   """This process's steps in the local tier, through `manager` (a
-  `CheckpointManager.for_this_process`). Made on every process."""
+  `TierManager.for_this_process`). Made on every process."""
 
-  def __init__(self, manager: Manager):
+  def __init__(self, manager: TierManager):
     self.manager = manager
 
   @property
   def directory(self) -> epath.Path:
     return self.manager.directory
 
-  def quietly(self, what: str, fn: Callable[[Manager], Any]
+  def quietly(self, what: str, fn: Callable[[TierManager], Any]
               ) -> None:
     """`fn(self.manager)`; an error is logged, never raised: the local
     tier is this process's alone, and a loop that stopped on one process

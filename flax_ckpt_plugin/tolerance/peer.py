@@ -268,7 +268,7 @@ def _run(treedef: Any, plans: list[tuple], compiled: Any,
     if kind == "stacked":
       leaves.append(next(gathered))
     elif kind == "scalar":
-      leaves.append(placement.restore_leaf(leaf, rest[0], {}))
+      leaves.append(placement.restore_leaf(leaf, rest[0], None))
     else:
       value = host[offset:offset + leaf.nbytes].view(leaf.dtype).reshape(
           leaf.shape)

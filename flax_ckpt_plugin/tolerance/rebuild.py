@@ -54,7 +54,7 @@ from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import shares as shares_lib
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
 
 _AXIS = "slots"
 
@@ -64,7 +64,7 @@ def _region(index: Any) -> tuple[tuple[int, int], ...]:
 
 
 def restore(meeting: meetings.Meeting, step: int, holders: list[int],
-            local: Manager, target: Any, *,
+            local: TierManager, target: Any, *,
             devices: list[Any] | None = None) -> tuple[Any, Any, Any]:
   """Restores local step `step` like `target` from what the processes
   hold, own shards and partner copies. Called on every process of the
@@ -238,7 +238,7 @@ def _run(treedef: Any, plans: list[tuple], compiled: list[tuple]) -> Any:
     if kind == "here":
       value = (np.zeros(leaf.shape, leaf.dtype) if not leaf.is_scalar
                else None)
-      leaves.append(placement.restore_leaf(leaf, t, {}) if value is None
+      leaves.append(placement.restore_leaf(leaf, t, None) if value is None
                     else placement.from_host(leaf, t, value))
     elif kind == "host":
       leaves.append(placement.from_host(

@@ -45,7 +45,7 @@ from flax_ckpt_plugin.tolerance import shares
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
   from flax_ckpt_plugin.tolerance import local_tier
 
 # How long the main thread has, once the survivors' save is done, to reach
@@ -67,7 +67,7 @@ OUTLIVE_SECS = 30.0
 SETTLE_SECS = 600.0
 
 
-def watch(manager: Manager,
+def watch(manager: TierManager,
           local: local_tier.LocalTier | None, *, poll_secs: float,
           exit_code: int, elastic_secs: float | None = None,
           members: Any = None, key: str | None = None, joins: bool = False,
@@ -103,7 +103,7 @@ class Rescue:
       saves and leaves.
   """
 
-  def __init__(self, manager: Manager,
+  def __init__(self, manager: TierManager,
                local: local_tier.LocalTier | None, *, exit_code: int,
                elastic_secs: float | None = None):
     self._manager = manager

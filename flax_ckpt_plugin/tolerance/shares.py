@@ -32,7 +32,7 @@ from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.save.leaves import ShardData
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
 
 
 def agreed(meeting: meetings.Meeting, fn: Any, what: str) -> Any:
@@ -54,7 +54,7 @@ class Shares(NamedTuple):
   owner: dict[str, dict[tuple, int]] | None
 
 
-def assigned(meeting: meetings.Meeting, manager: Manager, step: int
+def assigned(meeting: meetings.Meeting, manager: TierManager, step: int
              ) -> tuple[list[LeafSnapshot], Any, Any] | None:
   """This survivor's share of `step` (for each shard, the lowest survivor
   that holds it writes it), the step's `extra`, and this survivor's data
@@ -65,7 +65,7 @@ def assigned(meeting: meetings.Meeting, manager: Manager, step: int
                                      found.data)
 
 
-def share_out(meeting: meetings.Meeting, manager: Manager,
+def share_out(meeting: meetings.Meeting, manager: TierManager,
               step: int, *, holders: list[int] | None = None,
               everyone: bool = False) -> Shares | None:
   """Who has which shard of local step `step`: for each shard (its own or

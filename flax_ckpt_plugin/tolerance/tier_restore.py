@@ -20,13 +20,14 @@ from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
+from flax_ckpt_plugin.restore.options import RestoreOptions
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rebuild
 from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.logs import log
 
 if TYPE_CHECKING:
-  from flax_ckpt_plugin.manager.contract import Manager
+  from flax_ckpt_plugin.manager.tier import TierManager
   from flax_ckpt_plugin.tolerance.local_tier import LocalTier
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
@@ -44,7 +45,7 @@ class Plan(NamedTuple):
 
 
 def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
-               persistent: Manager) -> Plan:
+               persistent: TierManager) -> Plan:
   """Every process publishes its local steps and reads everyone's; the
   persistent tier's primary lists its steps for all."""
   coord = meeting.coordinator
@@ -92,7 +93,7 @@ def candidates(plan: Plan, process_count: int, *, peers: bool
 
 
 def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
-                   persistent: Manager,
+                   persistent: TierManager,
                    restore: dict[str, Callable[[int, list[int]], Any]]
                    ) -> tuple[int, str, Any] | None:
   """Restores the newest step from the fastest tier that has it whole.
@@ -142,18 +143,18 @@ def restore_newest(meeting: meetings.Meeting, *, local: LocalTier | None,
 
 
 def restore_into(state: Any, local: LocalTier,
-                 persistent: Manager, *,
+                 persistent: TierManager, *,
                  data_iterator: datastate.DataIterator | None = None,
-                 cast: bool = False, partners: bool = False
-                 ) -> tuple[int, str, Any] | None:
+                 options: RestoreOptions = RestoreOptions(),
+                 partners: bool = False) -> tuple[int, str, Any] | None:
   """`restore_newest` for a callback: (step, tier, (tree, extra)), or None.
 
   Called on every process, like `state`; see `restore_newest`. With a
   `data_iterator`, each process also restores its data state, and peers
   are not tried: a process that lacks the local step lacks its data state
-  too (it was lost with its disk). Nor with `cast` (dtypes converted as
-  `CheckpointManager.restore` does), which the peers' exchange of saved
-  bytes does not make.
+  too (it was lost with its disk). Nor with `options.cast` (dtypes
+  converted as `CheckpointManager.restore` does), which the peers'
+  exchange of saved bytes does not make.
   """
   coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
   key = f"{persistent.name}/tiers"
@@ -161,8 +162,7 @@ def restore_into(state: Any, local: LocalTier,
 
   def from_manager(manager):
     return lambda step, _: (
-        manager.restore(state, step, data_iterator=data_iterator,
-                        cast=cast),
+        manager.restore_with(state, step, options, data_iterator),
         manager.metadata(step).extra)
 
   def from_peers(step, holders):
@@ -180,10 +180,10 @@ def restore_into(state: Any, local: LocalTier,
       # Every process restores the persistent step together: storage
       # serves each byte once (`shared_read`).
       PERSISTENT: lambda step, _: (
-          persistent.restore_together(
-              state, step, data_iterator=data_iterator, cast=cast),
+          persistent.restore_together_with(state, step, options,
+                                           data_iterator),
           persistent.metadata(step).extra)}
-  if data_iterator is not None or cast:
+  if data_iterator is not None or options.cast:
     del tiers[PEER]
   return restore_newest(
       meetings.Meeting(coord, key, timeout_ms),
@@ -193,20 +193,21 @@ def restore_into(state: Any, local: LocalTier,
 
 
 def restore_for_callback(state: Any, local: LocalTier | None,
-                         persistent: Manager, *,
+                         persistent: TierManager, *,
                          data_iterator: datastate.DataIterator | None,
-                         cast: bool = False, partners: bool = False
+                         options: RestoreOptions = RestoreOptions(),
+                         partners: bool = False
                          ) -> tuple[int, str, Any] | None:
   """`CheckpointCallback.restore_or_initialize`'s restore: (step, tier,
   (tree, extra)) from the fastest tier that has the newest good step, or
-  None; newer local steps are dropped. `cast`: see
+  None; newer local steps are dropped. `options`: see
   `CheckpointManager.restore`; `partners`: see `restore_into`."""
   if local is None:
-    found = persistent.restore_newest_valid(
-        state, data_iterator=data_iterator, cast=cast)
+    found = persistent.restore_newest_valid_with(state, options,
+                                                 data_iterator)
     return None if found is None else (found[0], PERSISTENT, (
         found[1], persistent.metadata(found[0]).extra))
   found = restore_into(state, local, persistent, data_iterator=data_iterator,
-                       cast=cast, partners=partners)
+                       options=options, partners=partners)
   local.discard_newer(None if found is None else found[0])
   return found

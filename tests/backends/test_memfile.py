@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.manager.tier import TierManager
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.backends import memfile
 
@@ -20,7 +21,7 @@ class _Process:
 
 
 def _tier(path, keep):
-  return local_tier.LocalTier(CheckpointManager.for_this_process(
+  return local_tier.LocalTier(TierManager.for_this_process(
       path, "job", coordinator=_Process(), keep=keep))
 
 

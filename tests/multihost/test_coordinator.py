@@ -230,14 +230,14 @@ def test_damage_on_one_process_is_skipped_by_all(tmp_path, monkeypatch):
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
-  real = DirectoryReader.restore  # What every restore of a manager runs.
+  real = DirectoryReader._restore  # What every restore of a manager runs.
 
-  def restore(self, target, step=None, **kwargs):
+  def restore(self, target, step, options, data_iterator):
     if self.coordinator.process_index == 1 and step == 2:
       raise CheckpointCorruptedError("checksum mismatch (injected)")
-    return real(self, target, step, **kwargs)
+    return real(self, target, step, options, data_iterator)
 
-  monkeypatch.setattr(DirectoryReader, "restore", restore)
+  monkeypatch.setattr(DirectoryReader, "_restore", restore)
 
   def work(coord):
     with CheckpointManager(

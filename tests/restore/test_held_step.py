@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.manager.tier import TierManager
 from flax_ckpt_plugin.arrays import copies as copies_lib
 from flax_ckpt_plugin.arrays import pinned
 from flax_ckpt_plugin.backends import held as held_lib
@@ -175,7 +176,7 @@ def test_damaged_memory_is_read_again_from_the_files(ckpt_dir, caplog):
 def test_a_save_inside_a_read_of_the_held_step_is_refused(ckpt_dir):
   """A save would reuse the memory under the read: a clear error, never a
   hang."""
-  with CheckpointManager(ckpt_dir) as manager:
+  with TierManager(ckpt_dir) as manager:
     manager.save(1, _state(1))
     manager.wait_until_finished()
 
@@ -288,11 +289,11 @@ def test_pinned_snapshots_go_to_the_devices_as_they_are_checked_first(
 
 
 def test_the_tolerance_layer_reads_the_held_step_through_read_step(ckpt_dir):
-  """`CheckpointManager.read_step(step, fn)`: what the survivors' save and
+  """`TierManager.read_step(step, fn)`: what the survivors' save and
   an elastic recovery read a local step through. The newest step's data
   file comes from memory, byte for byte the file's; an older step's from
   disk."""
-  with CheckpointManager(ckpt_dir) as manager:
+  with TierManager(ckpt_dir) as manager:
     manager.save(1, _state(1))
     manager.wait_until_finished()
     manager.save(2, _state(2))

@@ -16,7 +16,7 @@ from flax_ckpt_plugin import CheckpointCallback
 from flax_ckpt_plugin import CheckpointNotFoundError
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.loop import tiers
-from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.manager.tier import TierManager
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin import FaultTolerance
@@ -111,7 +111,7 @@ def test_a_step_of_one_process_holds_every_distinct_shard_it_had(
   replicated = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P()))
   split = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
   state = {"r": replicated, "s": split}
-  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+  tier = local_tier.LocalTier(TierManager.for_this_process(
       tmp_path / "local", "job",
       coordinator=_Process(1, 4)))
   tier.manager.save(3, state)
@@ -144,7 +144,7 @@ def test_nothing_is_fsynced_on_a_file_system_in_memory(tmp_path,
                                                         small_tmpfs):
   assert backend_lib.for_own_path(small_tmpfs / "x") is backend_lib.MEMORY
   assert backend_lib.for_own_path(tmp_path) is backend_lib.LOCAL
-  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+  tier = local_tier.LocalTier(TierManager.for_this_process(
       small_tmpfs, "job", coordinator=_Process(0, 1)))
   assert tier.manager.backend is backend_lib.MEMORY
   tier.manager.save(1, {"w": jnp.ones(4)})
@@ -174,7 +174,7 @@ def test_without_a_local_tier_the_restored_tier_is_the_persistent_one(
 
 def test_in_memory_a_new_step_overwrites_the_data_file_of_a_deleted_one(
     small_tmpfs):
-  tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+  tier = local_tier.LocalTier(TierManager.for_this_process(
       small_tmpfs, "job", coordinator=_Process(0, 1),
       keep=1))
   data = lambda step: tier.directory / str(step) / "data/process_00000.bin"

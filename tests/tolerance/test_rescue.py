@@ -14,6 +14,7 @@ import numpy as np
 
 from fake_coordinator import run_threads
 from flax_ckpt_plugin import CheckpointManager
+from flax_ckpt_plugin.manager.tier import TierManager
 from flax_ckpt_plugin.tolerance import local_tier
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.tolerance import rescue
@@ -26,7 +27,7 @@ def _local_steps(tmp_path, parts, shape):
 
   def save(coord):
     p = coord.process_index
-    tier = local_tier.LocalTier(CheckpointManager.for_this_process(
+    tier = local_tier.LocalTier(TierManager.for_this_process(
       tmp_path / f"local_{p}", "job",
       coordinator=coord))
     lo, hi = parts[p]
@@ -49,7 +50,7 @@ def _rescue(tmp_path, parts, shape, lost):
 
   def process(coord):
     tier = make_local(coord)
-    manager = CheckpointManager(ckpt, processes=Processes(coordinator=coord))
+    manager = TierManager(ckpt, processes=Processes(coordinator=coord))
     if coord.process_index in lost:
       return None
     r = rescue.Rescue(manager, tier, exit_code=75)
