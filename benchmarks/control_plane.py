@@ -53,7 +53,7 @@ from flax_ckpt_plugin import CheckpointManager
 from flax_ckpt_plugin.backends import registry as backend_lib
 from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.arrays import division
@@ -208,11 +208,11 @@ class Service:
     return [SimCoordinator(self, i) for i in range(self.process_count)]
 
 
-class SimCoordinator(coordinator_lib.Rounds):
+class SimCoordinator(keys.NextRound):
   """One simulated process's view of a `Service`."""
 
   def __init__(self, service: Service, index: int):
-    super().__init__()
+    self.rounds = keys.Rounds()
     self.service, self._index = service, index
 
   @property

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 
 
 class FakeCluster:
@@ -36,11 +36,11 @@ class FakeCluster:
     return [ThreadCoordinator(self, i) for i in range(self.process_count)]
 
 
-class ThreadCoordinator(coordinator_lib.Rounds):
+class ThreadCoordinator(keys.NextRound):
   """One fake process's view of a `FakeCluster`."""
 
   def __init__(self, cluster: FakeCluster, index: int):
-    super().__init__()
+    self.rounds = keys.Rounds()
     self.cluster = cluster
     self._index = index
 

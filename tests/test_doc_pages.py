@@ -344,7 +344,8 @@ def _private_modules() -> tuple[set[str], set[str]]:
 
 def _public_words() -> set[str]:
   """Names of the public API that may equal a module's stem (`directory`,
-  `retention`): parameters, fields and attributes of what `__all__` names."""
+  `retention`): parameters, fields and attributes of what `__all__` names,
+  and the fields of the on-disk format."""
   words = set(flax_ckpt_plugin.__all__)
   # `CheckpointAction` needs clu, which the fast tier may lack, yet api.md
   # documents it (its `callback` argument, its `manager` property): its
@@ -384,6 +385,10 @@ def _public_words() -> set[str]:
   cli = (DOCS / "cli.md").read_text() + (DOCS / "converting.md").read_text()
   words.update(re.findall(r"^flax-ckpt (\S+)", cli, re.M))
   words.update(w.replace("-", "_") for w in re.findall(r"--([\w-]+)", cli))
+  # The fields of the on-disk format (the first column of format.md's
+  # tables): a leaf's `keys` is the user's word, not the module's.
+  words.update(re.findall(r"^\| `(\w+)` \|", (DOCS / "format.md").read_text(),
+                          re.M))
   return words
 
 

@@ -34,6 +34,7 @@ from flax_ckpt_plugin.manager.options import Processes
 from flax_ckpt_plugin.manager.options import Storage
 from flax_ckpt_plugin.manager.retention import Retention
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
 from flax_ckpt_plugin.restore.options import RestoreOptions
@@ -57,8 +58,9 @@ def open_tier(directory: epath.PathLike, job: str, *,
   not writable there) is off everywhere, with an error in the log.
   """
   meeting = meetings.Meeting(
-      coordinator, f"flax_ckpt_plugin/local/{job}/open/"
-      f"{coordinator.next_round(f'local/{job}/open')}", timeout_ms)
+      coordinator,
+      keys.fresh(coordinator, f"flax_ckpt_plugin/local/{job}/open"),
+      timeout_ms)
   outcome = meetings.agree(meeting, lambda: LocalTier(
       TierManager.for_this_process(
           directory, job, coordinator=coordinator,

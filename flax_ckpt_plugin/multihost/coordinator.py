@@ -21,7 +21,6 @@ key-value store is a dict. Tests inject a coordinator that runs N
 
 from __future__ import annotations
 
-import collections
 import copy
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import TypeVar
 
 from flax_ckpt_plugin.deadlines import DEADLINES
 from flax_ckpt_plugin.deadlines import NoAnswer
+from flax_ckpt_plugin.multihost import keys
 
 T = TypeVar("T")
 
@@ -71,12 +71,10 @@ class Coordinator(Protocol):
   def kv_delete(self, key: str) -> None:
     """Deletes `key` and every key under `key/`."""
 
-  def next_round(self, name: str) -> int:
-    """How often this process asked for `name` before (0, 1, 2, ...).
-
-    Every process asks in the same order, so the numbers agree: a name used
-    again (a directory opened a second time) gets a fresh key this way.
-    """
+  @property
+  def rounds(self) -> keys.Rounds:
+    """This process's count of each reused name, read by `keys.fresh`
+    alone: one per process, shared by every coordinator of it."""
 
   def reached_preemption_sync_point(self, step: int) -> bool:
     """True on every process at the step all agreed to save before preemption."""
@@ -119,21 +117,7 @@ def _failure(what: str, e: BaseException, secs: float,
           f" timeout) on {where}: {e}")
 
 
-class Rounds:
-  """`Coordinator.next_round` for implementations to inherit."""
-
-  def __init__(self):
-    self._rounds: collections.Counter[str] = collections.Counter()
-    self._rounds_lock = threading.Lock()
-
-  def next_round(self, name: str) -> int:
-    with self._rounds_lock:
-      n = self._rounds[name]
-      self._rounds[name] += 1
-      return n
-
-
-class JaxCoordinator:
+class JaxCoordinator(keys.NextRound):
   """The coordination service of `jax.distributed`, looked up at each call.
 
   Nothing runs at import, and the client is found anew on every call, so a
@@ -143,7 +127,7 @@ class JaxCoordinator:
   # One process, one coordination service: every instance shares the rounds
   # and the single-process store, so a coordinator made anew (per manager,
   # say) never reuses a key an earlier one used.
-  _shared_rounds = Rounds()
+  rounds = keys.Rounds()
   _local: dict[str, str] = {}
   _lock = threading.Lock()
 
@@ -198,9 +182,6 @@ class JaxCoordinator:
           f" within {deadline:.1f}s on {self._where()} (the call's own"
           f" timeout: {timeout_secs:.1f}s): process 0 may be hung or gone."
           ) from None
-
-  def next_round(self, name: str) -> int:
-    return JaxCoordinator._shared_rounds.next_round(name)
 
   @staticmethod
   def _client() -> Any | None:

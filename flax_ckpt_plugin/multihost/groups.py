@@ -14,11 +14,11 @@ import json
 from typing import Sequence
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
-from flax_ckpt_plugin.multihost.coordinator import Rounds
 
 
-class SoloCoordinator(Rounds):
+class SoloCoordinator(keys.NextRound):
   """One process by itself, whatever the job: barriers pass at once and the
   key-value store is its own."""
 
@@ -26,7 +26,7 @@ class SoloCoordinator(Rounds):
   process_count = 1
 
   def __init__(self):
-    super().__init__()
+    self.rounds = keys.Rounds()
     self._kv: dict[str, str] = {}
 
   def barrier(self, key: str, *, timeout_ms: int,
@@ -60,7 +60,7 @@ class SoloCoordinator(Rounds):
     return False
 
 
-class Survivors:
+class Survivors(keys.NextRound):
   """The job's coordinator, for `members` only (the survivors of a loss).
 
   Process indices stay the job's; every barrier names `members`. Calls
@@ -102,8 +102,9 @@ class Survivors:
   def kv_delete(self, key: str) -> None:
     self._coord.kv_delete(key)
 
-  def next_round(self, name: str) -> int:
-    return self._coord.next_round(name)
+  @property
+  def rounds(self) -> keys.Rounds:
+    return self._coord.rounds
 
   def live_processes(self, *args, **kwargs) -> dict[int, int]:
     return self._coord.live_processes(*args, **kwargs)
@@ -135,7 +136,8 @@ def common_newest(meeting: meetings.Meeting, steps: Sequence[int],
   key = meeting.key
   timeout_ms = meeting.timeout_ms
   me = group.process_index
-  group.kv_set(f"{key}/steps/{me}", json.dumps([list(steps), latest]))
+  group.kv_set(keys.of_process(keys.child(key, "steps"), me),
+               json.dumps([list(steps), latest]))
   group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
 
   def decide() -> list[int | None]:

@@ -8,7 +8,7 @@ directory, the step a group of survivors has in common), one process
 decides and shares the answer under a key; every other process waits for
 that key and takes the answer, whatever it would have seen itself. A
 `Meeting` names where they meet: the coordinator, a key new for this
-meeting (see `Coordinator.next_round`), and how long each waits.
+meeting (see `keys.fresh`), and how long each waits.
 
 `agree` runs a piece of work on every process, after which all learn
 together who failed. `decided_by_one` shares a decision, or the error
@@ -26,6 +26,7 @@ import json
 from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 
 _CHUNK = 1 << 20  # Characters per key-value entry of a shared text.
 T = TypeVar("T")
@@ -46,7 +47,8 @@ class Meeting:
 
   def under(self, name: str) -> Meeting:
     """A meeting of the same processes under `key/name`."""
-    return Meeting(self.coordinator, f"{self.key}/{name}", self.timeout_ms)
+    return Meeting(self.coordinator, keys.child(self.key, name),
+                   self.timeout_ms)
 
 
 class Outcome(NamedTuple, Generic[T]):
@@ -75,7 +77,7 @@ def agree(meeting: Meeting, fn: Callable[[], T], *,
   A process whose `fn` raised records that under the meeting's key before
   the barrier there, so after it every process knows every failure at
   once. Called by every process of the meeting, whose key must not have
-  been used for an earlier agreement (see `Coordinator.next_round`).
+  been used for an earlier agreement (see `keys.fresh`).
   Never raises `fn`'s error itself: the caller decides, from the
   `Outcome`, what each process raises.
 
@@ -95,7 +97,8 @@ def agree(meeting: Meeting, fn: Callable[[], T], *,
   if error is not None:
     failures[me] = (type(error).__name__, str(error))
     if multi:
-      coord.kv_set(f"{key}/failed/{me}", f"{type(error).__name__}\n{error}")
+      coord.kv_set(keys.of_process(keys.child(key, "failed"), me),
+                   f"{type(error).__name__}\n{error}")
   if multi:
     try:
       coord.barrier(f"{key}/done", timeout_ms=timeout_ms)
@@ -103,9 +106,9 @@ def agree(meeting: Meeting, fn: Callable[[], T], *,
       if on_timeout is not None:
         on_timeout()
       raise
-    for k, v in coord.kv_dir(f"{key}/failed").items():
+    for p, v in keys.by_index(coord.kv_dir(keys.child(key, "failed"))).items():
       type_name, _, message = v.partition("\n")
-      failures[int(k.rsplit("/", 1)[1])] = (type_name, message)
+      failures[p] = (type_name, message)
   return Outcome(result, error, failures)
 
 
@@ -169,7 +172,7 @@ def share_text(coord: coordinator_lib.Coordinator, key: str,
     return
   chunks = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
   for n, chunk in enumerate(chunks):
-    coord.kv_set(f"{key}/{n}", chunk)
+    coord.kv_set(keys.child(key, n), chunk)
   coord.kv_set(key, f"#{len(chunks)}")
 
 
@@ -179,5 +182,5 @@ def fetch_text(coord: coordinator_lib.Coordinator, key: str,
   said = coord.kv_get(key, timeout_ms=timeout_ms)
   if said.startswith("="):
     return said[1:]
-  return "".join(coord.kv_get(f"{key}/{n}", timeout_ms=timeout_ms)
+  return "".join(coord.kv_get(keys.child(key, n), timeout_ms=timeout_ms)
                  for n in range(int(said[1:])))

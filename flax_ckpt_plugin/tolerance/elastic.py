@@ -54,14 +54,17 @@ relaunched (the local tiers serve the restart).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 import time
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import jax
 
-from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import keys
+from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import generations
 from flax_ckpt_plugin.tolerance import peer
 from flax_ckpt_plugin.tolerance import rebuild
@@ -94,6 +97,33 @@ class Recovered(NamedTuple):
   lost: dict[int, str]  # Empty after a rejoin.
   joined: list[int]  # The processes that rejoined (empty after a loss).
   secs: float  # From the call to the restored state.
+
+
+class Phase(enum.Enum):
+  """Where a `Peers` stands on taking processes back into its group."""
+  REJOINING = enum.auto()  # Relaunched: waits until the survivors take it.
+  WATCHING = enum.auto()  # A member; it voted on no step to take any back.
+  VOTED = enum.auto()  # It voted (`Standing.proposed`); not all did yet.
+  AGREED = enum.auto()  # All voted: `Standing.agreed` says when and whom.
+  REFUSED = enum.auto()  # A rejoin failed: none until the group changes.
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+  """A `Peers`'s phase and what it knows in it, replaced as a whole.
+
+  Attributes:
+    phase: where it stands.
+    proposed: this survivor's vote, the step it proposed (VOTED, AGREED).
+    agreed: the step all agreed on, and the processes taken back at it
+      (AGREED).
+    kept: the survivors' state at the agreed step, what they go on with
+      if the rejoin fails (AGREED, REFUSED).
+  """
+  phase: Phase
+  proposed: int | None = None
+  agreed: tuple[int, list[int]] | None = None
+  kept: Any = None
 
 
 class Peers:
@@ -132,7 +162,8 @@ class Peers:
     self._elastic_secs, self._primary_host = elastic_secs, primary_host
     self._start_watch = watch
     count = manager.coordinator.process_count
-    self.rejoining = group is not None
+    self._standing = Standing(Phase.REJOINING if group is not None
+                              else Phase.WATCHING)
     self.group = group or generations.Group(tuple(range(count)), 0,
                                             primary_host)
     self.watcher = self.rescue = None
@@ -148,10 +179,26 @@ class Peers:
     elif manager.coordinator.process_index in group.members:
       generations.show_restart(manager.coordinator, self._key, self.group,
                                RESTART_POLL_SECS)
-    self._proposed: int | None = None  # This survivor's vote.
-    self._rebuild: tuple[int, list[int]] | None = None  # Agreed: at, who.
-    self._joins_refused = False  # A rejoin into this group failed.
-    self.kept: Any = None  # The survivors' state at the rebuild's step.
+
+  @property
+  def phase(self) -> Phase:
+    """Where this process stands on taking processes back."""
+    return self._standing.phase
+
+  @property
+  def rejoining(self) -> bool:
+    """Whether this process was relaunched and is not yet taken back."""
+    return self._standing.phase is Phase.REJOINING
+
+  @property
+  def kept(self) -> Any:
+    """The survivors' state at the step agreed for a rejoin (None before)."""
+    return self._standing.kept
+
+  def _member_again(self) -> None:
+    """A member of a new group (after a recovery or a rejoin): no vote,
+    nothing agreed or refused in it yet."""
+    self._standing = Standing(Phase.WATCHING)
 
   def _watch(self) -> None:
     members = list(self.group.members)
@@ -163,7 +210,8 @@ class Peers:
         members=members, joins=degraded and elastic,
         key=(generations.watch_key(self._key, self.group.gen)
              if self.group.gen else None),
-        lost_key=f"{self._key}/{self.group.gen}/lost" if elastic else None)
+        lost_key=(keys.Generation(self._key, self.group.gen).lost
+                  if elastic else None))
 
   def first_state(self, state: Any) -> None:
     """The state the job starts from (`restore_or_initialize`): no later
@@ -188,7 +236,7 @@ class Peers:
     """`_choose` on every member, agreed: raises on all if it failed on
     any."""
     outcome = meetings.agree(
-        meetings.Meeting(group, f"{key}/target",
+        meetings.Meeting(group, keys.child(key, "target"),
                          self._manager.barrier_timeout_ms),
         lambda: self._choose(group, gen, build))
     if outcome.failures:
@@ -266,7 +314,7 @@ class Peers:
     gen = self.group.gen + 1
     group = groups.Survivors(manager.coordinator, members)
     timeout_ms = manager.barrier_timeout_ms
-    key = f"{self._key}/{gen}/recover"
+    key = keys.Generation(self._key, gen).recover
 
     def restore() -> Any:
       _, target = self._choose(group, gen, make_target)
@@ -286,10 +334,11 @@ class Peers:
       if self._partners:
         result = self._rebuild_from_partners(
             group, gen, make_target, step, members, data_iterator,
-            f"{key}/rebuild", lost)
+            keys.child(key, "rebuild"), lost)
       else:
         outcome = meetings.agree(
-            meetings.Meeting(group, f"{key}/restore", timeout_ms), restore)
+            meetings.Meeting(group, keys.child(key, "restore"), timeout_ms),
+            restore)
         if outcome.failures:
           raise RuntimeError(
               f"restoring local step {step} on the live devices failed:"
@@ -303,8 +352,7 @@ class Peers:
                      f" {e}")
       raise error from (e if e is not error else None)
     rescue.recovered()
-    self._rebuild = self._proposed = None
-    self._joins_refused = False
+    self._member_again()
     state, extra = result
     return self._done(Recovered(state, step, extra, members, lost, [],
                                 time.monotonic() - t0))
@@ -362,21 +410,24 @@ class Peers:
     after that, the agreed step or earlier, and no survivor passes the
     agreed step unaware.
     """
-    watcher = self.watcher
-    if (self._elastic_secs is None or watcher is None or self._rebuild
-        or self._joins_refused
-        or (not watcher.joining and self._proposed is None)):
+    watcher, phase = self.watcher, self._standing.phase
+    if (self._elastic_secs is None or watcher is None
+        or phase not in (Phase.WATCHING, Phase.VOTED)
+        or (phase is Phase.WATCHING and not watcher.joining)):
       return False
     jax.block_until_ready(state)
     propose = None
-    if self._proposed is None:
-      self._proposed = propose = step + 2
-    self._rebuild = generations.vote(
-        self._manager.coordinator, f"{self._key}/{self.group.gen}/votes",
+    if phase is Phase.WATCHING:
+      propose = step + 2
+      self._standing = Standing(Phase.VOTED, proposed=propose)
+    agreed = generations.vote(
+        self._manager.coordinator,
+        keys.Generation(self._key, self.group.gen).votes,
         self.group, step, propose, watcher.joining)
-    if self._rebuild is None:
+    if agreed is None:
       return False
-    self.kept = state
+    self._standing = Standing(Phase.AGREED, self._standing.proposed, agreed,
+                              kept=state)
     return True
 
   def rejoin(self, make_target: Callable[[list[Any]], Any] | None,
@@ -397,14 +448,14 @@ class Peers:
     manager, local = self._manager, self._local
     coord, me = manager.coordinator, manager.coordinator.process_index
     timeout_ms = manager.barrier_timeout_ms
-    key = f"{self._key}/{self.group.gen}"
+    key = keys.Generation(self._key, self.group.gen).key
     if local is None:
       raise RuntimeError("rejoining needs a local tier"
                          " (FaultTolerance(local_directory=...))")
     if self.rejoining:  # Waits until the survivors went on without it.
       self.group = generations.next_group_without(
           meetings.Meeting(coord, self._key, timeout_ms), self.group)
-      key = f"{self._key}/{self.group.gen}"
+      key = keys.Generation(self._key, self.group.gen).key
       asked = generations.ask_to_join(coord, self._key, self.group)
       step, survivors, members = generations.read_plan(
           meetings.Meeting(coord, key, timeout_ms), asked)
@@ -412,7 +463,7 @@ class Peers:
         raise RuntimeError(f"process {me}: the group of {survivors} took"
                            f" back {members} without this process")
     else:
-      step, joined = self._rebuild
+      step, joined = self._standing.agreed
       survivors = list(self.group.members)
       members = sorted(set(survivors) | set(joined))
       if me == survivors[0]:
@@ -426,18 +477,19 @@ class Peers:
                                            "the group's devices")
       if self._partners:
         state, extra, _ = rebuild.restore(
-            meetings.Meeting(group, f"{key}/rebuild", timeout_ms), step,
+            meetings.Meeting(group, keys.child(key, "rebuild"), timeout_ms),
+            step,
             survivors, local.manager, built, devices=devices)
       else:
         state, extra = peer.restore(
-            meetings.Meeting(group, f"{key}/peer", timeout_ms), step,
+            meetings.Meeting(group, keys.child(key, "peer"), timeout_ms),
+            step,
             survivors, local, built, devices=devices)
     except Exception as e:  # pylint: disable=broad-except
-      self._rebuild = self._proposed = None
       if self.rejoining:
         coord.kv_delete(asked)
         raise
-      self._joins_refused = True
+      self._standing = Standing(Phase.REFUSED, kept=self._standing.kept)
       log.error("taking back processes %s at step %d failed (%r); going on"
                 " with processes %s", sorted(set(members) - set(survivors)),
                 step, e, survivors)
@@ -456,7 +508,7 @@ class Peers:
     self._regroup(members, gen)
     self._watch()
     generations.mark_opened(self._key)
-    self.rejoining, self._rebuild, self._proposed = False, None, None
+    self._member_again()
     return self._done(Recovered(state, step, extra, members, {},
                                 sorted(set(members) - set(survivors)),
                                 time.monotonic() - t0))

@@ -50,6 +50,7 @@ import numpy as np
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 from flax_ckpt_plugin.format.treepaths import normalize_index
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.save.leaves import ShardData
 from flax_ckpt_plugin.tolerance import partners
 
@@ -172,10 +173,10 @@ def share_domains(coord: Any, job: str, domain: str | None,
   its own (`domain`, or its host's name) in the key-value store, and reads
   all of them after a barrier. Called by every process together."""
   key = f"flax_ckpt_plugin/{job}/domains"
-  coord.kv_set(f"{key}/{coord.process_index}",
+  coord.kv_set(keys.of_process(key, coord.process_index),
                domain if domain is not None else socket.gethostname())
-  coord.barrier(f"{key}/{coord.next_round(key)}", timeout_ms=timeout_ms)
-  return {int(k.rsplit("/", 1)[1]): v for k, v in coord.kv_dir(key).items()}
+  coord.barrier(keys.fresh(coord, key), timeout_ms=timeout_ms)
+  return keys.by_index(coord.kv_dir(key))
 
 
 class Exchange:

@@ -25,6 +25,7 @@ import numpy as np
 
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 
@@ -188,13 +189,13 @@ def watch_key(key: str, gen: int) -> str:
   one asks to join a degraded group under it (`liveness.join_record`).
   Each generation is recorded once in a job, so no record of an earlier
   watch is found there."""
-  return f"{key}/{gen}/watch"
+  return keys.Generation(key, gen).watch
 
 
 def lists_key(key: str, gen: int) -> str:
   """Where generation `gen` of the group of `key` records its
   `device_lists` (each with the process that holds it alone, if one)."""
-  return f"{key}/lists/{gen}"
+  return keys.child(key, "lists", gen)
 
 
 class Used(NamedTuple):
@@ -219,10 +220,10 @@ def used_lists(coord: coordinator_lib.Coordinator, key: str, before: int,
   may meet the keys a dead incarnation left (see `mesh_lists`)."""
   history: dict[int, set[int]] = {}
   for k, text in coord.kv_dir(f"{key}/groups").items():
-    history[int(k.rsplit("/", 1)[1])] = set(json.loads(text)[0])
+    history[keys.index(k)] = set(json.loads(text)[0])
   records = [(0, first or {})]
   for k, text in coord.kv_dir(f"{key}/lists").items():
-    gen, lists = int(k.rsplit("/", 1)[1]), json.loads(text)
+    gen, lists = keys.index(k), json.loads(text)
     if gen < before:
       records.append((gen, lists if isinstance(lists, dict)
                       else dict.fromkeys(lists)))
@@ -369,7 +370,8 @@ def show_restart(coord: coordinator_lib.Coordinator, key: str, group: Group,
   it, see `next_group_without`); unless their watcher reported the loss
   already (they no longer poll that way, and a poll would wait for
   nobody)."""
-  if f"{key}/{group.gen}/lost" in coord.kv_dir(f"{key}/{group.gen}"):
+  at = keys.Generation(key, group.gen)
+  if at.lost in coord.kv_dir(at.key):
     return
   try:
     coord.live_processes(list(group.members), timeout_secs=poll_secs)
@@ -386,7 +388,7 @@ def next_group_without(meeting: meetings.Meeting, group: Group) -> Group:
   timeout_ms = meeting.timeout_ms
   while coord.process_index in group.members:
     members, gen, primary = json.loads(coord.kv_get(
-        f"{key}/groups/{group.gen + 1}", timeout_ms=timeout_ms))
+        keys.child(key, "groups", group.gen + 1), timeout_ms=timeout_ms))
     group = Group(tuple(members), gen, primary)
   return group
 
@@ -454,7 +456,8 @@ def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
   """
   me = coord.process_index
   if propose is not None:
-    coord.kv_set(f"{key}/by/{me}", json.dumps([propose, sorted(joining)]))
+    coord.kv_set(keys.of_process(keys.child(key, "by"), me),
+                 json.dumps([propose, sorted(joining)]))
   found = coord.kv_dir(f"{key}/result")
   if not found and me == group.members[0]:
     votes = [json.loads(v) for v in coord.kv_dir(f"{key}/by").values()]
@@ -512,5 +515,5 @@ def record(coord: coordinator_lib.Coordinator, key: str, group: Group,
       coord.kv_set(lists_key(key, group.gen),
                    json.dumps(lists, sort_keys=True))
     text = json.dumps(list(group))
-    coord.kv_set(f"{key}/groups/{group.gen}", text)
+    coord.kv_set(keys.child(key, "groups", group.gen), text)
     coord.kv_set(f"{key}/group", text)

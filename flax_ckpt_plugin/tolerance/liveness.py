@@ -50,6 +50,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.errors import PeerLostError
 from flax_ckpt_plugin.logs import log
@@ -96,7 +97,7 @@ def schedule(poll_secs: float, watched: int) -> Schedule:
 def join_record(key: str, process: int) -> str:
   """The key under which `process` asks to join the processes a watcher
   of key `key` watches (`Watcher(joins=True)`)."""
-  return f"{key}/join/{process}"
+  return keys.of_process(keys.child(key, "join"), process)
 
 
 class _Records(NamedTuple):
@@ -350,8 +351,10 @@ def watch(coord: coordinator_lib.Coordinator, name: str, *,
   `name`: a relaunched process that asks to join must know it). With
   `settings_timeout_ms`, the members first check that they watch alike
   (`agree_on_settings`, waiting that long for each other)."""
-  n = coord.next_round(f"liveness/{name}")
-  key = key or f"flax_ckpt_plugin/liveness/{name}/{n}"
+  # A round is taken with a `key` given too, so that this process's later
+  # rounds of `name` do not hang on which of its watches were given one.
+  round_key = keys.fresh(coord, f"flax_ckpt_plugin/liveness/{name}")
+  key = key or round_key
   if settings_timeout_ms is not None:
     agree_on_settings(
         meetings.Meeting(coord, key, settings_timeout_ms),
@@ -394,7 +397,8 @@ def agree_on_settings(meeting: meetings.Meeting, *, poll_secs: float,
   else:
     theirs = coord.kv_get(f"{key}/settings", timeout_ms=timeout_ms)
   if mine != theirs:
-    coord.kv_set(f"{key}/settings_differ/{me}", mine)
+    coord.kv_set(keys.of_process(keys.child(key, "settings_differ"), me),
+                 mine)
   coord.barrier(f"{key}/settings", timeout_ms=timeout_ms,
                 process_ids=members)
   differ = coord.kv_dir(f"{key}/settings_differ")
@@ -406,10 +410,8 @@ def agree_on_settings(meeting: meetings.Meeting, *, poll_secs: float,
         "FaultTolerance.watch_poll_secs and the processes watched must be the"
         " same on every process (the watchers' rounds follow from them):"
         f" process {first} has {said(theirs)}, but "
-        + "; ".join(f"process {k.rsplit('/', 1)[1]} has {said(v)}"
-                    for k, v in sorted(differ.items(),
-                                       key=lambda kv: int(
-                                           kv[0].rsplit("/", 1)[1]))))
+        + "; ".join(f"process {p} has {said(v)}"
+                    for p, v in sorted(keys.by_index(differ).items())))
 
 
 def outlive(coord: coordinator_lib.Coordinator, members: Any,

@@ -39,6 +39,7 @@ from flax_ckpt_plugin import exits
 from flax_ckpt_plugin.save import atomicity as atomicity_lib
 from flax_ckpt_plugin.save import commit as commit_lib
 from flax_ckpt_plugin.multihost import groups
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 from flax_ckpt_plugin.tolerance import shares
@@ -212,14 +213,13 @@ class Rescue:
     key = f"{self._manager.name}/leaving"
     try:
       if coord.process_index != 0:
-        coord.kv_set(f"{key}/{coord.process_index}", "1")
+        coord.kv_set(keys.of_process(key, coord.process_index), "1")
       else:
         lost = set(watcher.lost) if watcher is not None else set()
-        others = {str(p) for p in self._members() if p} - {
-            str(p) for p in lost}
+        others = {p for p in self._members() if p} - lost
         end = time.monotonic() + LEAVE_LAST_SECS
-        while time.monotonic() < end and not others <= {
-            k.rsplit("/", 1)[1] for k in coord.kv_dir(key)}:
+        while time.monotonic() < end and not others <= set(
+            keys.by_index(coord.kv_dir(key))):
           time.sleep(0.05)
         time.sleep(0.2)  # From their mark to their exit.
     except Exception as e:  # pylint: disable=broad-except

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, TYPE_CHECKING
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.format import manifest as manifest_lib
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.reader import LeafReader
@@ -85,6 +86,9 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
   """
   group = meeting.coordinator
   key = meeting.key
+  # Each process's digest of what it holds, list of it, and share to write.
+  digests, lists, mine_of = (keys.child(key, name)
+                             for name in ("digest", "list", "mine"))
   timeout_ms = meeting.timeout_ms
   me = group.process_index
   holders = list(group.members) if holders is None else sorted(holders)
@@ -104,7 +108,7 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
     m = manifest_lib.read(step_dir, step, manager.backend)
     held.update({leaf.path: [s.index_list for s in leaf.shards]
                  for leaf in m.leaves if leaf.is_array})
-    group.kv_set(f"{key}/digest/{me}", hashlib.sha256(
+    group.kv_set(keys.of_process(digests, me), hashlib.sha256(
         json.dumps(held, sort_keys=True).encode()).hexdigest())
     return (m,)
 
@@ -116,16 +120,17 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
   def writers() -> bool:  # The first holder: the lowest of each kind.
     if me == first:
       lowest: dict[str, int] = {}
-      for k, v in sorted(group.kv_dir(f"{key}/digest").items(),
-                         key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
-        lowest.setdefault(v, int(k.rsplit("/", 1)[1]))
+      for p, v in sorted(keys.by_index(
+          group.kv_dir(digests)).items()):
+        lowest.setdefault(v, p)
       group.kv_set(f"{key}/writers", json.dumps(sorted(lowest.values())))
     return True
 
   def share() -> tuple[list[int], manifest_lib.Manifest]:
     found = json.loads(group.kv_get(f"{key}/writers", timeout_ms=timeout_ms))
     if me in found:
-      meetings.share_text(group, f"{key}/list/{me}", json.dumps(held))
+      meetings.share_text(group, keys.of_process(lists, me),
+                          json.dumps(held))
     if m is not None:
       return found, m
     return found, manifest_lib.parse(meetings.fetch_text(
@@ -145,7 +150,7 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
     owner: dict[str, dict[tuple, int]] = {}
     for p in reversed(listers):  # The lowest holder wins.
       for path, indices in json.loads(meetings.fetch_text(
-          group, f"{key}/list/{p}", timeout_ms)).items():
+          group, keys.of_process(lists, p), timeout_ms)).items():
         for index in indices:
           owner.setdefault(path, {})[tuple(map(tuple, index))] = p
     missing = ""
@@ -160,7 +165,7 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
           break
     if not missing:
       for p in listers:
-        meetings.share_text(group, f"{key}/mine/{p}", json.dumps(
+        meetings.share_text(group, keys.of_process(mine_of, p), json.dumps(
             {path: [i for i, q in where.items() if q == p]
              for path, where in owner.items()}))
       if everyone:
@@ -182,7 +187,7 @@ def share_out(meeting: meetings.Meeting, manager: TierManager,
   if me in listers:
     mine = {path: {tuple(map(tuple, i)) for i in indices}
             for path, indices in json.loads(meetings.fetch_text(
-                group, f"{key}/mine/{me}", timeout_ms)).items()}
+                group, keys.of_process(mine_of, me), timeout_ms)).items()}
   owner = None
   if everyone:
     owner = {path: {tuple(map(tuple, i)): q for i, q in where}

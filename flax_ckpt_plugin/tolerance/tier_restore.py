@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.format import datastate
 from flax_ckpt_plugin.restore import fallback
@@ -55,7 +56,8 @@ def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
     return Plan({0: mine}, persistent.all_steps())
 
   def publish() -> None:
-    coord.kv_set(f"{key}/local/{coord.process_index}", json.dumps(mine))
+    coord.kv_set(keys.of_process(keys.child(key, "local"), coord.process_index),
+                 json.dumps(mine))
 
   outcome = meetings.agree(meeting.under("listed"), publish)
   if outcome.error is not None:
@@ -64,8 +66,8 @@ def _inventory(meeting: meetings.Meeting, local: LocalTier | None,
     raise RestoreFailedError(
         "listing the steps of each tier failed on other processes:"
         f" {meetings.describe_failures(outcome.failures)}")
-  local_steps = {int(k.rsplit("/", 1)[1]): json.loads(v)
-                 for k, v in coord.kv_dir(f"{key}/local").items()}
+  local_steps = {p: json.loads(v) for p, v in keys.by_index(
+      coord.kv_dir(keys.child(key, "local"))).items()}
   listed = meetings.decided_by_one(
       meeting.under("persistent"), persistent.all_steps,
       decides=persistent.is_primary, error=RestoreFailedError,
@@ -157,8 +159,7 @@ def restore_into(state: Any, local: LocalTier,
   exchange of saved bytes does not make.
   """
   coord, timeout_ms = persistent.coordinator, persistent.barrier_timeout_ms
-  key = f"{persistent.name}/tiers"
-  key = f"{key}/{coord.next_round(key)}"
+  key = keys.fresh(coord, keys.child(persistent.name, "tiers"))
 
   def from_manager(manager):
     return lambda step, _: (

@@ -17,6 +17,7 @@ from flax_ckpt_plugin import CommitHookError
 from flax_ckpt_plugin import RestoreFailedError
 from flax_ckpt_plugin import SaveFailedError
 from flax_ckpt_plugin.backends import registry as backend_lib
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.restore.directory_reader import DirectoryReader
 from flax_ckpt_plugin import Processes
@@ -63,10 +64,10 @@ def test_agree_times_out_naming_the_key_when_a_process_never_comes():
   assert aborted == [True]
 
 
-def test_next_round_makes_a_reused_name_fresh():
+def test_fresh_makes_a_reused_name_fresh():
   coord = FakeCluster(1).coordinators()[0]
-  assert [coord.next_round("a"), coord.next_round("a"),
-          coord.next_round("b")] == [0, 1, 0]
+  assert [keys.fresh(coord, "a"), keys.fresh(coord, "a"),
+          keys.fresh(coord, "b")] == ["a/0", "a/1", "b/0"]
 
 
 # -- managers over the fake coordinator -----------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 from flax_ckpt_plugin import PeerLostError
 from flax_ckpt_plugin import deadlines
+from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 from flax_ckpt_plugin.tolerance import liveness
 
@@ -26,6 +27,7 @@ class ScriptedCoordinator:
     self.process_count, self.process_index = count, me
     self.kv: dict[str, str] = {}
     self.polls = 0
+    self.rounds = keys.Rounds()
 
   def live_processes(self, process_ids=None):
     self.polls += 1
@@ -41,8 +43,6 @@ class ScriptedCoordinator:
   def kv_dir(self, prefix):
     return {k: v for k, v in self.kv.items() if k.startswith(prefix + "/")}
 
-  def next_round(self, name):
-    return 0
 
   abort = None
 
