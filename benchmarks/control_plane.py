@@ -208,7 +208,7 @@ class Service:
     return [SimCoordinator(self, i) for i in range(self.process_count)]
 
 
-class SimCoordinator(keys.NextRound):
+class SimCoordinator:
   """One simulated process's view of a `Service`."""
 
   def __init__(self, service: Service, index: int):

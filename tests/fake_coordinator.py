@@ -36,7 +36,7 @@ class FakeCluster:
     return [ThreadCoordinator(self, i) for i in range(self.process_count)]
 
 
-class ThreadCoordinator(keys.NextRound):
+class ThreadCoordinator:
   """One fake process's view of a `FakeCluster`."""
 
   def __init__(self, cluster: FakeCluster, index: int):

@@ -117,7 +117,7 @@ def _failure(what: str, e: BaseException, secs: float,
           f" timeout) on {where}: {e}")
 
 
-class JaxCoordinator(keys.NextRound):
+class JaxCoordinator:
   """The coordination service of `jax.distributed`, looked up at each call.
 
   Nothing runs at import, and the client is found anew on every call, so a

@@ -18,7 +18,7 @@ from flax_ckpt_plugin.multihost import keys
 from flax_ckpt_plugin.multihost import meetings
 
 
-class SoloCoordinator(keys.NextRound):
+class SoloCoordinator:
   """One process by itself, whatever the job: barriers pass at once and the
   key-value store is its own."""
 
@@ -60,7 +60,7 @@ class SoloCoordinator(keys.NextRound):
     return False
 
 
-class Survivors(keys.NextRound):
+class Survivors:
   """The job's coordinator, for `members` only (the survivors of a loss).
 
   Process indices stay the job's; every barrier names `members`. Calls

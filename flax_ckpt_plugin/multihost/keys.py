@@ -46,18 +46,6 @@ class _HasRounds(Protocol):
   rounds: Rounds
 
 
-class NextRound:
-  """`coord.next_round(name)`, `rounds.take(name)`, for the two modules
-  that still call it (manager/manager.py, restore/directory_reader.py),
-  until they call `fresh`; every coordinator inherits it until then.
-  Nothing else calls it."""
-
-  rounds: Rounds
-
-  def next_round(self, name: str) -> int:
-    return self.rounds.take(name)
-
-
 def fresh(coord: _HasRounds, key: str) -> str:
   """`key/N`, N the times this process asked for `key` before.
 
