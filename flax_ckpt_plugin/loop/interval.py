@@ -40,6 +40,7 @@ from typing import Any, Callable
 from flax_ckpt_plugin import errors
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
+from flax_ckpt_plugin.multihost import keys
 
 # The starting interval, until a save's cost is measured (within the
 # bounds; `min_every_steps` instead when given).
@@ -387,5 +388,5 @@ class AutoEverySteps:
 
   @staticmethod
   def _key(key: str, round_: int) -> str:
-    return f"{key}/auto_every_steps/{round_}"
+    return keys.child(key, "auto_every_steps", round_)
 

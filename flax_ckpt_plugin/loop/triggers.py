@@ -25,6 +25,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol
 from flax_ckpt_plugin.loop import interval
 from flax_ckpt_plugin.multihost import coordinator as coordinator_lib
 from flax_ckpt_plugin.tolerance.options import FaultTolerance
+from flax_ckpt_plugin.multihost import keys
 
 # The deprecated form of `every_steps=AutoInterval(...)`, and the fields of
 # `FaultTolerance` that went with it (see `interval.AutoInterval`).
@@ -312,7 +313,7 @@ class EverySecs(Trigger):
         self._secs_per_step = (now - prev[1]) / (step - prev[0])
     if self._next_ask is not None and step < self._next_ask:
       return False
-    name = f"{key}/every_secs/{self._round}/{self._asks_now}"
+    name = keys.child(key, "every_secs", self._round, self._asks_now)
     self._asks_now += 1
     if self._is_primary:
       answer = self._answer(step, now)
@@ -333,4 +334,4 @@ class EverySecs(Trigger):
     if self._is_primary and self._coord.process_count > 1 and self._round >= 2:
       # The save waited for the previous commit, whose barriers every
       # process passed after reading all keys from before that save.
-      self._coord.kv_delete(f"{key}/every_secs/{self._round - 2}")
+      self._coord.kv_delete(keys.child(key, "every_secs", self._round - 2))

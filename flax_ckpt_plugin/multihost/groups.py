@@ -138,10 +138,11 @@ def common_newest(meeting: meetings.Meeting, steps: Sequence[int],
   me = group.process_index
   group.kv_set(keys.of_process(keys.child(key, "steps"), me),
                json.dumps([list(steps), latest]))
-  group.barrier(f"{key}/listed", timeout_ms=timeout_ms)
+  group.barrier(keys.child(key, "listed"), timeout_ms=timeout_ms)
 
   def decide() -> list[int | None]:
-    listed = [json.loads(v) for v in group.kv_dir(f"{key}/steps").values()]
+    listed = [json.loads(v)
+              for v in group.kv_dir(keys.child(key, "steps")).values()]
     common = set.intersection(*(set(s) for s, _ in listed))
     return [max(common, default=None),
             max((s for _, s in listed if s is not None), default=None)]

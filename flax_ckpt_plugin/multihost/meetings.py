@@ -101,7 +101,7 @@ def agree(meeting: Meeting, fn: Callable[[], T], *,
                    f"{type(error).__name__}\n{error}")
   if multi:
     try:
-      coord.barrier(f"{key}/done", timeout_ms=timeout_ms)
+      coord.barrier(keys.child(key, "done"), timeout_ms=timeout_ms)
     except Exception:
       if on_timeout is not None:
         on_timeout()

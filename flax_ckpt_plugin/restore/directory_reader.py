@@ -372,9 +372,9 @@ class DirectoryReader:
     self._check_open()
     self._before_restore()
     t0 = time.perf_counter()
-    key = keys.fresh(self.coordinator, f"{self._base}/shared")
+    key = keys.fresh(self.coordinator, keys.child(self._base, "shared"))
     step = operator.index(step) if step is not None else self._agreed_newest(
-        f"{key}/newest")
+        keys.child(key, "newest"))
     step_dir = self.directory / str(step)
 
     def read_manifest():  # On the primary only.
@@ -511,7 +511,7 @@ class DirectoryReader:
     """`restore_newest_valid`, its options checked."""
     self._check_open()
     self._before_restore()
-    key = keys.fresh(self.coordinator, f"{self._base}/restore")
+    key = keys.fresh(self.coordinator, keys.child(self._base, "restore"))
     found, skipped = fallback.restore_newest(
         meetings.Meeting(self.coordinator, key, self.barrier_timeout_ms),
         steps=self.all_steps,

@@ -27,6 +27,7 @@ from flax_ckpt_plugin.errors import RestoreFailedError
 from flax_ckpt_plugin.deadlines import StorageTimeoutError
 from flax_ckpt_plugin.errors import Unsuitable
 from flax_ckpt_plugin.logs import log
+from flax_ckpt_plugin.multihost import keys
 
 
 class _Damaged(Exception):
@@ -86,9 +87,9 @@ def restore_newest(meeting: meetings.Meeting, *,
     candidates = steps()
   elif is_primary:
     candidates = steps()
-    coord.kv_set(f"{key}/steps", json.dumps(candidates))
+    coord.kv_set(keys.child(key, "steps"), json.dumps(candidates))
   else:
-    candidates = json.loads(coord.kv_get(f"{key}/steps",
+    candidates = json.loads(coord.kv_get(keys.child(key, "steps"),
                                          timeout_ms=timeout_ms))
   return try_in_turn(meeting, list(reversed(candidates)), restore, where=where)
 
@@ -110,7 +111,7 @@ def try_in_turn(meeting: meetings.Meeting, candidates: list[Any],
   skipped, why = [], []
   for n, candidate in enumerate(candidates):
     outcome = meetings.agree(
-        meetings.Meeting(coord, f"{key}/try{n}", timeout_ms),
+        meetings.Meeting(coord, keys.child(key, f"try{n}"), timeout_ms),
         lambda c=candidate: _restore_or_mark(restore, c))
     if not outcome.failures:
       return (candidate, outcome.result), skipped

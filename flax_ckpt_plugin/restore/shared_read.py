@@ -58,6 +58,7 @@ from flax_ckpt_plugin.restore.data_files import ByteReader
 from flax_ckpt_plugin.restore.options import RestoreOptions
 from flax_ckpt_plugin.restore.reader import LeafReads
 from flax_ckpt_plugin.format.treepaths import leaf_paths
+from flax_ckpt_plugin.multihost import keys
 
 
 # The programs of shared reads are traced and compiled here, one at a time.
@@ -124,7 +125,7 @@ def _restore(meeting: meetings.Meeting, step_dir, read_manifest, target,
   timeout_ms = meeting.timeout_ms
   where = str(step_dir)
   log.debug("%s: restoring together", where)
-  shared = f"{key}/manifest"
+  shared = keys.child(key, "manifest")
   own: list[manifest_lib.Manifest] = []
 
   def share():

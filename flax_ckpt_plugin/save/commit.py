@@ -47,6 +47,7 @@ from flax_ckpt_plugin.errors import SaveFailedError
 from flax_ckpt_plugin.logs import log
 from flax_ckpt_plugin.save.leaves import LeafSnapshot
 from flax_ckpt_plugin.stats import SaveStats
+from flax_ckpt_plugin.multihost import keys
 
 
 CommitHook = Callable[[SaveStats], None]
@@ -123,15 +124,16 @@ def open_for_writing(coord: coordinator_lib.Coordinator,
       log.warning("removed unfinished checkpoint %s", entry)
     steps = directory_lib.finalized_steps(directory)
     if multi:
-      coord.kv_set(f"{base}/writer", token)
-      meetings.share_text(coord, f"{base}/steps/{token}", json.dumps(steps))
+      coord.kv_set(keys.child(base, "writer"), token)
+      meetings.share_text(coord, keys.child(base, "steps", token),
+                          json.dumps(steps))
   # Reused by every opening of this directory: a barrier key may be used
   # again once all passed it, and the primary set the token before it.
-  coord.barrier(f"{base}/open", timeout_ms=timeout_ms)
+  coord.barrier(keys.child(base, "open"), timeout_ms=timeout_ms)
   if not is_primary:
-    token = coord.kv_get(f"{base}/writer", timeout_ms=timeout_ms)
-    steps = json.loads(meetings.fetch_text(coord, f"{base}/steps/{token}",
-                                         timeout_ms))
+    token = coord.kv_get(keys.child(base, "writer"), timeout_ms=timeout_ms)
+    steps = json.loads(meetings.fetch_text(
+        coord, keys.child(base, "steps", token), timeout_ms))
   return token, steps
 
 
@@ -145,7 +147,7 @@ def listed_by_primary(meeting: meetings.Meeting, directory: epath.Path, *,
       meeting.under("steps"),
       lambda: directory_lib.finalized_steps(directory), decides=is_primary,
       what=f"listing the steps of {directory}")
-  meeting.coordinator.barrier(f"{meeting.key}/listed",
+  meeting.coordinator.barrier(keys.child(meeting.key, "listed"),
                               timeout_ms=meeting.timeout_ms)
   return steps
 
@@ -204,12 +206,12 @@ def commit(inputs: CommitInputs) -> tuple[SaveStats, writer.Written]:
       with io.doing(f"making the step's directory {tmp.path}"):
         tmp.prepare()
       if count > 1:  # Others check that they write where it made.
-        coord.kv_set(f"{key}/identity", json.dumps(tmp.identity))
+        coord.kv_set(keys.child(key, "identity"), json.dumps(tmp.identity))
 
   phase("prepared", prepare)
   identity = tmp.identity
   if count > 1 and not inputs.is_primary:
-    identity = json.loads(coord.kv_get(f"{key}/identity",
+    identity = json.loads(coord.kv_get(keys.child(key, "identity"),
                                        timeout_ms=inputs.timeout_ms))
   written = phase(
       "written",

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import threading
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -77,7 +78,7 @@ def joining(coord: coordinator_lib.Coordinator, key: str) -> Group | None:
   """
   if coord.process_count < 2 or key in _OPENED:
     return None
-  text = coord.kv_dir(key).get(f"{key}/group")
+  text = coord.kv_dir(key).get(keys.child(key, "group"))
   if text is None:
     return None
   members, gen, primary = json.loads(text)
@@ -219,10 +220,10 @@ def used_lists(coord: coordinator_lib.Coordinator, key: str, before: int,
   list may have taken part in a collective with a process lost since, or
   may meet the keys a dead incarnation left (see `mesh_lists`)."""
   history: dict[int, set[int]] = {}
-  for k, text in coord.kv_dir(f"{key}/groups").items():
+  for k, text in coord.kv_dir(keys.child(key, "groups")).items():
     history[keys.index(k)] = set(json.loads(text)[0])
   records = [(0, first or {})]
-  for k, text in coord.kv_dir(f"{key}/lists").items():
+  for k, text in coord.kv_dir(keys.child(key, "lists")).items():
     gen, lists = keys.index(k), json.loads(text)
     if gen < before:
       records.append((gen, lists if isinstance(lists, dict)
@@ -362,22 +363,53 @@ def on_devices(tree: Any, devices: list[Any]) -> Any:
 
 
 def show_restart(coord: coordinator_lib.Coordinator, key: str, group: Group,
-                 poll_secs: float) -> None:
-  """A process relaunched before the survivors dropped it: their watcher
+                 poll_secs: float, *, look_secs: float = 0.25) -> None:
+  """Shows a relaunched process to the survivors of its loss.
+
+  The process came back before the survivors dropped it: their watcher
   polls the live processes with it among them, and each poll waits for
   every live one of them (`liveness`), this new process too. One poll
   with them shows them its new incarnation (they then recover without
-  it, see `next_group_without`); unless their watcher reported the loss
-  already (they no longer poll that way, and a poll would wait for
-  nobody)."""
+  it, see `next_group_without`). Once their watcher reported the loss,
+  they no longer poll that way, and a poll would wait for nobody: it is
+  not made where the loss is recorded already, and stops being waited
+  for as soon as it is (the survivors may record it while this process
+  polls; the poll, left to its deadline, would keep this process from
+  asking to join for all of `poll_secs`, while the survivors train on).
+
+  Args:
+    coord: the relaunched process's coordinator.
+    key: the elastic group's key.
+    group: the newest recorded group (this process among its members).
+    poll_secs: how long the poll may wait for the survivors.
+    look_secs: how often the loss's record is looked for meanwhile.
+  """
   at = keys.Generation(key, group.gen)
-  if at.lost in coord.kv_dir(at.key):
+
+  def lost() -> bool:
+    return at.lost in coord.kv_dir(at.key)
+
+  if lost():
     return
-  try:
-    coord.live_processes(list(group.members), timeout_secs=poll_secs)
-  except Exception as e:  # pylint: disable=broad-except
+  done, failed = threading.Event(), []
+
+  def poll() -> None:
+    try:
+      coord.live_processes(list(group.members), timeout_secs=poll_secs)
+    except Exception as e:  # pylint: disable=broad-except
+      failed.append(e)
+    finally:
+      done.set()
+
+  # (A poll that is no longer waited for ends at its own deadline.)
+  threading.Thread(target=poll, name="flax_ckpt_plugin-show-restart",
+                   daemon=True).start()
+  while not done.wait(look_secs):
+    if lost():
+      return
+  if failed:
     log.warning("process %d: the survivors did not poll with it (%r)",
-                coord.process_index, e)
+                coord.process_index, failed[0])
 
 
 def next_group_without(meeting: meetings.Meeting, group: Group) -> Group:
@@ -408,7 +440,7 @@ def record_plan(coord: coordinator_lib.Coordinator, key: str, step: int,
   """The survivors' first member records under `key` the step at which
   the `survivors` take back the others of `members`, for them to read
   (`read_plan`)."""
-  coord.kv_set(f"{key}/plan", json.dumps([step, survivors, members]))
+  coord.kv_set(keys.child(key, "plan"), json.dumps([step, survivors, members]))
 
 
 def read_plan(meeting: meetings.Meeting, asked: str
@@ -424,7 +456,7 @@ def read_plan(meeting: meetings.Meeting, asked: str
   timeout_ms = meeting.timeout_ms
   try:
     step, survivors, members = json.loads(coord.kv_get(
-        f"{key}/plan", timeout_ms=timeout_ms))
+        keys.child(key, "plan"), timeout_ms=timeout_ms))
   except BaseException:
     with contextlib.suppress(Exception):  # The service may be what failed.
       coord.kv_delete(asked)
@@ -458,14 +490,15 @@ def vote(coord: coordinator_lib.Coordinator, key: str, group: Group,
   if propose is not None:
     coord.kv_set(keys.of_process(keys.child(key, "by"), me),
                  json.dumps([propose, sorted(joining)]))
-  found = coord.kv_dir(f"{key}/result")
+  found = coord.kv_dir(keys.child(key, "result"))
   if not found and me == group.members[0]:
-    votes = [json.loads(v) for v in coord.kv_dir(f"{key}/by").values()]
+    votes = [json.loads(v)
+             for v in coord.kv_dir(keys.child(key, "by")).values()]
     if len(votes) == len(group.members):
       result = json.dumps([max(v[0] for v in votes),
                            sorted(set().union(*(v[1] for v in votes)))])
-      coord.kv_set(f"{key}/result/0", result)
-      found = {f"{key}/result/0": result}
+      coord.kv_set(keys.child(key, "result", "0"), result)
+      found = {keys.child(key, "result", "0"): result}
   if not found:
     return None
   at, joined = json.loads(next(iter(found.values())))
@@ -487,7 +520,7 @@ def record_first_lists(coord: coordinator_lib.Coordinator, key: str,
   lists = device_lists(state)
   name = lists_key(key, 0)
   if (record and lists and coord.process_index == group.members[0]
-      and name not in coord.kv_dir(f"{key}/lists")):
+      and name not in coord.kv_dir(keys.child(key, "lists"))):
     coord.kv_set(name, json.dumps(lists, sort_keys=True))
   return lists
 
@@ -516,4 +549,4 @@ def record(coord: coordinator_lib.Coordinator, key: str, group: Group,
                    json.dumps(lists, sort_keys=True))
     text = json.dumps(list(group))
     coord.kv_set(keys.child(key, "groups", group.gen), text)
-    coord.kv_set(f"{key}/group", text)
+    coord.kv_set(keys.child(key, "group"), text)

@@ -240,7 +240,7 @@ class Watcher:
 
   def _record_stop(self, stop: int) -> None:
     try:
-      self._coord.kv_set(f"{self._key}/stop/{stop}", "")
+      self._coord.kv_set(keys.child(self._key, "stop", stop), "")
     except Exception:  # pylint: disable=broad-except
       pass  # The peers may then report this process lost: harmless now.
 
@@ -392,16 +392,16 @@ def agree_on_settings(meeting: meetings.Meeting, *, poll_secs: float,
   me, first = coord.process_index, members[0]
   mine = json.dumps({"poll_secs": float(poll_secs), "members": members})
   if me == first:
-    coord.kv_set(f"{key}/settings", mine)
+    coord.kv_set(keys.child(key, "settings"), mine)
     theirs = mine
   else:
-    theirs = coord.kv_get(f"{key}/settings", timeout_ms=timeout_ms)
+    theirs = coord.kv_get(keys.child(key, "settings"), timeout_ms=timeout_ms)
   if mine != theirs:
     coord.kv_set(keys.of_process(keys.child(key, "settings_differ"), me),
                  mine)
-  coord.barrier(f"{key}/settings", timeout_ms=timeout_ms,
+  coord.barrier(keys.child(key, "settings"), timeout_ms=timeout_ms,
                 process_ids=members)
-  differ = coord.kv_dir(f"{key}/settings_differ")
+  differ = coord.kv_dir(keys.child(key, "settings_differ"))
   if differ:
     def said(text: str) -> str:
       s = json.loads(text)

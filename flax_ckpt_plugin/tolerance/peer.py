@@ -44,6 +44,7 @@ from flax_ckpt_plugin.restore.reader import LeafReader
 from flax_ckpt_plugin.arrays.copies import bits_dtype
 from flax_ckpt_plugin.format.treepaths import leaf_paths
 from flax_ckpt_plugin.format.treepaths import normalize_index
+from flax_ckpt_plugin.multihost import keys
 
 if TYPE_CHECKING:
   from flax_ckpt_plugin.backends import interface
@@ -140,14 +141,14 @@ def restore(meeting: meetings.Meeting, step: int, holders: list[int],
 
   def share():
     if me == source:
-      meetings.share_text(coord, f"{key}/manifest",
+      meetings.share_text(coord, keys.child(key, "manifest"),
                         local_read(step_dir, backend).decode("utf-8"))
 
   agree_all(meeting.under("shared"), share, where)
 
   def prepare(storage: interface.Backend):
     saved = manifest_lib.parse(meetings.fetch_text(
-        coord, f"{key}/manifest", timeout_ms).encode("utf-8"), where)
+        coord, keys.child(key, "manifest"), timeout_ms).encode("utf-8"), where)
     return _prepare(saved, target, step_dir if holding else None, storage,
                     me == source, set(holders), where,
                     devices or jax.devices())

@@ -210,7 +210,7 @@ class Rescue:
     """
     watcher = self._watcher
     coord = groups.Survivors(self._manager.coordinator, [])
-    key = f"{self._manager.name}/leaving"
+    key = keys.child(self._manager.name, "leaving")
     try:
       if coord.process_index != 0:
         coord.kv_set(keys.of_process(key, coord.process_index), "1")
@@ -243,7 +243,7 @@ class Rescue:
     coord = manager.coordinator
     members = sorted(set(self._members()) - lost)
     group = groups.Survivors(coord, members)
-    key = f"{manager.name}/rescue/{'-'.join(map(str, members))}"
+    key = keys.child(manager.name, "rescue", '-'.join(map(str, members)))
     timeout_ms = int(min(TIMEOUT_SECS, manager.barrier_timeout_ms / 1000)
                      * 1000)
     step, latest = groups.common_newest(
@@ -265,7 +265,7 @@ class Rescue:
                                        manager.atomicity, manager.backend)
     stats, _ = commit_lib.commit(commit_lib.CommitInputs(
         coordinator=group, directory=manager.directory,
-        backend=manager.backend, step=step, key=f"{key}/commit",
+        backend=manager.backend, step=step, key=keys.child(key, "commit"),
         tmp=tmp, leaves=leaves, extra=extra, metrics=None,
         blocking_secs=0.0, is_primary=coord.process_index == primary,
         timeout_ms=timeout_ms, check_still_writer=manager.check_still_writer,

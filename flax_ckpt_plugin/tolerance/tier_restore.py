@@ -169,10 +169,12 @@ def restore_into(state: Any, local: LocalTier,
   def from_peers(step, holders):
     if partners:  # From what they hold together, partner copies too.
       return rebuild.restore(
-          meetings.Meeting(coord, f"{key}/rebuild{step}", timeout_ms), step,
+          meetings.Meeting(coord, keys.child(key, f"rebuild{step}"),
+                           timeout_ms), step,
           holders, local.manager, state)[:2]
     return peer.restore(
-        meetings.Meeting(coord, f"{key}/peer{step}", timeout_ms), step,
+        meetings.Meeting(coord, keys.child(key, f"peer{step}"), timeout_ms),
+        step,
         holders, local, state)
 
   tiers = {
